@@ -1,0 +1,70 @@
+"""Engine configuration: one dataclass passed down, extended (not copied) by each level.
+
+What it is: the keyword arguments of `LLM(...)`, with validation and the "auto" rules
+for device, dtype and the KV memory budget. Level 1 subclasses `EngineConfig` to add
+`block_size` and `attention_backend`, level 2 adds the scheduler budgets, and so on.
+
+What it is not: global state. Every engine owns its own config object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
+}  # fmt: skip
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"  # "auto": CUDA if available, else CPU
+    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    max_num_seqs: int = 256  # the most sequences in one batch
+    kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
+    seed: int = 0  # seeds every unseeded sampling request, so whole runs repeat
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not one of: auto, {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def resolve_kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+    """The KV cache memory budget in bytes."""
+    if cfg.kv_cache_memory is not None:
+        return int(cfg.kv_cache_memory)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        used = total - free  # weights and whatever else is already there
+        return max(int(total * cfg.gpu_memory_utilization) - used, 0)
+    return 1 << 30

@@ -1,0 +1,160 @@
+"""Load a Hugging Face checkpoint directory into our `Transformer`, with its tokenizer.
+
+What it is: `load_model(path_or_hub_id, dtype, device)` reads `config.json`, single or
+sharded `*.safetensors` (via `model.safetensors.index.json`), `tokenizer.json` /
+`tokenizer_config.json` (chat template included) and `generation_config.json`. A hub id
+is looked up in the local Hugging Face cache only. Weights stored in bf16/fp16 are
+upcast to the requested dtype.
+
+What it is not: a downloader. Nothing here touches the network; a model that is not on
+disk gives a `ValueError` listing every place we looked. No quantised formats, no
+`pytorch_model.bin` pickles (safetensors only: loading pickles runs code).
+
+Reference: transformers' `from_pretrained` conventions; vLLM's `model_loader/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from .model import ModelConfig, Transformer, rope_inv_freq
+
+# model_type -> what differs from plain Llama
+SUPPORTED = {
+    "llama": {},
+    "mistral": {},
+    "qwen2": {"qkv_bias": True},
+    "qwen3": {"qk_norm": True},
+}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    config: ModelConfig
+    tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
+    eos_token_ids: list[int]
+    path: Path
+    hf_config: dict
+    generation_config: dict
+
+
+def resolve_path(model: str | os.PathLike) -> Path:
+    """A local directory, or a hub id already in the local Hugging Face cache."""
+    tried = [str(Path(model).expanduser().resolve())]
+    path = Path(model).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ValueError(f"model directory {path} has no config.json")
+    if "/" in str(model) and not str(model).startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+
+            return Path(snapshot_download(str(model), local_files_only=True))
+        except Exception:  # not in the cache (the hub library says why; we only list where)
+            from huggingface_hub.constants import HF_HUB_CACHE
+
+            tried.append(f"{HF_HUB_CACHE} (local Hugging Face cache, hub id {model!r})")
+    raise ValueError("model not found; looked in:\n  " + "\n  ".join(tried) + "\n(nothing is downloaded at run time)")
+
+
+def model_config_from_hf(hf: dict) -> ModelConfig:
+    """Translate a Hugging Face `config.json` dict into our `ModelConfig`."""
+    mtype = hf.get("model_type")
+    if mtype not in SUPPORTED:
+        arch = (hf.get("architectures") or [mtype])[0]
+        raise ValueError(f"unsupported architecture {arch!r} (model_type={mtype!r}); supported model types: {', '.join(SUPPORTED)}")
+    # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
+    rope = dict(hf.get("rope_parameters") or {})
+    rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    if not rope:
+        rope = dict(hf.get("rope_scaling") or {})
+    if rope.get("rope_type", rope.get("type", "default")) == "default":
+        rope = None
+    heads = hf["num_attention_heads"]
+    extra = SUPPORTED[mtype]
+    attention_bias = bool(hf.get("attention_bias", False))
+    return ModelConfig(
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=hf.get("num_key_value_heads") or heads,
+        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=rope_theta,
+        rope_scaling=rope,
+        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=extra.get("qkv_bias", False) or attention_bias,
+        o_bias=attention_bias,
+        mlp_bias=bool(hf.get("mlp_bias", False)),
+        qk_norm=extra.get("qk_norm", False),
+    )
+
+
+def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        state = {}
+        for shard in shards:
+            state.update(load_file(path / shard))
+        return state
+    single = path / "model.safetensors"
+    if single.is_file():
+        return load_file(single)
+    raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+
+
+def load_tokenizer(path: Path):
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+def eos_ids(hf: dict, gen: dict, tokenizer) -> list[int]:
+    """EOS ids from generation_config.json, then config.json, then the tokenizer."""
+    for source in (gen.get("eos_token_id"), hf.get("eos_token_id"), getattr(tokenizer, "eos_token_id", None)):
+        if source is not None:
+            return [source] if isinstance(source, int) else list(source)
+    return []
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    path = resolve_path(model)
+    hf = json.loads((path / "config.json").read_text())
+    cfg = model_config_from_hf(hf)
+    gen_file = path / "generation_config.json"
+    gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+
+    with torch.device("meta"):
+        net = Transformer(cfg)  # no memory yet; weights arrive below
+    state = load_state_dict(path)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = set(net.state_dict()) - set(state), set(state) - set(net.state_dict())
+    if cfg.tie_word_embeddings:
+        missing.discard("lm_head.weight")
+    unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match the {hf['model_type']} layout: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+    state = {k: v.to(dtype=dtype, device=device) for k, v in state.items() if k in net.state_dict()}
+    net.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.inv_freq = rope_inv_freq(cfg).to(device)  # built on "meta" above, so it holds no values yet
+    net.eval()
+    tokenizer = load_tokenizer(path)
+    return LoadedModel(net, cfg, tokenizer, eos_ids(hf, gen, tokenizer), path, hf, gen)
+

@@ -1,0 +1,202 @@
+"""The one transformer of the ladder: the Llama family as Hugging Face checkpoints store it.
+
+What it is: Llama 2/3 (with Llama-3 and linear RoPE scaling), Mistral, Qwen2/2.5 (QKV
+bias) and Qwen3 (per-head q/k RMSNorm), with grouped-query attention, RoPE, RMSNorm,
+SwiGLU and tied or untied embeddings. Parameter names equal Hugging Face's, so a
+checkpoint's state dict loads as it is (see `loader.py`).
+
+What it is not: it never owns a KV cache and never decides how attention reads one.
+Every layer hands its new q, k, v to an *attention backend* object the engine passes in
+(`attn(layer, q, k, v) -> out`): level 0 passes a contiguous slab per request, level 1
+a paged cache with a Triton kernel. The model file never changes per level.
+
+One flattened batch per forward, as in vLLM V1: the new tokens of every sequence are
+concatenated into `input_ids [T]` with their absolute `positions [T]`; which token
+belongs to which sequence is the attention backend's business, not the model's.
+
+Reference: the Hugging Face `modeling_llama.py` / `modeling_qwen3.py` (the oracle our
+tests compare against), and nanoGPT's `model.py` for the style.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture hyper-parameters we read from a checkpoint's `config.json`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "llama3" | "linear", ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: bias on q, k, v only
+    o_bias: bool = False  # Llama/Qwen3 `attention_bias`: bias on o as well
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+class AttentionBackend(Protocol):
+    """What a layer needs from the engine: store this step's k, v and attend."""
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> out [T, Hq, D]."""
+        ...
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32, then cast back, exactly as Hugging Face does. Even a
+        # float64 model normalises in float32 there, and matching the oracle's
+        # rounding is what lets our float64 tests demand identical greedy tokens.
+        dtype = x.dtype
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies [D/2] of RoPE, with the checkpoint's scaling applied.
+
+    Computed in float32 exactly as Hugging Face does, even for a float64 model: RoPE
+    angles are part of the function the checkpoint was trained with, and matching the
+    oracle bit for bit keeps our float64 equality tests free of near-tie flips.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [D/2]
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor = scaling["factor"]
+        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / lo, inv_freq / factor, blended)
+        return torch.where(wavelen < old_len / hi, inv_freq, out)
+    raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D/2]. HF's "rotate half" layout: pairs are (i, i + D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
+        T = x.shape[0]  # x [T, hidden]
+        q = self.q_proj(x).view(T, self.nh, self.d)  # [T, Hq, D]
+        k = self.k_proj(x).view(T, self.nkv, self.d)  # [T, Hkv, D]
+        v = self.v_proj(x).view(T, self.nkv, self.d)  # [T, Hkv, D]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(self.layer, q, k, v)  # [T, Hq, D]; the backend also stores k, v
+        return self.o_proj(out.reshape(T, self.nh * self.d))  # [T, hidden]
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # pre-norm residual
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """HF's `model.*` submodule: embeddings, layers, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """`Transformer(cfg)(input_ids [T], positions [T], attn) -> hidden [T, hidden]`."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        # RoPE angles are a pure function of the config, computed in float32 as HF does
+        # and cast per forward. A buffer, not a parameter: never read from a checkpoint.
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend) -> torch.Tensor:
+        x = self.model.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rope(positions, x.dtype)  # [T, D/2] each
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return self.model.norm(x)  # [T, hidden]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32 or wider (sampling wants it)."""
+        logits = self.lm_head(hidden)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -1,0 +1,166 @@
+"""Sampling: the parameters a vLLM user passes, and the function that turns logits into tokens.
+
+What it is: `SamplingParams` with vLLM's field names and validation (a `ValueError`
+that names the field), and `sample()`, which applies per-request penalties, min-tokens
+EOS suppression, temperature, top-k, top-p and min-p to a batch of logits and draws one
+token per row, each request from its own `torch.Generator` so a seeded request gives
+the same tokens whatever batch it lands in.
+
+What it is not: fast. Penalised or seeded rows are handled with small per-row loops; a
+real engine fuses this into one kernel (vLLM's `v1/sample/sampler.py`). Greedy rows, the
+case the equivalence tests and most benchmarks use, take one `argmax`.
+
+Reference: vLLM `SamplingParams` (vllm/sampling_params.py) and `v1/sample/`; the OpenAI
+API for presence/frequency penalties; Hugging Face's `RepetitionPenaltyLogitsProcessor`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1  # independent samples per prompt
+    max_tokens: int | None = 16  # None: until the context is full
+    min_tokens: int = 0  # EOS and stop_token_ids are suppressed before this many tokens
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 or -1: off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI: -= p for every token already generated
+    frequency_penalty: float = 0.0  # OpenAI: -= p * count of the token in the output
+    repetition_penalty: float = 1.0  # HF/CTRL: over prompt + output, > 1 discourages
+    logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        checks = [
+            ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
+            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1 (or None)"),
+            ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
+            ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
+            ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
+            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "must be 0 or -1 (off) or a positive integer"),
+            ("top_p", 0 < self.top_p <= 1, "must be in (0, 1]"),
+            ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
+            ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "must be an integer >= 0 (or None)"),
+            ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
+            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
+            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer (or None)"),
+        ]
+        for name, ok, why in checks:
+            if not ok:
+                raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r} {why}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+
+@dataclass
+class SamplingState:
+    """What the sampler needs to know about one row: its params and its history."""
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    generator: torch.Generator | None = None  # None only for greedy rows
+    eos_token_ids: list[int] = field(default_factory=list)
+
+
+def apply_penalties(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    """logits [V] -> penalised logits [V], as OpenAI (presence/frequency) and HF (repetition) define them."""
+    p, V = st.params, logits.shape[-1]
+    if p.repetition_penalty != 1:
+        seen = torch.zeros(V, dtype=torch.bool, device=logits.device)
+        seen[torch.tensor(st.prompt_token_ids + st.output_token_ids, dtype=torch.long, device=logits.device)] = True
+        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if st.output_token_ids and (p.presence_penalty or p.frequency_penalty):
+        ids = torch.tensor(st.output_token_ids, dtype=torch.long, device=logits.device)
+        counts = torch.bincount(ids, minlength=V).to(logits.dtype)  # [V]
+        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits [V] (already divided by temperature) -> logits [V] with disallowed tokens at -inf.
+
+    The allowed set is the intersection of: the k most likely (top_k > 0); the smallest
+    set of most likely tokens whose probability reaches top_p (the one that crosses is
+    kept); tokens with probability >= min_p * max probability.
+    """
+    V = logits.shape[-1]
+    keep = torch.ones(V, dtype=torch.bool, device=logits.device)
+    if top_k and top_k < V:
+        kth = torch.topk(logits, top_k).values[-1]
+        keep &= logits >= kth
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True)
+        mass_before = sorted_p.cumsum(0) - sorted_p  # probability of strictly better tokens
+        keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
+        keep &= torch.zeros_like(keep).scatter(0, order, keep_sorted)
+    if min_p > 0:
+        keep &= probs >= min_p * probs.max()
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """logits [B, V] (float32+) -> next tokens [B] (long). One row per state."""
+    B = logits.shape[0]
+    if all(st.params.greedy and not st.params.needs_penalties and not st.params.min_tokens for st in states):
+        return logits.argmax(dim=-1)  # the fast path: plain greedy
+    out = torch.empty(B, dtype=torch.long, device=logits.device)
+    for i, st in enumerate(states):
+        p, row = st.params, logits[i]  # row [V]
+        if len(st.output_token_ids) < p.min_tokens:
+            banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
+            if banned:
+                row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
+        if p.needs_penalties:
+            row = apply_penalties(row, st)
+        if p.greedy:
+            out[i] = row.argmax()
+            continue
+        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+        probs = torch.softmax(row, dim=-1)
+        out[i] = torch.multinomial(probs, 1, generator=st.generator)[0]
+    return out
+
+
+def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the raw model distribution (before penalties/temperature, as vLLM V1 reports).
+
+    logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]).
+    Rank 1 is the most likely token.
+    """
+    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    chosen_lp = logp.gather(1, chosen[:, None])[:, 0]  # [B]
+    rank = (logp > chosen_lp[:, None]).sum(-1) + 1  # [B]
+    top = logp.topk(min(n, logp.shape[-1]), dim=-1) if n else None
+    if top is None:
+        empty = torch.empty(logits.shape[0], 0)
+        return chosen_lp, rank, empty.long(), empty
+    return chosen_lp, rank, top.indices, top.values
