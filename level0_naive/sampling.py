@@ -107,16 +107,17 @@ def apply_penalties(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """logits [V] (already divided by temperature) -> logits [V] with disallowed tokens at -inf.
 
-    The allowed set is the intersection of: the k most likely (top_k > 0); the smallest
-    set of most likely tokens whose probability reaches top_p (the one that crosses is
-    kept); tokens with probability >= min_p * max probability.
+    Applied in HF's and vLLM's order: keep the k most likely (top_k > 0); then, of what
+    is left, the smallest set of most likely tokens whose renormalised probability
+    reaches top_p (the token that crosses the line is kept); then drop tokens below
+    min_p times the top probability (a ratio, so renormalising does not change it).
     """
     V = logits.shape[-1]
-    keep = torch.ones(V, dtype=torch.bool, device=logits.device)
     if top_k and top_k < V:
         kth = torch.topk(logits, top_k).values[-1]
-        keep &= logits >= kth
-    probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [V], over what top-k left
+    keep = torch.ones(V, dtype=torch.bool, device=logits.device)
     if top_p < 1:
         sorted_p, order = probs.sort(descending=True)
         mass_before = sorted_p.cumsum(0) - sorted_p  # probability of strictly better tokens
@@ -156,7 +157,7 @@ def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[to
     logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]).
     Rank 1 is the most likely token.
     """
-    logp = torch.log_softmax(logits.float(), dim=-1)  # [B, V]
+    logp = torch.log_softmax(logits, dim=-1)  # [B, V], float32 or wider (compute_logits sees to it)
     chosen_lp = logp.gather(1, chosen[:, None])[:, 0]  # [B]
     rank = (logp > chosen_lp[:, None]).sum(-1) + 1  # [B]
     top = logp.topk(min(n, logp.shape[-1]), dim=-1) if n else None

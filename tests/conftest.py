@@ -1,0 +1,157 @@
+"""Shared test fixtures: random-weight checkpoints saved with `transformers`, and the oracle.
+
+Every checkpoint goes through `save_pretrained` and our loader, so the real loading path
+is the one exercised. Nothing is downloaded. The hypothesis profile `ci` bounds the
+example counts so the whole suite stays within its time budget on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "ci",
+    max_examples=15,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    print_blob=True,
+)
+settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB = 97  # deliberately not a power of two
+
+ARCHS = {
+    # name: (transformers config class name, model class name, config overrides)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
+    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2}),
+}
+
+
+def save_byte_tokenizer(path: Path) -> None:
+    """A 256-token byte-level tokenizer (+ <eos>=256), with a tiny chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: bytes(c, "utf-8"))
+    byte_of = {c: b for b, c in zip(range(256), _bytes_to_unicode())}
+    vocab = {c: byte_of[c] for c in alphabet}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+    fast.chat_template = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+    fast.save_pretrained(path)
+
+
+def _bytes_to_unicode() -> list[str]:
+    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet), in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    table = dict(zip(bs, cs))
+    return [chr(table[b]) for b in range(256)]
+
+
+def build_checkpoint(path: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+    """Save a small random-weight `arch` model (float64) with `save_pretrained`.
+
+    With `tokenizer=True` the vocabulary is 257 (bytes + <eos>) and a byte-level
+    tokenizer is saved beside the weights, so text prompts and stop strings work.
+    """
+    import transformers
+
+    cfg_name, model_name, arch_overrides = ARCHS[arch]
+    kwargs = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, head_dim=16, max_position_embeddings=512,
+        bos_token_id=None, eos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+    )  # fmt: skip
+    kwargs.update(arch_overrides)
+    if tokenizer:
+        kwargs["vocab_size"] = 257
+    kwargs.update(overrides)
+    config = getattr(transformers, cfg_name)(**kwargs)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_name)(config).to(torch.float64)
+    # Random init gives near-uniform logits; widen them so greedy choices are not near-ties
+    # and a wrong cache entry changes the output (tests must be able to fail).
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0) if p.dim() > 1 else None
+    model.generation_config.eos_token_id = kwargs["eos_token_id"]
+    model.save_pretrained(path)
+    if tokenizer:
+        save_byte_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def checkpoint_factory(tmp_path_factory):
+    """`checkpoint_factory(arch, seed=..., **overrides) -> Path`, built once per argument set."""
+    cache: dict = {}
+
+    def make(arch: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
+        key = (arch, seed, tokenizer, tuple(sorted((k, repr(v)) for k, v in overrides.items())))
+        if key not in cache:
+            cache[key] = build_checkpoint(tmp_path_factory.mktemp(arch), arch, seed, tokenizer, **overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def llama_dir(checkpoint_factory) -> Path:
+    return checkpoint_factory("llama")
+
+
+class Oracle:
+    """Hugging Face greedy decoding with its own KV cache, memoised per (model, prompt, n)."""
+
+    def __init__(self):
+        self.models: dict = {}
+        self.memo: dict = {}
+
+    def model(self, path: Path):
+        from transformers import AutoModelForCausalLM
+
+        if path not in self.models:
+            self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+        return self.models[path]
+
+    @torch.inference_mode()
+    def greedy(self, path: Path, prompt: list[int], max_tokens: int) -> list[int]:
+        key = (path, tuple(prompt))
+        done = self.memo.get(key, [])
+        if len(done) >= max_tokens:
+            return done[:max_tokens]
+        m = self.model(path)
+        out = m(torch.tensor([prompt]), use_cache=True)
+        tokens = [int(out.logits[0, -1].argmax())]
+        past = out.past_key_values
+        while len(tokens) < max_tokens:
+            out = m(torch.tensor([[tokens[-1]]]), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            tokens.append(int(out.logits[0, -1].argmax()))
+        self.memo[key] = tokens
+        return tokens
+
+
+@pytest.fixture(scope="session")
+def oracle() -> Oracle:
+    return Oracle()
