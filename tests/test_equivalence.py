@@ -1,0 +1,70 @@
+"""The shared cross-level suite: every level's greedy output equals the Hugging Face oracle.
+
+Hypothesis generates workloads (prompts, lengths, batch composition, max_tokens) and
+each registered level draws its own knobs (batch limits, KV budgets, block sizes, ...)
+from the same `data` object. A level joins the ladder with one `register(...)` line.
+
+Float64 everywhere: batching changes the order of floating-point reductions, so in
+float32 a request run alone and the same request in a batch can differ by an ulp, and a
+near-tie can flip a greedy token (the "batch invariance" problem). In float64 a flip would
+need a tie within ~1e-15, so equality here is a proof-like check, not luck.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from conftest import VOCAB
+from hypothesis import given
+from hypothesis import strategies as st
+
+import level0_naive
+from level0_naive import SamplingParams
+
+LEVELS: list = []
+
+
+def register(name: str, make) -> None:
+    """`make(path, need_tokens, data) -> an engine with .generate(prompts, params, progress=...)`.
+
+    `need_tokens` is the largest prompt + max_tokens in the workload, so a level can size
+    tight KV budgets that still admit every request alone.
+    """
+    LEVELS.append(pytest.param(make, id=name, marks=getattr(pytest.mark, name.split("-")[0])))
+
+
+def kv_bytes(path: Path, tokens: int, dtype_bytes: int = 8) -> int:
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return tokens * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def make_level0(path, need_tokens, data):
+    budget = kv_bytes(path, need_tokens * data.draw(st.sampled_from([1, 2, 5, 100]), label="kv budget (x largest request)"))
+    return level0_naive.LLM(path, dtype="float64", max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), kv_cache_memory=budget)
+
+
+register("level0", make_level0)
+
+
+workloads = st.lists(
+    st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), st.integers(1, 14)),
+    min_size=1,
+    max_size=6,
+)
+
+
+@pytest.mark.parametrize("make", LEVELS)
+@given(workload=workloads, arch=st.sampled_from(["llama", "qwen3"]), data=st.data())
+def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_factory, oracle):
+    path = checkpoint_factory(arch)
+    need = max(len(p) + n for p, n in workload)
+    engine = make(path, need, data)
+    prompts = [p for p, _ in workload]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+    outputs = engine.generate(prompts, params, progress=False)
+    for (prompt, n), out in zip(workload, outputs):
+        assert out.prompt_token_ids == prompt
+        assert out.outputs[0].token_ids == oracle.greedy(path, prompt, n)
