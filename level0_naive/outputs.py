@@ -147,12 +147,13 @@ class Sequence:
             self.finish_reason = "length"
 
     def _check_stop_strings(self, tokenizer) -> bool:
-        # Decoding the whole output each step is O(n^2) over a request; fine for a
-        # reference (vLLM decodes incrementally). Only the new tail can hold a new match.
-        old_len = len(self.text)
+        # Decoding and searching the whole output each step is O(n^2) over a request;
+        # fine for a reference (vLLM decodes incrementally). Searching everything, not
+        # just the new tail, stays right when a byte-level tokenizer's partial UTF-8
+        # ('\ufffd') turns into a real character and the text changes length.
         self.text = decode(tokenizer, self.output_token_ids, self.params.skip_special_tokens)
         for stop in self.params.stop:
-            at = self.text.find(stop, max(0, old_len - len(stop) + 1))
+            at = self.text.find(stop)
             if at != -1:
                 end = at + len(stop) if self.params.include_stop_str_in_output else at
                 self.text = self.text[:end]

@@ -14,6 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+from level0_naive.demo_utils import train_tiny_module
+
 settings.register_profile(
     "ci",
     max_examples=15,
@@ -39,40 +41,12 @@ ARCHS = {
 }
 
 
-def save_byte_tokenizer(path: Path) -> None:
-    """A 256-token byte-level tokenizer (+ <eos>=256), with a tiny chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda c: bytes(c, "utf-8"))
-    byte_of = {c: b for b, c in zip(range(256), _bytes_to_unicode())}
-    vocab = {c: byte_of[c] for c in alphabet}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
-    fast.chat_template = "{% for m in messages %}{{ m['role'] | upper }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-    fast.save_pretrained(path)
-
-
-def _bytes_to_unicode() -> list[str]:
-    """GPT-2's byte -> printable character table (the ByteLevel pre-tokenizer's alphabet), in byte order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("\u00a1"), ord("\u00ac") + 1)) + list(range(ord("\u00ae"), ord("\u00ff") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    table = dict(zip(bs, cs))
-    return [chr(table[b]) for b in range(256)]
-
-
 def build_checkpoint(path: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
     """Save a small random-weight `arch` model (float64) with `save_pretrained`.
 
-    With `tokenizer=True` the vocabulary is 257 (bytes + <eos>) and a byte-level
-    tokenizer is saved beside the weights, so text prompts and stop strings work.
+    With `tokenizer=True` the vocabulary is the built-in models' byte-level one (256
+    bytes + <bos>, <eos>, <pad>), saved beside the weights by `models/train_tiny.py`'s
+    own code, so text prompts, chat and stop strings work.
     """
     import transformers
 
@@ -84,7 +58,7 @@ def build_checkpoint(path: Path, arch: str = "llama", seed: int = 0, tokenizer: 
     )  # fmt: skip
     kwargs.update(arch_overrides)
     if tokenizer:
-        kwargs["vocab_size"] = 257
+        kwargs["vocab_size"] = 259
     kwargs.update(overrides)
     config = getattr(transformers, cfg_name)(**kwargs)
     torch.manual_seed(seed)
@@ -97,7 +71,7 @@ def build_checkpoint(path: Path, arch: str = "llama", seed: int = 0, tokenizer: 
     model.generation_config.eos_token_id = kwargs["eos_token_id"]
     model.save_pretrained(path)
     if tokenizer:
-        save_byte_tokenizer(path)
+        train_tiny_module().save_tokenizer(path)
     return path
 
 
