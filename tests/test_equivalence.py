@@ -12,15 +12,17 @@ need a tie within ~1e-15, so equality here is a proof-like check, not luck.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 from conftest import VOCAB
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import level0_naive
+import level1_paged
 from level0_naive import SamplingParams
 
 LEVELS: list = []
@@ -46,7 +48,16 @@ def make_level0(path, need_tokens, data):
     return level0_naive.LLM(path, dtype="float64", max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), kv_cache_memory=budget)
 
 
+def make_level1(path, need_tokens, data, backend="torch"):
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
+    # from "the largest request alone, at its longest" (forces evictions mid-batch) to roomy
+    blocks = -(-need_tokens // bs) * data.draw(st.sampled_from([1, 2, 4, 100]), label="kv budget (x largest request)")
+    return level1_paged.LLM(path, dtype="float64", block_size=bs, kv_cache_memory=kv_bytes(path, blocks * bs),
+                            max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), attention_backend=backend)  # fmt: skip
+
+
 register("level0", make_level0)
+register("level1", make_level1)
 
 
 workloads = st.lists(
@@ -59,6 +70,18 @@ workloads = st.lists(
 @pytest.mark.parametrize("make", LEVELS)
 @given(workload=workloads, arch=st.sampled_from(["llama", "qwen3"]), data=st.data())
 def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_factory, oracle):
+    check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle)
+
+
+@pytest.mark.level1
+@settings(max_examples=3)
+@given(workload=workloads, data=st.data())
+def test_triton_backend_equals_the_oracle(workload, data, checkpoint_factory, oracle):
+    """The Triton kernel (under TRITON_INTERPRET=1 on a CPU: slow, so a few examples)."""
+    check_against_oracle(functools.partial(make_level1, backend="triton"), workload, "llama", data, checkpoint_factory, oracle)
+
+
+def check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle):
     path = checkpoint_factory(arch)
     need = max(len(p) + n for p, n in workload)
     engine = make(path, need, data)
