@@ -45,6 +45,7 @@ class LLM:
     """The offline engine: load once, call `generate` or `chat` many times."""
 
     config_class = EngineConfig
+    sequence_class = Sequence  # level 2 swaps in its Request (a Sequence with a scheduler state)
 
     def __init__(self, model: str, **kwargs):
         self.config = self.config_class(model=str(model), **kwargs)
@@ -95,14 +96,18 @@ class LLM:
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        groups = []
-        for i, (prompt, p) in enumerate(zip(prompts, params)):
-            ids = self._tokenize(prompt, i)
-            rid = str(next(self._ids))
-            group = [self._new_sequence(rid, j, prompt if isinstance(prompt, str) else None, ids, p) for j in range(p.n)]
-            self._fits(group[0], i)
-            groups.append(group)
-        return groups
+        return [self._make_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+    def _make_group(self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None) -> list[Sequence]:
+        """One validated prompt -> its `n` sequences (the samples of one request)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
+        ids = self._tokenize(prompt, i)
+        rid = request_id if request_id is not None else str(next(self._ids))
+        text = prompt if isinstance(prompt, str) else None
+        group = [self._new_sequence(rid, j, text, ids, params) for j in range(params.n)]
+        self._fits(group[0], i)
+        return group
 
     def _tokenize(self, prompt: Prompt, i: int) -> list[int]:
         if isinstance(prompt, str):
@@ -125,7 +130,7 @@ class LLM:
         if not p.greedy:
             seed = p.seed + index if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        return Sequence(next(self._ids), rid, index, prompt, ids, p, self.max_model_len, self.loaded.eos_token_ids, gen)
+        return self.sequence_class(next(self._ids), rid, index, prompt, ids, p, self.max_model_len, self.loaded.eos_token_ids, gen)
 
     # --- static batching --------------------------------------------------------
     def _run(self, seqs: list[Sequence], bar: GenerateProgress) -> None:

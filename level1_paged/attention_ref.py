@@ -8,8 +8,8 @@ What this is
                                    blocks, repeat KV heads for GQA, mask, softmax.
                                    Written to be read, not to be fast;
     * ``paged_attention_torch`` -- the CPU default backend: the same contract,
-                                   with every decode row of the batch done in one
-                                   vectorised pass.
+                                   about 3x faster (a cache-friendly gather, no
+                                   GQA copies, SDPA for multi-token queries).
 
     ``level1_paged/triton_attention.py`` holds the Triton kernel; the tests check
     kernel == ref == torch backend, and the ref against dense causal attention.
@@ -122,60 +122,23 @@ def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     return out
 
 
-# Keys per chunk in the decode pass: big enough that each matmul amortises the
-# Python and dispatch overhead, small enough that a chunk of gathered K or V
-# (B * 128 * Hkv * D values) stays near the CPU caches before it is used.
-_DECODE_CHUNK_TOKENS = 128
+def _decode_attention(q, k, v, scale: float):
+    """One sequence's single query token against its gathered context.
 
+    q: [Hq, D]; k, v: [L, Hkv, D] (in the compute dtype). Returns [Hq, D].
+    A decode token is the last position, so it sees every key: no mask.
 
-def _decode_attention(q, k_cache, v_cache, seq_lens, block_tables, scale: float):
-    """All decode rows (one query token each) together.
-
-    q: [Bd, Hq, D]; seq_lens: [Bd]; block_tables: [Bd, max_blk]. Returns
-    [Bd, Hq, D] in the compute dtype.
-
-    Every sequence is padded to the longest one (Lp keys, a whole number of
-    blocks) and the padding is masked out of the softmax. Two passes over the
-    keys, in chunks of whole blocks: scores for every chunk, one softmax over
-    the whole padded row, then probabilities times values. A chunk is gathered
-    with one index_select of whole blocks (bs * Hkv * D contiguous values
-    each), which is much cheaper than a per-token gather.
+    The GQA grouping is a view, not a copy: q becomes [Hkv, G, D] and k is
+    read through the strided view [Hkv, D, L], which BLAS takes as a
+    transposed matrix with leading dimension Hkv * D. (repeat_interleave, as
+    in the oracle, would copy K and V G times.)
     """
-    num_seqs, num_q_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_q_heads // num_kv_heads
-    compute = _compute_dtype(q.dtype)
-    max_len = int(seq_lens.max())
-    num_blocks = -(-max_len // block_size)
-    padded_len = num_blocks * block_size  # Lp
-    blk = torch.arange(num_blocks, device=q.device)  # [nblk]
-    owned = blk[None, :] * block_size < seq_lens[:, None]  # [Bd, nblk] blocks the seq really has
-    # Padding entries may hold anything; point them at block 0 so the gather
-    # stays in bounds. Their keys are masked below, so block 0's content never
-    # reaches the output.
-    tables = torch.where(owned, block_tables[:, :num_blocks].long(), 0)  # [Bd, nblk]
-    key_pos = torch.arange(padded_len, device=q.device)  # [Lp]
-    valid = key_pos[None, :] < seq_lens[:, None]  # [Bd, Lp]; a decode row sees its whole context
-
-    qg = (q.to(compute) * scale).view(num_seqs, num_kv_heads, group, head_dim)  # [Bd, Hkv, G, D]
-    scores = torch.empty(num_seqs, num_kv_heads, group, padded_len, dtype=compute, device=q.device)  # [Bd, Hkv, G, Lp]
-    chunk = max(1, _DECODE_CHUNK_TOKENS // block_size)  # blocks per chunk
-    for j0 in range(0, num_blocks, chunk):
-        j1 = min(num_blocks, j0 + chunk)
-        n = (j1 - j0) * block_size
-        kc = k_cache.index_select(0, tables[:, j0:j1].reshape(-1))  # [Bd*(j1-j0), bs, Hkv, D]
-        kc = kc.view(num_seqs, n, num_kv_heads, head_dim).to(compute)  # [Bd, n, Hkv, D]
-        torch.matmul(qg, kc.permute(0, 2, 3, 1), out=scores[..., j0 * block_size:j0 * block_size + n])
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)  # [Bd, Hkv, G, Lp]; every row has >= 1 valid key
-    out = torch.zeros(num_seqs, num_kv_heads, group, head_dim, dtype=compute, device=q.device)  # [Bd, Hkv, G, D]
-    for j0 in range(0, num_blocks, chunk):
-        j1 = min(num_blocks, j0 + chunk)
-        n = (j1 - j0) * block_size
-        vc = v_cache.index_select(0, tables[:, j0:j1].reshape(-1))  # [Bd*(j1-j0), bs, Hkv, D]
-        vc = vc.view(num_seqs, n, num_kv_heads, head_dim).to(compute)  # [Bd, n, Hkv, D]
-        out += torch.matmul(probs[..., j0 * block_size:j0 * block_size + n], vc.transpose(1, 2))
-    return out.view(num_seqs, num_q_heads, head_dim)
+    num_q_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    qg = q.reshape(num_kv_heads, num_q_heads // num_kv_heads, head_dim)  # [Hkv, G, D]
+    scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale  # [Hkv, G, L]
+    probs = torch.softmax(scores, dim=-1)  # [Hkv, G, L]
+    return torch.matmul(probs, v.transpose(0, 1)).reshape(num_q_heads, head_dim)  # [Hq, D]
 
 
 def _prefill_attention(q, k, v, context_len: int, scale: float):
@@ -209,28 +172,41 @@ def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_
                           scale: float) -> torch.Tensor:
     """The CPU default backend: same contract and result as paged_attention_ref.
 
-    Decode rows (query length 1) of ALL sequences go through one vectorised
-    pass (``_decode_attention``); longer queries go one sequence at a time
-    through ``scaled_dot_product_attention`` with a causal mask offset by the
-    context length. A flattened batch in the engine is mostly decodes, so the
-    vectorised pass is where the time goes.
+    One pass per sequence: gather its blocks with one index_select (whole
+    blocks, bs * Hkv * D contiguous values each), then a decode (query length
+    1) goes through two copy-free matmuls and a longer query through
+    scaled_dot_product_attention with a causal mask offset by the context.
+
+    Why a loop and not one padded batch for all decodes: measured on a 2-core
+    EPYC (docs/level1_kernel.md), gathering every decode's context into one
+    [B, max_ctx, Hkv, D] tensor writes and re-reads tens of megabytes through
+    DRAM, while one sequence's K and V (L * Hkv * D values, ~600 KB at
+    L = 600, Hkv = 4, D = 64, fp32) stay in L2 between the gather and the
+    matmuls. The loop was 2x faster than the best vectorised variant at every
+    size tried (16..256 sequences, 100..2000 context), and the gather itself,
+    reading the cache from memory once, is most of what is left.
     """
     compute = _compute_dtype(q.dtype)
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    block_size = k_cache.shape[1]
     out = torch.empty_like(q)  # [T, Hq, D]
     starts = query_start_loc.tolist()
-    query_lens = [starts[i + 1] - starts[i] for i in range(len(starts) - 1)]
-    decode = [i for i, n in enumerate(query_lens) if n == 1]
-    if decode:
-        dec = torch.tensor(decode, device=q.device)  # [Bd] sequence ids
-        rows = query_start_loc[:-1].long()[dec]  # [Bd] token row of each decode
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, seq_lens[dec],
-                                      block_tables[dec], scale).to(q.dtype)
     lens = seq_lens.tolist()
-    for i, query_len in enumerate(query_lens):
-        if query_len <= 1:
+    for i, seq_len in enumerate(lens):
+        q_start, q_end = starts[i], starts[i + 1]
+        query_len = q_end - q_start
+        if query_len == 0:
             continue
-        k, v = _gather_sequence_kv(k_cache, v_cache, block_tables[i], lens[i])  # [L, Hkv, D]
-        qi = q[starts[i]:starts[i + 1]].to(compute)  # [Lq, Hq, D]
-        oi = _prefill_attention(qi, k.to(compute), v.to(compute), lens[i] - query_len, scale)
-        out[starts[i]:starts[i + 1]] = oi.to(q.dtype)
+        num_blocks = -(-seq_len // block_size)
+        blocks = block_tables[i, :num_blocks].long()  # [nblk]; padding entries never read
+        k = k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
+        v = v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
+        k = k[:seq_len].to(compute)  # [L, Hkv, D]
+        v = v[:seq_len].to(compute)  # [L, Hkv, D]
+        if query_len == 1:
+            out[q_start] = _decode_attention(q[q_start].to(compute), k, v, scale).to(q.dtype)
+        else:
+            qi = q[q_start:q_end].to(compute)  # [Lq, Hq, D]
+            oi = _prefill_attention(qi, k, v, seq_len - query_len, scale)  # [Lq, Hq, D]
+            out[q_start:q_end] = oi.to(q.dtype)
     return out

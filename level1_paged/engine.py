@@ -26,7 +26,7 @@ from level0_naive.config import EngineConfig
 from level0_naive.engine import LLM as NaiveLLM
 from level0_naive.outputs import Sequence
 
-from .paged_cache import BlockTables, PagedAttention, PagedKVCache, PagedMetadata, attention_impl
+from .paged_cache import BlockTables, PagedAttention, PagedKVCache, PagedMetadata, attention_impl, blocks_for
 
 
 @dataclass
@@ -55,7 +55,7 @@ class LLM(NaiveLLM):
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 
     def _fits(self, seq: Sequence, i: int) -> None:
-        need = self.blocks.blocks_for(seq.max_total_tokens)
+        need = blocks_for(seq.max_total_tokens, self.config.block_size)
         if need > self.num_blocks:
             raise ValueError(f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) but the pool has {self.num_blocks}")
 

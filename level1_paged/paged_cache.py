@@ -47,6 +47,11 @@ class PagedKVCache:
         self.num_blocks, self.block_size = num_blocks, block_size
 
 
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold num_tokens tokens (ceil division)."""
+    return -(-num_tokens // block_size)
+
+
 class BlockTables:
     """Which physical blocks each sequence owns, in logical order."""
 
@@ -56,7 +61,7 @@ class BlockTables:
         self.tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)  # ceil division
+        return blocks_for(num_tokens, self.block_size)
 
     def missing_blocks(self, seq_id: int, num_tokens: int) -> int:
         """How many more blocks `seq_id` needs to hold `num_tokens` tokens."""
@@ -144,4 +149,4 @@ class PagedAttention:
         """Nothing to do: the block tables already say where everything is."""
 
 
-__all__ = ["PagedKVCache", "BlockTables", "PagedMetadata", "PagedAttention", "OutOfBlocks", "attention_impl"]
+__all__ = ["blocks_for", "PagedKVCache", "BlockTables", "PagedMetadata", "PagedAttention", "OutOfBlocks", "attention_impl"]

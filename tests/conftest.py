@@ -12,9 +12,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
 
-from level0_naive.demo_utils import train_tiny_module
+if not torch.cuda.is_available():
+    # Triton kernels run on the CPU through Triton's interpreter. The switch is read when
+    # triton is imported, and importing transformers' model classes imports triton, so
+    # it must be set before any of that happens.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+from level0_naive.demo_utils import train_tiny_module  # noqa: E402
 
 settings.register_profile(
     "ci",

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import level0_naive
 import level1_paged
+import level2_continuous
 from level0_naive import SamplingParams
 
 LEVELS: list = []
@@ -56,8 +57,44 @@ def make_level1(path, need_tokens, data, backend="torch"):
                             max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), attention_backend=backend)  # fmt: skip
 
 
+class Staggered:
+    """Drives an `LLMEngine` through add_request/step: hypothesis picks the arrival order,
+    the step at which each request arrives, and (under policy="priority") priorities."""
+
+    def __init__(self, engine, data):
+        self.engine, self.data = engine, data
+
+    def generate(self, prompts, params, progress=False):
+        draw, n = self.data.draw, len(prompts)
+        order = draw(st.permutations(range(n)), label="arrival order")
+        arrive = sorted(zip(draw(st.lists(st.integers(0, 6), min_size=n, max_size=n), label="arrival steps"), order))
+        priorities = draw(st.lists(st.integers(0, 2), min_size=n, max_size=n), label="priorities")
+        finals, step = {}, 0
+        while arrive or self.engine.has_unfinished_requests():
+            while arrive and arrive[0][0] <= step:
+                i = arrive.pop(0)[1]
+                self.engine.add_request(str(i), prompts[i], params[i], priority=priorities[i])
+            for out in self.engine.step():
+                if out.finished:
+                    assert out.request_id not in finals, "a request finished twice"
+                    finals[out.request_id] = out
+            step += 1
+        return [finals[str(i)] for i in range(n)]
+
+
+def make_level2(path, need_tokens, data, engine_class=level2_continuous.LLMEngine, **extra):
+    bs = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
+    blocks = -(-need_tokens // bs) * data.draw(st.sampled_from([1, 2, 4, 100]), label="kv budget (x largest request)")
+    engine = engine_class(path, dtype="float64", block_size=bs, kv_cache_memory=kv_bytes(path, blocks * bs),
+                          max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"),
+                          max_num_batched_tokens=data.draw(st.sampled_from([1, 3, 8, 64, 2048]), label="token budget"),
+                          policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"), **extra)  # fmt: skip
+    return Staggered(engine, data)
+
+
 register("level0", make_level0)
 register("level1", make_level1)
+register("level2", make_level2)
 
 
 workloads = st.lists(

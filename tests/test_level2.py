@@ -1,0 +1,162 @@
+"""Level 2: the scheduler and engine as a state machine, chunked prefill, preemption, refusal."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
+from test_equivalence import kv_bytes
+
+import level0_naive
+from level0_naive import SamplingParams
+from level2_continuous import LLMEngine, RequestStatus
+
+pytestmark = pytest.mark.level2
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+BUDGET, SEATS, BLOCK = 6, 3, 4
+
+
+class EngineMachine(RuleBasedStateMachine):
+    """add / step / abort in any order: blocks never leak, budgets hold, every request
+    ends exactly once with the right reason, an abort frees its blocks at once."""
+
+    model_dir = None  # set by the test below (a session fixture's checkpoint)
+
+    def __init__(self):
+        super().__init__()
+        self.engine = LLMEngine(self.model_dir, dtype="float64", block_size=BLOCK, kv_cache_memory=kv_bytes(self.model_dir, 10 * BLOCK),
+                                max_num_batched_tokens=BUDGET, max_num_seqs=SEATS)  # fmt: skip
+        self.live: dict[str, int] = {}  # request id -> max_tokens
+        self.ended: dict[str, str] = {}  # request id -> finish reason
+        self.count = 0
+
+    @rule(prompt=st.lists(st.integers(1, 90), min_size=1, max_size=14), max_tokens=st.integers(1, 12), stop_id=st.none() | st.integers(1, 90))
+    def add(self, prompt, max_tokens, stop_id):
+        rid = f"r{self.count}"
+        self.count += 1
+        params = SamplingParams(max_tokens=max_tokens, stop_token_ids=[stop_id] if stop_id else None, **GREEDY)
+        self.engine.add_request(rid, prompt, params)
+        self.live[rid] = max_tokens
+
+    @rule()
+    def step(self):
+        outs = self.engine.step()
+        log = self.engine.step_log[-1] if outs else None
+        if log:
+            assert log.num_batched_tokens <= BUDGET and log.running <= SEATS
+        for out in outs:
+            assert out.request_id in self.live, f"{out.request_id} reported after it ended"
+            o = out.outputs[0]
+            assert len(o.token_ids) <= self.live[out.request_id]
+            if out.finished:
+                expected = "length" if len(o.token_ids) == self.live[out.request_id] and o.stop_reason is None else "stop"
+                assert o.finish_reason == expected
+                self.ended[out.request_id] = o.finish_reason
+                del self.live[out.request_id]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def abort(self, data):
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        reqs = self.engine.requests[rid]
+        self.engine.abort_request(rid)
+        for req in reqs:
+            assert req.status is RequestStatus.FINISHED_ABORTED and req.finish_reason == "abort"
+            assert req.seq_id not in self.engine.kv.tables.tables, "abort must free blocks at once"
+        self.ended[rid] = "abort"
+        del self.live[rid]
+
+    @invariant()
+    def blocks_are_owned_by_running_requests_only(self):
+        kv = self.engine.kv
+        running = {r.seq_id for r in self.engine.scheduler.running}
+        owners = {sid for sid, t in kv.tables.tables.items() if t}
+        assert owners <= running, "a waiting, finished or aborted request holds blocks"
+        used = sum(len(t) for t in kv.tables.tables.values())
+        assert used + kv.num_free_blocks == kv.num_blocks, "a block leaked"
+        for r in self.engine.scheduler.running:
+            assert r.status is RequestStatus.RUNNING and len(kv.block_table(r)) * BLOCK >= r.num_computed_tokens
+        for r in self.engine.scheduler.waiting:
+            assert r.status is RequestStatus.WAITING
+
+    def teardown(self):
+        while self.engine.has_unfinished_requests():
+            self.step()
+        assert not self.live, f"never finished: {sorted(self.live)}"
+        assert self.engine.kv.num_free_blocks == self.engine.kv.num_blocks
+
+
+def test_engine_state_machine(llama_dir):
+    EngineMachine.model_dir = llama_dir
+    run_state_machine_as_test(EngineMachine)
+
+
+def greedy(llm_or_engine, prompts, lengths):
+    outs = llm_or_engine.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def test_chunked_prefill_mixes_prefill_and_decode(llama_dir):
+    engine = LLMEngine(llama_dir, dtype="float64", max_num_batched_tokens=8)
+    engine.add_request("short", [1, 2], SamplingParams(max_tokens=20, **GREEDY))
+    engine.step()  # "short" prefilled; it decodes from now on
+    engine.add_request("long", list(range(1, 30)), SamplingParams(max_tokens=3, **GREEDY))
+    engine.step()
+    log = engine.step_log[-1]
+    assert log.num_batched_tokens == 8 and log.request_ids == ["short", "long"]  # 1 decode + a 7-token chunk
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert max(r.num_batched_tokens for r in engine.step_log) <= 8
+
+
+def test_preemption_by_recompute_keeps_answers(llama_dir):
+    prompts, lengths = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [20, 25, 18, 30]
+    naive = greedy(level0_naive.LLM(llama_dir, dtype="float64"), prompts, lengths)
+    engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10))
+    assert greedy(engine, prompts, lengths) == naive
+    assert engine.stats.preemptions > 0
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+
+
+def test_priority_policy_preempts_the_lowest_priority(llama_dir):
+    engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10), policy="priority")
+    engine.add_request("low", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), priority=5)
+    engine.add_request("high", [4, 5, 6], SamplingParams(max_tokens=30, **GREEDY), priority=0)
+    preempted = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        preempted += [r for r in engine.scheduler.waiting if r.num_preemptions and r not in preempted]
+    assert preempted and all(r.request_id == "low" for r in preempted)
+
+
+def test_a_request_that_can_never_fit_is_refused_and_others_are_served(llama_dir):
+    engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 5))
+    engine.add_request("ok", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(ValueError, match="KV blocks"):
+        engine.add_request("huge", [1] * 15, SamplingParams(max_tokens=10, **GREEDY))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams(max_tokens=4))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("ok", [1], SamplingParams(max_tokens=4))
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == ["ok"] and len(finals[0].outputs[0].token_ids) == 4
+
+
+def test_step_outputs_stream_cumulatively(llama_dir):
+    engine = LLMEngine(llama_dir, dtype="float64")
+    engine.add_request("a", [5, 6, 7], SamplingParams(max_tokens=5, **GREEDY))
+    seen = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.append(list(out.outputs[0].token_ids))
+    assert [len(s) for s in seen] == [1, 2, 3, 4, 5] and all(seen[-1][: len(s)] == s for s in seen)
+
+
+def test_continuous_batching_admits_into_freed_seats(llama_dir):
+    """With two seats, the third request starts as soon as the short one ends, not after the long one."""
+    engine = LLMEngine(llama_dir, dtype="float64", max_num_seqs=2)
+    outs = engine.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False)
+    assert outs[2].metrics.first_scheduled_time < outs[1].metrics.finished_time
