@@ -70,15 +70,18 @@ class StepRecord:
 class LLMEngine(PagedLLM):
     config_class = ContinuousEngineConfig
     sequence_class = Request
-    kv_manager_class = KVCacheManager  # level 3 swaps in the prefix-caching one
 
     def _init_kv_cache(self) -> None:
         super()._init_kv_cache()  # level 1: block count, KV tensors, attention impl
-        self.kv = self.kv_manager_class(self.num_blocks, self.config.block_size)
+        self.kv = self._make_kv_manager()
         del self.blocks, self.cached  # level 1's static-batch bookkeeping: the KV manager owns blocks now
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.policy)
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples
         self.step_log: list[StepRecord] = []
+
+    def _make_kv_manager(self) -> KVCacheManager:
+        """The hook level 3 replaces with its prefix-caching manager."""
+        return KVCacheManager(self.num_blocks, self.config.block_size)
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:

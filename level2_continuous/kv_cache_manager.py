@@ -33,8 +33,12 @@ class KVCacheManager:
         """(cached blocks of the request's prefix, how many tokens they hold). None here."""
         return [], 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list[int] = ()) -> bool:
-        """Room for tokens up to num_computed + num_new, or False and nothing changed."""
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+        """Room for tokens up to num_computed + num_new, or False and nothing changed.
+
+        `computed_blocks` is given (possibly empty) when the request is being admitted:
+        the blocks `get_computed_blocks` found, to become the head of its table.
+        """
         total = req.num_computed_tokens + num_new_tokens
         if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free:
             return False
@@ -61,6 +65,3 @@ class KVCacheManager:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    def blocks_for(self, num_tokens: int) -> int:
-        return self.tables.blocks_for(num_tokens)

@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 import level0_naive
 import level1_paged
 import level2_continuous
+import level3_prefix
 from level0_naive import SamplingParams
 
 LEVELS: list = []
@@ -92,27 +93,53 @@ def make_level2(path, need_tokens, data, engine_class=level2_continuous.LLMEngin
     return Staggered(engine, data)
 
 
+class WarmCache:
+    """Runs a drawn subset of the prompts first (filling the prefix cache, maybe evicting),
+    then the real workload, so hits come from earlier requests' prompts *and* outputs."""
+
+    def __init__(self, inner, data):
+        self.inner, self.data = inner, data
+
+    def generate(self, prompts, params, progress=False):
+        warm = self.data.draw(st.lists(st.sampled_from(range(len(prompts))), max_size=3), label="warm-up prompts")
+        if warm:
+            self.inner.generate([prompts[i] for i in warm], [params[i] for i in warm])
+        return self.inner.generate(prompts, params)
+
+
+def make_level3(path, need_tokens, data):
+    caching = data.draw(st.booleans(), label="enable_prefix_caching")
+    return WarmCache(make_level2(path, need_tokens, data, level3_prefix.LLMEngine, enable_prefix_caching=caching), data)
+
+
 register("level0", make_level0)
 register("level1", make_level1)
 register("level2", make_level2)
+register("level3", make_level3)
 
 
-workloads = st.lists(
-    st.tuples(st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=40), st.integers(1, 14)),
-    min_size=1,
-    max_size=6,
-)
+@st.composite
+def workloads(draw):
+    """1-6 (prompt, max_tokens) pairs. Prompts share prefixes of random lengths with a
+    common stem (so on, and one token off, every block boundary), or are random."""
+    stem = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0, max_size=40), label="shared stem")
+    out = []
+    for _ in range(draw(st.integers(1, 6), label="requests")):
+        k = draw(st.integers(0, len(stem)), label="shared prefix length")
+        tail = draw(st.lists(st.integers(0, VOCAB - 1), min_size=0 if k else 1, max_size=12), label="own tokens")
+        out.append((stem[:k] + tail, draw(st.integers(1, 14), label="max_tokens")))
+    return out
 
 
 @pytest.mark.parametrize("make", LEVELS)
-@given(workload=workloads, arch=st.sampled_from(["llama", "qwen3"]), data=st.data())
+@given(workload=workloads(), arch=st.sampled_from(["llama", "qwen3"]), data=st.data())
 def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_factory, oracle):
     check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle)
 
 
 @pytest.mark.level1
 @settings(max_examples=3)
-@given(workload=workloads, data=st.data())
+@given(workload=workloads(), data=st.data())
 def test_triton_backend_equals_the_oracle(workload, data, checkpoint_factory, oracle):
     """The Triton kernel (under TRITON_INTERPRET=1 on a CPU: slow, so a few examples)."""
     check_against_oracle(functools.partial(make_level1, backend="triton"), workload, "llama", data, checkpoint_factory, oracle)

@@ -1,0 +1,8 @@
+"""Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool."""
+
+from level0_naive import CompletionOutput, Logprob, RequestOutput, SamplingParams, load_model
+from level2_continuous import Request, RequestStatus
+
+from .engine import LLM, LLMEngine, PrefixEngineConfig
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PrefixEngineConfig", "Request", "RequestStatus", "load_model"]

@@ -1,0 +1,56 @@
+"""Level 3: level 2's engine with automatic prefix caching.
+
+What it is: `LLMEngine` and `LLM` of level 2 with one part replaced, the KV cache
+manager (`kv_cache_manager.PrefixCachingKVCacheManager`). The scheduler, the model
+runner and the attention kernel do not change: a prefix hit simply admits a request
+with `num_computed_tokens > 0`, and its first chunk is a query of length > 1 over a
+longer context, which the paged kernel already handles.
+
+Adds `enable_prefix_caching` (default on), `reset_prefix_cache()` and `prefix_stats()`.
+
+What it is not: a cache-aware scheduler, or a cache that outlives the process.
+
+Reference: vLLM V1 automatic prefix caching (`docs/design/prefix_caching.md`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from level2_continuous.engine import ContinuousEngineConfig
+from level2_continuous.engine import LLMEngine as ContinuousEngine
+
+from .kv_cache_manager import PrefixCachingKVCacheManager
+
+
+@dataclass
+class PrefixEngineConfig(ContinuousEngineConfig):
+    enable_prefix_caching: bool = True
+
+
+class LLMEngine(ContinuousEngine):
+    config_class = PrefixEngineConfig
+
+    def _make_kv_manager(self) -> PrefixCachingKVCacheManager:
+        return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached prefix (running requests keep their blocks)."""
+        self.kv.reset_prefix_cache()
+
+    def prefix_stats(self) -> dict:
+        """prefix_cache_queries / prefix_cache_hits (tokens), hit rate, cached blocks, evictions."""
+        return self.kv.stats()
+
+    def _kv_bytes(self, used_tokens: int) -> tuple[int, int]:
+        # Shared blocks count once: a block holds as many tokens as its fullest owner put there.
+        fill: dict[int, int] = {}
+        bs = self.config.block_size
+        for req in self.scheduler.running:
+            for i, block in enumerate(self.kv.block_table(req)):
+                fill[block] = max(fill.get(block, 0), min(bs, req.num_computed_tokens - i * bs))
+        return len(fill) * bs * self.bytes_per_token, sum(fill.values()) * self.bytes_per_token
+
+
+class LLM(LLMEngine):
+    """The offline entry point, with prefix caching."""
