@@ -1,0 +1,138 @@
+"""`python -m level3_prefix.demo`: the headline demo. A long shared system prompt, many short
+questions, prefix caching off and on.
+
+Every request is "system prompt (several hundred tokens) + a short question". The
+system prompt has been seen once before (a first conversation warms the cache, as in
+any chat service). Then all the questions arrive at once. Without caching each one
+prefills the whole system prompt again; with caching it is found in the block pool and
+only the question is computed. The table shows time to first token (TTFT), throughput
+and hit rate; the picture shows which KV blocks the requests share.
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+from rich.console import Console
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from level0_naive.demo_utils import REPO, default_model, demo_parser
+from level0_naive.sampling import SamplingParams
+
+from .engine import LLM, LLMEngine
+
+SYSTEM = (
+    "You are the Chorus of a history play. Speak in blank verse, as the Chorus of King Henry V "
+    "speaks: O for a Muse of fire, that would ascend the brightest heaven of invention, a kingdom "
+    "for a stage, princes to act and monarchs to behold the swelling scene! Then should the warlike "
+    "Harry, like himself, assume the port of Mars; and at his heels, leash'd in like hounds, should "
+    "famine, sword and fire crouch for employment. But pardon, gentles all, the flat unraised "
+    "spirits that have dared on this unworthy scaffold to bring forth so great an object. Answer "
+    "every question briefly, name the speaker, and keep to the matter of the play. "
+)
+QUESTIONS = [
+    "Who speaks first?", "Where are we?", "What news from France?", "Is the king at hand?",
+    "What says the Dauphin?", "How goes the siege?", "Who holds the bridge?", "What of the tennis balls?",
+    "Where lies the army?", "Who keeps the gate?", "What hour is it?", "Shall we fight today?",
+    "What of the French?", "Who bears the flag?", "What says Exeter?", "Is Falstaff dead?",
+    "Who leads the van?", "What of the prisoners?", "How many are we?", "What says the herald?",
+    "Who won the day?", "What name has the field?", "Is the princess fair?", "What is the end?",
+]  # fmt: skip
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float):
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=temperature, ignore_eos=True)
+    llm.generate(prompts[:1], params, progress=False)  # a first conversation: warms the cache
+    busy = llm.stats.busy_time
+    outs = llm.generate(prompts[1:], params, progress=False)  # everyone else, at once
+    return outs, llm.stats.busy_time - busy
+
+
+def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
+    """Admit a few requests, run one step, and draw each one's block table by ref count."""
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size)
+    for i, p in enumerate(prompts[:5]):
+        engine.add_request(f"q{i}", p, SamplingParams(max_tokens=4, temperature=0))
+        engine.step()  # one at a time, so each finds the blocks of those before it
+    pic = Text()
+    for req in engine.scheduler.running:
+        pic.append(f"{req.request_id:>4} ")
+        for b in engine.kv.req_blocks[req.seq_id]:
+            style = "bold black on green" if b.ref_cnt > 1 else "black on grey70"
+            pic.append(f"{b.ref_cnt}", style=style)
+            pic.append(" ")
+        pic.append("\n")
+    pic.append("each cell is one KV block; the number is how many requests use it (green: shared)", style="italic")
+    return pic
+
+
+def main(argv=None) -> None:
+    parser = demo_parser(__doc__)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "level3_ttft.png")
+    parser.set_defaults(max_tokens=16, temperature=0.8)
+    args = parser.parse_args(argv)
+    console, model = Console(), args.model or default_model()
+
+    results = {}
+    for caching in (False, True):
+        llm = LLM(model, dtype=args.dtype, device=args.device, block_size=args.block_size, enable_prefix_caching=caching, seed=args.seed)
+        prompts = [llm.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+        outs, seconds = run(llm, prompts, args.max_tokens, args.temperature)
+        results[caching] = (llm, outs, seconds)
+    share = sum(len(SYSTEM.encode()) / len(p) for p in prompts) / len(prompts)  # the byte tokenizer: 1 token a byte
+    console.print(f"[bold]level 3[/]: {len(QUESTIONS) - 1} questions after a first one, prompts of "
+                  f"{min(map(len, prompts))}..{max(map(len, prompts))} tokens, the shared system prompt is "
+                  f"~{100 * share:.0f}% of each; model {model}")  # fmt: skip
+
+    llm_on, outs_on, _ = results[True]
+    for out in outs_on[:2]:
+        console.print(Panel(QUESTIONS[int(out.request_id) % len(QUESTIONS)] + "\n" + out.outputs[0].text, title=f"request {out.request_id}", expand=False))
+
+    table = Table(title="prefix caching: off vs on (same model, same KV budget)")
+    for col in ("", "TTFT mean", "TTFT p50", "TTFT p99", "output tok/s", "prefill tokens computed", "hit rate"):
+        table.add_column(col, justify="right")
+    ttfts = {}
+    for caching, (llm, outs, seconds) in results.items():
+        ttft = sorted(1000 * o.metrics.ttft for o in outs)
+        ttfts[caching] = ttft
+        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        hit = llm.prefix_stats()["prefix_cache_hit_rate"] if caching else 0.0
+        p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
+        table.add_row("on" if caching else "off", f"{statistics.mean(ttft):.0f} ms", f"{statistics.median(ttft):.0f} ms", f"{p99:.0f} ms",
+                      f"{tokens / seconds:.0f}", f"{llm.stats.prompt_tokens}", f"{100 * hit:.0f} %")  # fmt: skip
+    cut = 1 - statistics.mean(ttfts[True]) / statistics.mean(ttfts[False])
+    same = [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in results[False][1]]
+    console.print(table)
+    console.print(f"mean TTFT cut by caching: [bold green]{100 * cut:.0f} %[/]; identical outputs: {same}")
+    console.print(Panel(shared_blocks_picture(model, prompts, args), title="blocks shared between requests (ref counts)", expand=False))
+    plot(ttfts, args.plot)
+    console.print(f"plot: {args.plot}")
+
+
+def plot(ttfts: dict[bool, list[float]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for caching, color in ((False, "tab:red"), (True, "tab:green")):
+        ys = ttfts[caching]
+        ax.plot(range(1, len(ys) + 1), ys, marker="o", color=color, label=f"prefix caching {'on' if caching else 'off'} (mean {statistics.mean(ys):.0f} ms)")
+    ax.set_xlabel("requests, sorted by TTFT")
+    ax.set_ylabel("time to first token (ms)")
+    ax.set_title("A shared system prompt: TTFT with and without prefix caching")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
