@@ -122,6 +122,8 @@ class LLMEngine(PagedLLM):
             with Timer() as t_sched:
                 out = self.scheduler.schedule()
                 if not out.scheduled:
+                    if self.scheduler.has_unfinished():  # admission guarantees a lone request fits
+                        raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                     return []
                 attn, chunks, sample_rows, prefill = self._prepare(out)
             logits = self.runner.forward(chunks, attn, sample_rows)
