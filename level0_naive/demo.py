@@ -13,18 +13,33 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from .demo_utils import default_model, demo_parser, prompts_for, spread_lengths
+from .demo_utils import (
+    default_model,
+    demo_parser,
+    prompts_for,
+    spread_lengths,
+    torch_threads,
+)
 from .engine import LLM
 from .sampling import SamplingParams
 
 
-def main(argv=None) -> None:
-    args = demo_parser(__doc__).parse_args(argv)
-    args.requests = 16
-    console = Console()
+def parser():
+    p = demo_parser(__doc__)
+    p.add_argument("--requests", type=int, default=16)
+    return p
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    with torch_threads(args.threads):
+        return run(args, Console())
+
+
+def run(args, console: Console):
     model = args.model or default_model()
     cap = args.max_tokens or 256
-    lengths = spread_lengths(args.requests, 16, cap, seed=args.seed)
+    lengths = spread_lengths(args.requests, min(16, cap), cap, seed=args.seed)
     probe = LLM(model, dtype=args.dtype, device=args.device, seed=args.seed)
     # A KV budget that holds about four requests' worst case: tight, as real GPUs are.
     budget = 4 * (cap + 16) * probe.bytes_per_token
@@ -34,7 +49,7 @@ def main(argv=None) -> None:
     params = [SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for n in lengths]
     console.print(f"[bold]level 0[/]: {args.requests} requests, output lengths {min(lengths)}..{max(lengths)}, "
                   f"KV budget {budget / 2**20:.1f} MiB, model {model}")  # fmt: skip
-    outs = llm.generate(prompts, params)
+    outs = llm.generate(prompts, params, progress=not args.no_progress)
 
     for out in outs[:3]:
         console.print(Panel(out.prompt + out.outputs[0].text, title=f"request {out.request_id} ({len(out.outputs[0].token_ids)} tokens)", expand=False))
@@ -51,6 +66,7 @@ def main(argv=None) -> None:
     table.add_row("output tokens/s", f"{s.output_tokens_per_s:.0f}")
     table.add_row("TTFT mean / max", f"{statistics.mean(ttft):.2f} s / {max(ttft):.2f} s")
     console.print(table)
+    return s
 
 
 if __name__ == "__main__":

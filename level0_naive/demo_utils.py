@@ -11,6 +11,7 @@ What it is not: part of the engine. Nothing under `levelN/engine.py` imports it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 from pathlib import Path
 
@@ -64,7 +65,27 @@ def demo_parser(description: str) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="cap on output tokens per request")
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest for a tiny model, and on a busy machine)")
+    p.add_argument("--no-progress", action="store_true")
     return p
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a demo with n torch CPU threads, and put the old count back afterwards.
+
+    Why 1 by default: a tiny model's matmuls are a few microseconds of work, and on a
+    machine with other busy processes, OpenMP threads spin waiting for each other;
+    measured here, 2 threads ran the demos 10-25x slower than 1.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def spread_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:

@@ -191,7 +191,9 @@ class LLM:
         return SlabAttention([self.slabs[s.seq_id] for s in running], [len(c) for c, _ in chunks]), running, chunks
 
     def _on_finish(self, seq: Sequence) -> None:
-        """A finished request keeps its slab: static batching frees only at batch end."""
+        """A finished request keeps its slab (static batching frees only at batch end),
+        but its tokens are dead weight from now on: they no longer count as used."""
+        self.slabs[seq.seq_id].finished = True
 
     def _end_batch(self, batch: list[Sequence]) -> None:
         for s in batch:
@@ -199,5 +201,5 @@ class LLM:
 
     def _kv_usage(self) -> tuple[int, int]:
         """(bytes reserved, bytes holding real tokens) right now."""
-        used = sum(slab.used for slab in self.slabs.values())
+        used = sum(slab.used for slab in self.slabs.values() if not slab.finished)
         return self.reserved_tokens * self.bytes_per_token, used * self.bytes_per_token

@@ -42,6 +42,7 @@ class Slab:
         self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, reserved, Hkv, D]
         self.reserved = reserved
         self.used = 0  # tokens whose k/v are stored (all layers)
+        self.finished = False  # its request is done: the slab is held, but holds nothing useful
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:

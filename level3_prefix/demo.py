@@ -19,7 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from level0_naive.demo_utils import REPO, default_model, demo_parser
+from level0_naive.demo_utils import REPO, default_model, demo_parser, torch_threads
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM, LLMEngine
@@ -69,13 +69,18 @@ def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
     return pic
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> dict:
     parser = demo_parser(__doc__)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "level3_ttft.png")
     parser.set_defaults(max_tokens=16, temperature=0.8)
     args = parser.parse_args(argv)
-    console, model = Console(), args.model or default_model()
+    with torch_threads(args.threads):
+        return run_demo(args, Console())
+
+
+def run_demo(args, console: Console) -> dict:
+    model = args.model or default_model()
 
     results = {}
     for caching in (False, True):
@@ -111,6 +116,7 @@ def main(argv=None) -> None:
     console.print(Panel(shared_blocks_picture(model, prompts, args), title="blocks shared between requests (ref counts)", expand=False))
     plot(ttfts, args.plot)
     console.print(f"plot: {args.plot}")
+    return {"ttft_cut": cut, "identical": same, "ttft_ms": ttfts, "hit_rate": llm_on.prefix_stats()["prefix_cache_hit_rate"]}
 
 
 def plot(ttfts: dict[bool, list[float]], path: Path) -> None:

@@ -1,0 +1,91 @@
+"""The demos run, and the docs' code blocks run (DESIGN: "Docs are executable").
+
+What it is: each level's `demo.main([...])` on a tiny random checkpoint with a small
+workload, writing its PNG to a temporary directory; and every ```python block of the
+level docs, run in order in one namespace per document, with `default_model()` pointed
+at the tiny checkpoint (the docs call `default_model()`, which is the built-in model when
+a reader runs them). Blocks marked ```text are pictures or output, and are not run.
+
+What it is not: a check of the demos' numbers on the real model (those are measured and
+written down in the docs with the command that gave them), or of speed.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from level0_naive.demo_utils import REPO
+
+pytestmark = pytest.mark.docs
+
+DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md"]
+
+
+@pytest.fixture(scope="module")
+def tiny(checkpoint_factory):
+    return checkpoint_factory("llama", tokenizer=True)
+
+
+def test_level0_demo(tiny, capsys):
+    from level0_naive import demo
+
+    stats = demo.main(["--model", str(tiny), "--requests", "5", "--max-tokens", "12", "--no-progress"])
+    out = capsys.readouterr().out
+    assert "request 0" in out and "KV waste" in out  # completions, then the waste table
+    assert stats.generated_tokens > 0 and 0 < stats.kv_waste < 1
+
+
+def test_level1_demo(tiny, tmp_path, capsys):
+    from level1_paged import demo
+
+    plot = tmp_path / "level1_memory.png"
+    res = demo.main(["--model", str(tiny), "--requests", "8", "--max-tokens", "40", "--budget-requests", "2",
+                     "--block-size", "4", "--snapshot-step", "8", "--plot", str(plot), "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert plot.stat().st_size > 10_000
+    assert "block tables" in out
+    s0, s1 = res["level0"], res["level1"]
+    assert s0.generated_tokens == s1.generated_tokens  # same workload, exact lengths
+    assert s1.kv_waste < s0.kv_waste
+    assert s1.peak_running > s0.peak_running
+
+
+def test_level2_demo(tiny, tmp_path):
+    from level2_continuous import demo
+
+    plot = tmp_path / "level2_timeline.png"
+    res = demo.main(["--model", str(tiny), "--requests", "8", "--batch-size", "3", "--max-tokens", "64",
+                     "--long-fraction", "0.3", "--plot", str(plot), "--no-progress"])  # fmt: skip
+    assert plot.stat().st_size > 10_000
+    assert 0 < res["scheduler_share"] < 1
+    assert res["level2"]["steps"] < res["level1"]["steps"]  # seats are refilled, so fewer steps
+
+
+def test_level3_demo(checkpoint_factory, tmp_path, capsys):
+    from level3_prefix import demo
+
+    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=1024)  # the system prompt is ~650 tokens
+    plot = tmp_path / "level3_ttft.png"
+    res = demo.main(["--model", str(model), "--max-tokens", "4", "--block-size", "8", "--plot", str(plot), "--no-progress"])
+    out = capsys.readouterr().out
+    assert plot.stat().st_size > 10_000 and "blocks shared between requests" in out
+    assert res["identical"]  # caching changes the time, never the tokens
+    assert res["hit_rate"] > 0.85  # the system prompt came from the cache (the TTFT cut is measured, not asserted)
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_doc_code_blocks_run(doc, tiny, monkeypatch):
+    import level0_naive.demo_utils as demo_utils
+
+    monkeypatch.setattr(demo_utils, "default_model", lambda: tiny)
+    blocks = python_blocks((REPO / doc).read_text())
+    assert blocks, f"{doc} has no ```python block"
+    namespace: dict = {"__name__": "__doc__"}
+    for i, code in enumerate(blocks):
+        exec(compile(code, f"{doc} python block {i + 1}", "exec"), namespace)
