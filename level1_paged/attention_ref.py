@@ -189,24 +189,25 @@ def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_
     compute = _compute_dtype(q.dtype)
     num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
     block_size = k_cache.shape[1]
-    out = torch.empty_like(q)  # [T, Hq, D]
+    # Per-call overhead is what a CPU pays here (a decode is a few microseconds of math),
+    # so: host lists once, no dtype casts that would be no-ops, outputs concatenated once.
+    cast = (lambda x: x) if compute == q.dtype else (lambda x: x.to(compute))
+    tables = block_tables.long()
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    for i, seq_len in enumerate(lens):
+    pieces = []
+    for i, seq_len in enumerate(seq_lens.tolist()):
         q_start, q_end = starts[i], starts[i + 1]
         query_len = q_end - q_start
         if query_len == 0:
             continue
         num_blocks = -(-seq_len // block_size)
-        blocks = block_tables[i, :num_blocks].long()  # [nblk]; padding entries never read
-        k = k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
-        v = v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)
-        k = k[:seq_len].to(compute)  # [L, Hkv, D]
-        v = v[:seq_len].to(compute)  # [L, Hkv, D]
+        blocks = tables[i, :num_blocks]  # [nblk]; padding entries never read
+        k = cast(k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len])  # [L, Hkv, D]
+        v = cast(v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len])  # [L, Hkv, D]
         if query_len == 1:
-            out[q_start] = _decode_attention(q[q_start].to(compute), k, v, scale).to(q.dtype)
+            pieces.append(_decode_attention(cast(q[q_start]), k, v, scale)[None])  # [1, Hq, D]
         else:
-            qi = q[q_start:q_end].to(compute)  # [Lq, Hq, D]
-            oi = _prefill_attention(qi, k, v, seq_len - query_len, scale)  # [Lq, Hq, D]
-            out[q_start:q_end] = oi.to(q.dtype)
-    return out
+            pieces.append(_prefill_attention(cast(q[q_start:q_end]), k, v, seq_len - query_len, scale))  # [Lq, Hq, D]
+    if not pieces:
+        return torch.empty_like(q)
+    return torch.cat(pieces).to(q.dtype)  # [T, Hq, D]
