@@ -461,7 +461,7 @@ def run_sample(args) -> None:
     torch.manual_seed(args.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = load_hf(args.model)
-    prompt = args.prompt.encode().decode("unicode_escape")  # lets the shell pass "\n"
+    prompt = args.prompt.replace("\\n", "\n")  # lets the shell pass a two-character "\n"
     x = torch.tensor([tok.encode(prompt)])
     kw = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0}
     out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens, pad_token_id=PAD_ID, **kw)

@@ -195,10 +195,20 @@ def test_chat_template(tokenizer):
 # ---------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def romeo(tokenizer, target):
+    """The target's greedy 200 bytes after "ROMEO:\n": (prompt length, ids [1, P + 200])."""
+    ids = torch.tensor([tokenizer.encode("ROMEO:\n")])  # [1, P]
+    with torch.no_grad():
+        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id)
+    return ids.shape[1], out
+
+
 @torch.no_grad()
 def test_held_out_loss(tokenizer, target, draft):
-    """Measured: ~1.5 (target) and ~1.9 (draft) nats/byte on the whole validation split;
-    a random model scores ln(259) = 5.56, a unigram model ~3.3."""
+    """Measured on this passage (read cold, no earlier context): target 1.54, draft
+    1.99 nats/byte; a random model scores ~5.5 (ln 259 = 5.56)."""
     ids = held_out_ids(tokenizer)
     losses = {name: m(input_ids=ids, labels=ids).loss.item() for name, m in (("target", target), ("draft", draft))}
     assert losses["target"] < 1.8, losses
@@ -206,29 +216,36 @@ def test_held_out_loss(tokenizer, target, draft):
     assert losses["target"] < losses["draft"], losses
 
 
-@torch.no_grad()
-def test_target_writes_shakespeare(tokenizer, target):
-    prompt = "ROMEO:\n"
-    ids = torch.tensor([tokenizer.encode(prompt)])
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=300, do_sample=False,
-                          pad_token_id=tokenizer.pad_token_id)
-    text = tokenizer.decode(out[0, ids.shape[1] :])
+def test_target_writes_shakespeare(tokenizer, romeo):
+    """Measured: 41 words, all in the corpus (90 % in the fallback list), a
+    "CLARENCE:" speaker line; an untrained model writes no words at all."""
+    prompt_len, out = romeo
+    text = tokenizer.decode(out[0, prompt_len:])
     words = WORD.findall(text.lower())
     known = word_list()
     frac = sum(w in known for w in words) / max(1, len(words))
-    assert len(words) >= 30, text
+    assert len(words) >= 25, text
     assert frac >= 0.7, f"{frac:.2f} of words known in:\n{text}"
     assert SPEAKER_LINE.search(text), f"no speaker line in:\n{text}"
 
 
 @torch.no_grad()
-def test_draft_agrees_with_target(tokenizer, target, draft):
-    """Teacher-forced greedy agreement on held-out text (README: the measured rate)."""
+def test_draft_agrees_with_target(tokenizer, target, draft, romeo):
+    """Greedy agreement, two ways (README: the measurement over the whole split).
+
+    On the target's own greedy text (the acceptance rate of greedy speculative
+    decoding): measured 0.745. Teacher-forced on the held-out passage:
+    measured 0.566. An untrained draft agrees almost never."""
+    prompt_len, out = romeo
+    proposed = draft(input_ids=out[:, :-1]).logits.argmax(-1)[:, prompt_len - 1 :]  # [1, 200]
+    on_greedy = (proposed == out[:, prompt_len:]).float().mean().item()
+    assert on_greedy >= 0.6, on_greedy
+
     ids = held_out_ids(tokenizer)
     a = target(input_ids=ids).logits.argmax(-1)  # [1, T]
     b = draft(input_ids=ids).logits.argmax(-1)  # [1, T]
-    rate = (a == b).float().mean().item()
-    assert rate >= 0.55, rate
+    teacher_forced = (a == b).float().mean().item()
+    assert teacher_forced >= 0.45, teacher_forced
 
 
 # ---------------------------------------------------------------------------
@@ -239,23 +256,19 @@ def test_draft_agrees_with_target(tokenizer, target, draft):
 @torch.no_grad()
 @pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])
 def test_project_loader_matches_transformers(path, tokenizer):
-    loader = pytest.importorskip("level0_naive.loader")
-    kv_cache = pytest.importorskip("level0_naive.kv_cache")
     from transformers import AutoModelForCausalLM
+
+    from level0_naive.kv_cache import Slab, SlabAttention
+    from level0_naive.loader import load_model
 
     ids = held_out_ids(tokenizer)[0, :200]  # [T]
     ref = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     expected = ref(input_ids=ids[None]).logits[0]  # [T, V]
 
-    loaded = loader.load_model(path, dtype=torch.float32, device="cpu")
+    loaded = load_model(path, dtype=torch.float32, device="cpu")  # bf16 on disk, upcast
     assert loaded.tokenizer is not None and loaded.tokenizer.encode("ROMEO:") == list(b"ROMEO:")
-
-    # TODO(lead): swap this stand-in for the engine's own contiguous backend once
-    # its API settles. The intended check stays: one prefill of the same tokens,
-    # no cache before it, logits equal to transformers' within 1e-4 in float32.
-    def attn(layer, q, k, v):  # q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]
-        return kv_cache.causal_attention(q, k, v, context_len=0)
-
+    # One prefill of the same tokens through level 0's own cache backend.
+    attn = SlabAttention([Slab(loaded.config, len(ids), torch.float32, "cpu")], [len(ids)])
     hidden = loaded.model(ids, torch.arange(len(ids)), attn)  # [T, hidden]
     logits = loaded.model.compute_logits(hidden)  # [T, V]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
