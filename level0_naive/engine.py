@@ -102,6 +102,8 @@ class LLM:
         """One validated prompt -> its `n` sequences (the samples of one request)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"sampling_params.stop for prompt {i} needs a tokenizer, and the model has none (use stop_token_ids)")
         ids = self._tokenize(prompt, i)
         rid = request_id if request_id is not None else str(next(self._ids))
         text = prompt if isinstance(prompt, str) else None

@@ -80,6 +80,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         rope = None
     heads = hf["num_attention_heads"]
     extra = SUPPORTED[mtype]
+    max_pos = hf.get("max_position_embeddings", 2048)
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", mtype == "mistral") else None
+    if window:
+        # Sliding-window attention is not implemented; within the window it equals full
+        # attention, so the usable context is capped at the window instead.
+        max_pos = min(max_pos, window)
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
         vocab_size=hf["vocab_size"],
@@ -92,7 +98,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
         rope_theta=rope_theta,
         rope_scaling=rope,
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
+        max_position_embeddings=max_pos,
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=extra.get("qkv_bias", False) or attention_bias,
         o_bias=attention_bias,

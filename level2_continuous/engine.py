@@ -25,6 +25,7 @@ Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from level0_naive.outputs import RequestOutput, group_outputs
@@ -94,11 +95,12 @@ class LLMEngine(PagedLLM):
             self.scheduler.add(req)
         self.requests[request_id] = group
 
-    def abort_request(self, request_id: str) -> None:
-        """Stop a request now; its blocks are free before this returns."""
-        for req in self.requests.pop(request_id, []):
-            if not req.status.finished:
-                self.scheduler.finish(req, "abort")
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Stop one request (or several) now; their blocks are free before this returns."""
+        for rid in [request_id] if isinstance(request_id, str) else list(request_id):
+            for req in self.requests.pop(rid, []):
+                if not req.status.finished:
+                    self.scheduler.finish(req, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -170,6 +172,8 @@ class LLMEngine(PagedLLM):
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
     def _run(self, seqs: list[Request], bar: GenerateProgress) -> None:
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with add_request first")
         for req in seqs:
             self.requests.setdefault(req.request_id, []).append(req)
             self.scheduler.add(req)

@@ -139,6 +139,6 @@ class Scheduler:
             req.to(FINISH_STATUS[req.finish_reason])
         if req in self.running:
             self.running.remove(req)
-            self.kv.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+        self.kv.free(req)  # also for a waiting request: level 3 may hold its block names

@@ -41,7 +41,8 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         self.req_blocks: dict[int, list[KVBlock]] = {}  # seq_id -> its blocks, logical order
         self.req_hashes: dict[int, list[bytes]] = {}  # seq_id -> names of its full blocks so far
         self.num_cached: dict[int, int] = {}  # seq_id -> how many of its blocks are registered
-        self.queries = 0  # prompt tokens looked up (vLLM: prefix_cache_queries)
+        self.queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries); a readmitted
+        # preempted request looks up its prompt and its output so far
         self.hits = 0  # of which found in the cache (vLLM: prefix_cache_hits)
 
     # --- hashing --------------------------------------------------------------------

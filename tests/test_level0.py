@@ -244,3 +244,14 @@ def test_sharded_checkpoint_loads(tmp_path, checkpoint_factory):
     a = LLM(src, dtype="float64").generate([[3, 4]], SamplingParams(max_tokens=6, **GREEDY), progress=False)
     b = LLM(tmp_path, dtype="float64").generate([[3, 4]], SamplingParams(max_tokens=6, **GREEDY), progress=False)
     assert a[0].outputs[0].token_ids == b[0].outputs[0].token_ids
+
+
+def test_sliding_window_caps_the_context_instead_of_being_ignored():
+    from level0_naive.loader import model_config_from_hf
+
+    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=512)
+    assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": 64}).max_position_embeddings == 64
+    assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings == 512
+    qwen2 = {**base, "model_type": "qwen2", "sliding_window": 64}
+    assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_position_embeddings == 512
+    assert model_config_from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 64

@@ -41,9 +41,9 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
+        steps_before = len(self.engine.step_log)
         outs = self.engine.step()
-        log = self.engine.step_log[-1] if outs else None
-        if log:
+        for log in self.engine.step_log[steps_before:]:  # every step that ran, sampled or not
             assert log.num_batched_tokens <= BUDGET and log.running <= SEATS
         for out in outs:
             assert out.request_id in self.live, f"{out.request_id} reported after it ended"
@@ -120,14 +120,29 @@ def test_preemption_by_recompute_keeps_answers(llama_dir):
 
 
 def test_priority_policy_preempts_the_lowest_priority(llama_dir):
+    """"low" is admitted first and runs ahead; "high" arrives later. When memory runs out,
+    the victim is "low" even though it was admitted first (FCFS would take "high"),
+    including when "low" was already scheduled earlier in the same step."""
     engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10), policy="priority")
     engine.add_request("low", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), priority=5)
+    engine.step()
     engine.add_request("high", [4, 5, 6], SamplingParams(max_tokens=30, **GREEDY), priority=0)
     preempted = []
     while engine.has_unfinished_requests():
         engine.step()
         preempted += [r for r in engine.scheduler.waiting if r.num_preemptions and r not in preempted]
     assert preempted and all(r.request_id == "low" for r in preempted)
+
+
+def test_generate_refuses_a_busy_engine_and_abort_takes_several_ids(llama_dir):
+    engine = LLMEngine(llama_dir, dtype="float64")
+    engine.add_request("a", [1, 2], SamplingParams(max_tokens=5, **GREEDY))
+    engine.add_request("b", [3, 4], SamplingParams(max_tokens=5, **GREEDY))
+    with pytest.raises(RuntimeError, match="idle engine"):
+        engine.generate([[5, 6]], progress=False)
+    engine.step()
+    engine.abort_request(["a", "b"])
+    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
 
 
 def test_a_request_that_can_never_fit_is_refused_and_others_are_served(llama_dir):

@@ -1,0 +1,236 @@
+"""The contestants: every level's `LLM`, and Hugging Face `generate`, behind one `run()`.
+
+What it is: `make_engine("level2_continuous" | "level3_prefix:nocache" | "hf", ...)`
+returns an object whose `run(workload)` plays the workload (round by round, for chat)
+and returns a `RunResult`: one record per request (prompt and output length, TTFT,
+end-to-end latency) plus the engine's KV and batching counters.
+
+  levels  a fresh `LLM` per run (stats accumulate per LLM; chat's turns share one, so
+          level 3 can reuse the previous turn's blocks); every level gets the same
+          `kv_cache_memory`. The model runner's `forward` is wrapped with a timer, so
+          the report can say what share of the wall time the model itself took.
+  hf      `AutoModelForCausalLM.generate`, the way a user batches it: fixed-size batches
+          in arrival order, left padding, greedy. One `generate` call cannot give each
+          row its own length, so a batch runs to its longest request
+          (`min_new_tokens = max_new_tokens = longest`) and each row is cut to its own
+          length. Extra tokens count as waste, not as output. A logits processor
+          timestamps every step, which gives each row its TTFT and finish time. Its
+          KV figures are computed (batch x padded length per step), not measured.
+
+What it is not: a fairness referee for memory. HF is given a batch size (default 16,
+what the KV budget holds at the workload's worst case), not a byte budget.
+
+Reference: vLLM `benchmarks/benchmark_throughput.py` (`run_vllm`, `run_hf`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .workloads import Request, Workload
+
+LABELS = {
+    "hf": "HF generate",
+    "level0_naive": "L0 naive",
+    "level1_paged": "L1 paged",
+    "level2_continuous": "L2 continuous",
+    "level3_prefix": "L3 prefix",
+    "level3_prefix:nocache": "L3 (cache off)",
+}
+
+
+def label(name: str) -> str:
+    return LABELS.get(name, name)
+
+
+@dataclass
+class RunResult:
+    engine: str
+    records: list[dict] = field(default_factory=list)  # per request: prompt_len, output_len, ttft, e2e
+    duration: float = 0.0  # seconds inside generate, summed over rounds
+    stats: dict = field(default_factory=dict)  # KV and batching counters
+    forward_seconds: float | None = None  # time inside the model's forward (levels only)
+    schedule_seconds: float | None = None  # level 2+: scheduler + metadata building
+
+
+def _records(outs, round_start: float) -> list[dict]:
+    return [
+        {
+            "prompt_len": len(o.prompt_token_ids),
+            "output_len": len(o.outputs[0].token_ids),
+            "ttft": o.metrics.first_token_time - round_start,
+            "e2e": o.metrics.finished_time - round_start,
+        }
+        for o in outs
+    ]
+
+
+class LevelEngine:
+    def __init__(self, name: str, model: str, dtype: str, device: str, kv_cache_memory: int, max_num_seqs: int, seed: int, progress: bool):
+        module, _, variant = name.partition(":")
+        self.name, self.module = name, importlib.import_module(module)
+        self.kwargs = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, seed=seed)
+        if variant == "nocache":
+            self.kwargs["enable_prefix_caching"] = False
+        self.model, self.progress = model, progress
+
+    def new_llm(self, **overrides):
+        return self.module.LLM(self.model, **{**self.kwargs, **overrides})
+
+    def warmup(self) -> None:
+        """One tiny generate on a throwaway LLM: first-call costs stay out of the timing."""
+        llm = self.new_llm()
+        params = self.module.SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, temperature=0)
+        llm.generate([[40] * 8, [41] * 12], [params, params], progress=False)
+
+    def run(self, workload: Workload) -> RunResult:
+        llm = self.new_llm()
+        res = RunResult(self.name, forward_seconds=0.0)
+        inner = llm.runner.forward
+
+        def timed_forward(*args, **kwargs):  # an instance attribute: the engine code is untouched
+            t0 = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                res.forward_seconds += time.perf_counter() - t0
+
+        llm.runner.forward = timed_forward
+
+        def run_round(reqs: list[Request]) -> list[list[int]]:
+            SP = self.module.SamplingParams
+            params = [SP(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs]
+            t0 = time.perf_counter()
+            outs = llm.generate([r.prompt for r in reqs], params, progress=self.progress)
+            res.duration += time.perf_counter() - t0
+            # arrival_time is when generate() received the request: the round's start.
+            res.records += _records(outs, min(o.metrics.arrival_time for o in outs))
+            return [list(o.outputs[0].token_ids) for o in outs]
+
+        workload.play(run_round)
+        s = llm.stats
+        res.stats = {k: v for k, v in s.as_dict().items() if k not in ("busy_time", "output_tokens_per_s")}
+        if hasattr(llm, "step_log"):
+            res.schedule_seconds = sum(r.schedule_seconds for r in llm.step_log)
+        if hasattr(llm, "prefix_stats"):
+            res.stats["prefix"] = llm.prefix_stats()
+        return res
+
+
+class StepClock:
+    """A logits processor that only writes down when each generation step happened."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+class HFEngine:
+    name = "hf"
+
+    def __init__(self, model: str, dtype: str, device: str, batch_size: int, progress: bool):
+        from transformers import AutoModelForCausalLM
+
+        from level0_naive.config import resolve_device, resolve_dtype
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.bytes_per_token = 2 * cfg.num_hidden_layers * n_kv * head_dim * self.dtype.itemsize
+        eos = self.model.generation_config.eos_token_id
+        self.eos = eos if eos is not None else cfg.eos_token_id
+        pad = cfg.pad_token_id if cfg.pad_token_id is not None else self.eos
+        self.pad = (pad[0] if isinstance(pad, list) else pad) if pad is not None else 0
+        self.batch_size, self.progress = batch_size, progress
+
+    def warmup(self) -> None:
+        self._generate([Request([40] * 8, 4), Request([41] * 12, 4)], StepClock())
+
+    @torch.inference_mode()
+    def _generate(self, batch: list[Request], clock: StepClock) -> torch.Tensor:
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        width = max(len(r.prompt) for r in batch)
+        ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=self.device)  # [B, P]
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=self.device)  # [B, P]
+        n = max(r.max_tokens for r in batch)
+        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=self.pad, eos_token_id=self.eos)
+        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, logits_processor=LogitsProcessorList([clock]))
+        return out[:, width:]  # [B, n]
+
+    def run(self, workload: Workload) -> RunResult:
+        from level0_naive.progress import GenerateProgress
+
+        res = RunResult(self.name)
+        kv = {"prefill": 0, "steps": 0, "reserved_sum": 0, "used_sum": 0, "reserved_peak": 0, "used_peak": 0, "running_sum": 0, "peak_running": 0}
+
+        def run_round(reqs: list[Request]) -> list[list[int]]:
+            answers = []
+            start = time.perf_counter()
+            with GenerateProgress(len(reqs), enabled=self.progress, description="hf generate") as bar:
+                for i in range(0, len(reqs), self.batch_size):
+                    batch = reqs[i : i + self.batch_size]
+                    clock = StepClock()
+                    new = self._generate(batch, clock)  # [B, n]
+                    answers += [new[j, : r.max_tokens].tolist() for j, r in enumerate(batch)]
+                    res.records += [{"prompt_len": len(r.prompt), "output_len": r.max_tokens, "ttft": clock.times[0] - start,
+                                     "e2e": clock.times[r.max_tokens - 1] - start} for r in batch]  # fmt: skip
+                    self._account(kv, batch, len(clock.times))
+                    bar.update(finished=len(batch), new_tokens=sum(r.max_tokens for r in batch))
+            res.duration += time.perf_counter() - start
+            return answers
+
+        workload.play(run_round)
+        steps = max(kv["steps"], 1)
+        res.stats = {
+            "steps": kv["steps"], "prompt_tokens": kv["prefill"],
+            "generated_tokens": sum(r["output_len"] for r in res.records), "preemptions": 0,
+            "peak_running": kv["peak_running"], "mean_running": kv["running_sum"] / steps,
+            "kv_waste": 1 - kv["used_sum"] / kv["reserved_sum"] if kv["reserved_sum"] else 0.0,
+            "kv_reserved_peak": kv["reserved_peak"], "kv_used_peak": kv["used_peak"],
+        }  # fmt: skip
+        return res
+
+    def _account(self, kv: dict, batch: list[Request], steps: int) -> None:
+        """KV after step s: every row holds the padded prompt + s tokens; real ones are
+        its own prompt + min(s, its length). Padding and run-to-longest are the waste."""
+        width, bpt = max(len(r.prompt) for r in batch), self.bytes_per_token
+        kv["prefill"] += width * len(batch)  # padding is computed too
+        for s in range(1, steps + 1):
+            reserved = len(batch) * (width + s) * bpt
+            used = sum(len(r.prompt) + min(s, r.max_tokens) for r in batch) * bpt
+            kv["steps"] += 1
+            kv["reserved_sum"] += reserved
+            kv["used_sum"] += used
+            kv["reserved_peak"] = max(kv["reserved_peak"], reserved)
+            kv["used_peak"] = max(kv["used_peak"], used)
+            kv["running_sum"] += len(batch)
+            kv["peak_running"] = max(kv["peak_running"], len(batch))
+
+
+def make_engine(name: str, model: str, *, dtype: str, device: str, kv_cache_memory: int, max_num_seqs: int, hf_batch_size: int, seed: int, progress: bool):
+    if name == "hf":
+        return HFEngine(model, dtype, device, hf_batch_size, progress)
+    return LevelEngine(name, model, dtype, device, kv_cache_memory, max_num_seqs, seed, progress)
+
+
+def available_levels() -> list[str]:
+    """The level packages that import (level 3 joins once it lands)."""
+    found = []
+    for module in ("level0_naive", "level1_paged", "level2_continuous", "level3_prefix"):
+        try:
+            if hasattr(importlib.import_module(module), "LLM"):
+                found.append(module)
+        except Exception:  # a level being written may not import yet: benchmark the rest
+            continue
+    return found

@@ -1,0 +1,225 @@
+"""From raw runs to the figures people read: summaries, ratios, goals, tables.
+
+What it is: pure functions over plain data. `summarise` turns one `RunResult` into
+vLLM's benchmark figures (requests/s, output and total tokens/s, TTFT / TPOT / end-to-end
+latency mean, p50, p99, KV memory, roofline fractions); `add_ratios` divides by level 0
+and by Hugging Face measured in the same process; `goals` checks the issue's targets;
+`rich_table` and `markdown` print them. Everything reads the JSON's own structure, so
+`--markdown results.json` works long after the run.
+
+What it is not: the runner (`throughput.py`) or the plots (`plots.py`).
+
+Reference: vLLM `benchmarks/benchmark_serving.py` (`calculate_metrics`): TPOT is
+(e2e - ttft) / (output tokens - 1), averaged over requests with more than one token.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .engines import RunResult, label
+from .roofline import Dims, mean_decode_context, useful_flops
+
+LEVEL0, HF, L3, L3_OFF = "level0_naive", "hf", "level3_prefix", "level3_prefix:nocache"
+
+
+def _dist(xs: list[float]) -> dict:
+    if not xs:
+        return {"mean": 0.0, "p50": 0.0, "p99": 0.0}
+    a = np.asarray(xs)
+    return {"mean": float(a.mean()), "p50": float(np.percentile(a, 50)), "p99": float(np.percentile(a, 99))}
+
+
+def summarise(res: RunResult, dims: Dims, peak_flops: float) -> dict:
+    recs, dur = res.records, max(res.duration, 1e-9)
+    lengths = [(r["prompt_len"], r["output_len"]) for r in recs]
+    out_tok, prompt_tok = sum(n for _, n in lengths), sum(p for p, _ in lengths)
+    ttft = [r["ttft"] for r in recs]
+    e2e = [r["e2e"] for r in recs]
+    tpot = [(r["e2e"] - r["ttft"]) / (r["output_len"] - 1) for r in recs if r["output_len"] > 1]
+    decode_roof = peak_flops / dims.flops_per_token(round(mean_decode_context(lengths)))  # tokens/s at the limit
+    s = res.stats
+    fig = {
+        "label": label(res.engine),
+        "num_requests": len(recs),
+        "prompt_tokens": prompt_tok,
+        "output_tokens": out_tok,
+        "duration_s": dur,
+        "requests_per_s": len(recs) / dur,
+        "output_tokens_per_s": out_tok / dur,
+        "total_tokens_per_s": (out_tok + prompt_tok) / dur,
+        "ttft_s": _dist(ttft),
+        "tpot_s": _dist(tpot),
+        "e2e_s": _dist(e2e),
+        "kv_reserved_peak_bytes": int(s["kv_reserved_peak"]),
+        "kv_used_peak_bytes": int(s["kv_used_peak"]),
+        "kv_waste": float(s["kv_waste"]),
+        "peak_running": int(s["peak_running"]),
+        "mean_running": float(s["mean_running"]),
+        "preemptions": int(s["preemptions"]),
+        # Prompt positions the engine pushed through the model: more than prompt_tokens after
+        # recompute (preemption) or padding (HF), fewer with prefix-cache hits (level 3).
+        "prefill_tokens_computed": int(s["prompt_tokens"]),
+        "steps": int(s["steps"]),
+        "mfu": useful_flops(dims, lengths) / dur / peak_flops,
+        "decode_roofline_tokens_per_s": decode_roof,
+        "decode_roofline_fraction": out_tok / dur / decode_roof,
+        "forward_share": None if res.forward_seconds is None else res.forward_seconds / dur,
+        "schedule_share": None if res.schedule_seconds is None else res.schedule_seconds / dur,
+        "samples": {k: [round(x, 6) for x in v] for k, v in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e))},
+    }
+    if "prefix" in s:
+        fig["prefix"] = s["prefix"]
+    return fig
+
+
+def add_ratios(results: dict[str, dict]) -> None:
+    """Output tokens/s of each engine over level 0's and HF's, from the same process."""
+    for fig in results.values():
+        for key, base in (("vs_level0", LEVEL0), ("vs_hf", HF)):
+            ref = results.get(base)
+            fig[key] = fig["output_tokens_per_s"] / ref["output_tokens_per_s"] if ref else None
+    if L3 in results and L3_OFF in results:
+        off = results[L3_OFF]["ttft_s"]["mean"]
+        results[L3]["ttft_cut_vs_cache_off"] = 1 - results[L3]["ttft_s"]["mean"] / off if off else None
+
+
+def goals(workloads: dict) -> list[dict]:
+    """The issue's performance targets, each with what was measured (None: not run)."""
+    out = []
+
+    def goal(name: str, value, target: str, ok) -> None:
+        out.append({"goal": name, "measured": value, "target": target, "met": None if value is None else bool(ok)})
+
+    spread = workloads.get("spread", {}).get("results", {})
+    levels = {k: v for k, v in spread.items() if k.startswith("level") and not k.endswith(":nocache")}
+    tps = {k: v["output_tokens_per_s"] for k, v in spread.items()}
+    if levels and HF in spread:
+        best = max(levels, key=lambda k: tps[k])
+        r = tps[best] / tps[HF]
+        goal(f"spread: best level ({label(best)}) output tok/s vs HF", r, ">= 3x", r >= 3)
+    if "level1_paged" in spread:
+        w = spread["level1_paged"]["kv_waste"]
+        goal("spread: L1 KV waste", w, "< 4 %", w < 0.04)
+    if "level2_continuous" in spread:
+        l2 = spread["level2_continuous"]
+        if "level1_paged" in spread:
+            r = tps["level2_continuous"] / tps["level1_paged"]
+            goal("spread: L2 / L1 output tok/s", r, ">= 2x", r >= 2)
+            a, b = l2["e2e_s"]["mean"], spread["level1_paged"]["e2e_s"]["mean"]
+            goal("spread: L2 mean latency / L1 mean latency", a / b, "< 1", a < b)
+        if LEVEL0 in spread:
+            r = tps["level2_continuous"] / tps[LEVEL0]
+            goal("spread: L2 / L0 output tok/s", r, ">= 3x", r >= 3)
+    shared = workloads.get("shared-prefix", {}).get("results", {})
+    if L3 in shared and L3_OFF in shared:
+        cut = shared[L3].get("ttft_cut_vs_cache_off")
+        goal("shared-prefix: L3 mean TTFT cut by the prefix cache", cut, ">= 80 %", cut is not None and cut >= 0.8)
+    # Only where no cache skips work (a prefix hit would count as free FLOPs).
+    best = [(v["decode_roofline_fraction"], w, k) for w, wl in workloads.items() if w in ("uniform", "spread")
+            for k, v in wl["results"].items() if k.startswith("level")]  # fmt: skip
+    if best:
+        f, w, k = max(best)
+        goal(f"best level's decode throughput / matmul roofline ({label(k)}, {w})", f, ">= 50 % (100M model, large batch)", f >= 0.5)
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _x(v) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+COLUMNS = [
+    ("engine", lambda f: f["label"]),
+    ("req/s", lambda f: f"{f['requests_per_s']:.2f}"),
+    ("out tok/s", lambda f: f"{f['output_tokens_per_s']:.0f}"),
+    ("total tok/s", lambda f: f"{f['total_tokens_per_s']:.0f}"),
+    ("x L0", lambda f: _x(f.get("vs_level0"))),
+    ("x HF", lambda f: _x(f.get("vs_hf"))),
+    ("TTFT mean/p50/p99 s", lambda f: "{mean:.2f} / {p50:.2f} / {p99:.2f}".format(**f["ttft_s"])),
+    ("TPOT mean/p50/p99 ms", lambda f: " / ".join(f"{1e3 * f['tpot_s'][k]:.1f}" for k in ("mean", "p50", "p99"))),
+    ("e2e mean s", lambda f: f"{f['e2e_s']['mean']:.2f}"),
+    ("KV peak reserved / used", lambda f: f"{_fmt_bytes(f['kv_reserved_peak_bytes'])} / {_fmt_bytes(f['kv_used_peak_bytes'])}"),
+    ("KV waste", lambda f: f"{100 * f['kv_waste']:.1f} %"),
+    ("batch mean/peak", lambda f: f"{f['mean_running']:.1f} / {f['peak_running']}"),
+    ("preempt", lambda f: str(f["preemptions"])),
+    ("prefill computed", lambda f: f"{f['prefill_tokens_computed'] / max(f['prompt_tokens'], 1):.2f}x"),
+    ("roofline", lambda f: f"{100 * f['decode_roofline_fraction']:.1f} %"),
+]
+
+
+def rows(wl: dict) -> list[list[str]]:
+    return [[fn(f) for _, fn in COLUMNS] for f in wl["results"].values()]
+
+
+THROUGHPUT_COLS = ("engine", "req/s", "out tok/s", "total tok/s", "x L0", "x HF", "batch mean/peak", "preempt", "prefill computed", "roofline")
+
+
+def rich_tables(name: str, wl: dict) -> list:
+    """Two tables (throughput; latency and memory) so each fits a terminal."""
+    from rich.table import Table
+
+    title = f"{name}: {wl['description']} ({wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])})"
+    tables = []
+    for t_title, keep in ((title, lambda c: c in THROUGHPUT_COLS), (f"{name}: latency and KV memory", lambda c: c == "engine" or c not in THROUGHPUT_COLS)):
+        t = Table(title=t_title)
+        idx = [i for i, (col, _) in enumerate(COLUMNS) if keep(col)]
+        for i in idx:
+            t.add_column(COLUMNS[i][0], justify="left" if i == 0 else "right")
+        for r in rows(wl):
+            t.add_row(*[r[i] for i in idx])
+        tables.append(t)
+    return tables
+
+
+def markdown(data: dict) -> str:
+    """The README's results tables, regenerated from a results JSON."""
+    m, c = data["machine"], data["config"]
+    lines = [f"Measured {m['date']} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, {m['device']}), "
+             f"model `{c['model_name']}` ({data['roofline']['params'] / 1e6:.1f}M matmul params, {c['dtype']}); "
+             f"matmul roofline {data['roofline']['peak_flops_per_s'] / 1e9:.1f} GFLOP/s. "
+             f"`{c['command']}`", ""]  # fmt: skip
+    for name, wl in data["workloads"].items():
+        lines += [f"**{name}** — {wl['description']}, {wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])}", ""]
+        lines.append("| " + " | ".join(col for col, _ in COLUMNS) + " |")
+        lines.append("|" + "|".join(["---"] + ["--:"] * (len(COLUMNS) - 1)) + "|")
+        lines += ["| " + " | ".join(r) + " |" for r in rows(wl)]
+        lines.append("")
+    if data.get("goals"):
+        lines += ["| goal | measured | target | met |", "|---|--:|---|---|"]
+        for g in data["goals"]:
+            v = g["measured"]
+            shown = "-" if v is None else (f"{100 * v:.1f} %" if "%" in g["target"] else f"{v:.2f}")
+            lines.append(f"| {g['goal']} | {shown} | {g['target']} | {'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |")
+    return "\n".join(lines)
+
+
+README_COLS = ("engine", "out tok/s", "x L0", "x HF", "TTFT mean/p50/p99 s", "KV waste", "batch mean/peak", "preempt", "prefill computed")
+
+
+def readme_summary(data: dict) -> str:
+    """The compact results tables the README shows (the full ones: `markdown`)."""
+    m, c = data["machine"], data["config"]
+    idx = [i for i, (col, _) in enumerate(COLUMNS) if col in README_COLS]
+    lines = [f"Measured {m['date'][:10]} on {m['cpu']} ({m['cores']} cores, torch {m['torch']}, {m['device']}, "
+             f"{m.get('torch_threads', '?')} torch thread), model `{c['model_name']}`, by `{c['command']}`. "
+             "All engines in one process on the same seeded workload and the same KV budget; "
+             "every figure and the full tables are in [docs/benchmarks.md](docs/benchmarks.md).", ""]  # fmt: skip
+    for name, wl in data["workloads"].items():
+        lines += [f"**{name}**: {wl['description']}, {wl['num_requests']} requests", ""]
+        lines.append("| " + " | ".join(COLUMNS[i][0] for i in idx) + " |")
+        lines.append("|" + "|".join(["---"] + ["--:"] * (len(idx) - 1)) + "|")
+        lines += ["| " + " | ".join(r[i] for i in idx) + " |" for r in rows(wl)]
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_readme(data: dict, readme) -> None:
+    """Replace what lies between the README's results markers with `readme_summary`."""
+    text = readme.read_text()
+    start, end = "<!-- results:start -->\n", "<!-- results:end -->"
+    a, b = text.index(start) + len(start), text.index(end)
+    readme.write_text(text[:a] + readme_summary(data) + text[b:])

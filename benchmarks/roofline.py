@@ -1,0 +1,154 @@
+"""The machine's limit: how many FLOP/s this CPU (or GPU) sustains on the model's matmuls.
+
+What it is: two halves of a roofline argument.
+
+  1. Work. A token fed through the model costs, in multiply-add FLOPs (2 per MAC),
+         body      2 x (q, k, v, o, gate, up, down weights)            per layer, x layers
+         lm_head   2 x hidden x vocab                                  only where a token is sampled
+         attention 2 x 2 x context x (heads x head_dim)                per layer (q.k^T and p.v)
+     (`models/train_tiny.py: matmul_flops_per_token` is the same sum.) The useful work of
+     a request with P prompt tokens and n outputs is P + n - 1 fed tokens at positions
+     0 .. P+n-2, and n lm_head rows. Padding, running past a request's end and
+     recomputation after preemption are not useful work; a prefix-cache hit skips work a
+     cache-less engine would do, so level 3 may beat its own share (the figure is
+     "fraction of what the machine could do on this workload without caching").
+  2. Speed. Time the model's own shapes, fused the way the fastest engine could fuse
+     them, at a sweep of batch sizes:
+         x [B, hidden] @ W_qkv^T [hidden, q+2kv] -> @ W_o^T -> @ W_gate_up^T [hidden, 2 ffn] -> @ W_down^T -> @ lm_head^T
+     and report the best of several timed windows at each size (each window is
+     sustained work, 0.25 s of back-to-back chains; on a shared machine a neighbour
+     only ever slows a window down, so the best one is the least disturbed). The peak
+     over the sweep is the machine's limit for this model.
+
+Throughput as a fraction of that limit (MFU, model FLOPs utilisation) says how much of
+the hardware an engine turns into tokens. Decode at batch 1 is matrix-vector work and
+memory-bound: no engine reaches the peak there, which is why batching matters.
+
+What it is not: a memory-bandwidth roofline (a CPU's small-batch decode is bound by
+reading the weights) or a cycle-accurate model.
+
+Reference: Williams, Waterman, Patterson, "Roofline" (CACM 2009); the PaLM paper's MFU
+(Chowdhery et al. 2022, appendix B).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class Dims:
+    hidden: int
+    layers: int
+    q_width: int  # heads x head_dim
+    kv_width: int  # kv heads x head_dim
+    ffn: int
+    vocab: int
+
+    @classmethod
+    def from_checkpoint(cls, path: str) -> Dims:
+        from transformers import AutoConfig
+
+        c = AutoConfig.from_pretrained(path)
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads * head_dim, n_kv * head_dim, c.intermediate_size, c.vocab_size)
+
+    @property
+    def body_flops(self) -> int:
+        """Per fed token: every projection of every layer (2 FLOPs per multiply-add)."""
+        d = self.hidden
+        return 2 * self.layers * (d * self.q_width + 2 * d * self.kv_width + self.q_width * d + 3 * d * self.ffn)
+
+    @property
+    def lm_head_flops(self) -> int:
+        return 2 * self.hidden * self.vocab
+
+    @property
+    def params(self) -> int:
+        """Non-embedding matmul parameters plus the lm_head (the FLOP-bearing ones)."""
+        return (self.body_flops + self.lm_head_flops) // 2
+
+    def attention_flops(self, context: int) -> int:
+        return 4 * context * self.q_width * self.layers
+
+    def flops_per_token(self, context: int) -> int:
+        """One decode token at `context` positions, the way a roofline counts it."""
+        return self.body_flops + self.lm_head_flops + self.attention_flops(context)
+
+
+def useful_flops(dims: Dims, lengths: list[tuple[int, int]]) -> int:
+    """FLOPs a cache-less, padding-free engine needs for requests of (prompt, output) lengths."""
+    total = 0
+    for p, n in lengths:
+        fed = p + n - 1  # the last output token is sampled, never fed
+        total += dims.body_flops * fed + dims.lm_head_flops * n + dims.attention_flops(1) * fed * (fed + 1) // 2
+    return total
+
+
+def mean_decode_context(lengths: list[tuple[int, int]]) -> float:
+    """The mean context a decode token attends over, across the workload's output tokens."""
+    ctx = [p + i for p, n in lengths for i in range(1, n)]
+    return statistics.mean(ctx) if ctx else 0.0
+
+
+@torch.inference_mode()
+def matmul_flops_per_s(dims: Dims, batch: int, dtype: torch.dtype, device: torch.device, window: float, repeats: int) -> float:
+    """Best-window FLOP/s of the model's fused matmul chain at batch size `batch`."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def w(out_f: int, in_f: int) -> torch.Tensor:
+        return (torch.randn(out_f, in_f, generator=g) / in_f**0.5).to(dtype=dtype, device=device)
+
+    d = dims.hidden
+    w_qkv, w_o = w(dims.q_width + 2 * dims.kv_width, d), w(d, dims.q_width)  # [q+2kv, d], [d, q]
+    w_gu, w_down, w_head = w(2 * dims.ffn, d), w(d, dims.ffn), w(dims.vocab, d)  # [2f, d], [d, f], [V, d]
+    x = torch.randn(batch, d, generator=g).to(dtype=dtype, device=device)  # [B, d]
+    flops = 2 * batch * (w_qkv.numel() + w_o.numel() + w_gu.numel() + w_down.numel() + w_head.numel())
+
+    def chain() -> None:
+        qkv = F.linear(x, w_qkv)  # [B, q+2kv]
+        h = F.linear(qkv[:, : dims.q_width], w_o)  # [B, d]
+        gu = F.linear(h, w_gu)  # [B, 2f]
+        h = F.linear(gu[:, : dims.ffn], w_down)  # [B, d]
+        F.linear(h, w_head)  # [B, V]
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    chain()  # warm up: first-call allocation and kernel selection
+    sync()
+    rates = []
+    for _ in range(repeats):
+        n, start = 0, time.perf_counter()
+        while True:
+            chain()
+            n += 1
+            if n % 8 == 0 or device.type != "cuda":
+                sync()
+                if time.perf_counter() - start >= window:
+                    break
+        sync()
+        rates.append(n * flops / (time.perf_counter() - start))
+    return max(rates)
+
+
+def measure(dims: Dims, dtype: torch.dtype, device: torch.device, batches: list[int], window: float = 0.25, repeats: int = 5) -> dict:
+    """The sweep, its peak, and the model's per-token costs, as plain JSON-ready data."""
+    sweep = [{"batch": b, "flops_per_s": matmul_flops_per_s(dims, b, dtype, device, window, repeats)} for b in batches]
+    return {
+        "dims": asdict(dims),
+        "params": dims.params,
+        "dtype": str(dtype).removeprefix("torch."),
+        "sweep": sweep,
+        "peak_flops_per_s": max(s["flops_per_s"] for s in sweep),
+        "body_flops_per_token": dims.body_flops,
+        "lm_head_flops_per_token": dims.lm_head_flops,
+        "attention_flops_per_token_per_context": dims.attention_flops(1),
+    }

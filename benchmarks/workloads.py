@@ -1,0 +1,106 @@
+"""Named, seeded workloads: the same requests, token for token, for every engine.
+
+What it is: four request mixes, each a function of (number of requests, seed, vocab):
+
+  uniform        every prompt 32 tokens, every output 128: the easy case for static batching
+  spread         prompts 16-64, outputs 8-512 uniformly at random: short requests wait
+                 behind long ones (level 2's case) and max-length slabs sit mostly empty
+                 (level 1's case)
+  shared-prefix  one 384-token "system prompt" (>= 90 % of every prompt) plus a distinct
+                 8-32 token suffix, outputs 32-64: level 3's case
+  chat           conversations replayed turn by turn; turn k's prompt is turn k-1's prompt
+                 + its answer + new user text, so each turn's prompt starts with the whole
+                 previous exchange (level 3's case again, across calls)
+
+Prompts are seeded random token ids in the printable-ASCII range (a readable text is
+not needed: the work depends on lengths, not on which tokens). Every output length is
+exact (`min_tokens = max_tokens`, `ignore_eos`), so every engine does the same work.
+
+What it is not: a trace of real traffic. Arrivals are all at once (an offline batch, as
+vLLM's benchmark_throughput), not a Poisson process.
+
+Reference: vLLM `benchmarks/benchmark_dataset.py` (random and prefix-repetition datasets).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Callable
+
+NAMES = ("uniform", "spread", "shared-prefix", "chat")
+
+
+@dataclass
+class Request:
+    prompt: list[int]
+    max_tokens: int  # exact: the harness sets min_tokens = max_tokens
+
+
+@dataclass
+class Workload:
+    name: str
+    description: str
+    first: list[Request]
+    # For chat: one list per later turn, one (user tokens, answer length) per conversation.
+    follow_ups: list[list[tuple[list[int], int]]] = field(default_factory=list)
+
+    def play(self, run_round: Callable[[list[Request]], list[list[int]]]) -> None:
+        """Run every round; `run_round(requests) -> output token ids per request`."""
+        reqs = self.first
+        answers = run_round(reqs)
+        for turn in self.follow_ups:
+            reqs = [Request(r.prompt + a + user, n) for r, a, (user, n) in zip(reqs, answers, turn)]
+            answers = run_round(reqs)
+
+    def rounds(self) -> list[list[tuple[int, int]]]:
+        """(prompt length, output length) of every request, round by round (lengths are exact)."""
+        lens = [(len(r.prompt), r.max_tokens) for r in self.first]
+        out = [lens]
+        for turn in self.follow_ups:
+            lens = [(p + n + len(user), m) for (p, n), (user, m) in zip(lens, turn)]
+            out.append(lens)
+        return out
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(r) for r in self.rounds())
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest prompt + output of any request: the worst case a slab must hold."""
+        return max(p + n for rnd in self.rounds() for p, n in rnd)
+
+
+def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
+    hi = min(vocab, 127)
+    lo = 32 if hi > 64 else 0
+    return [rng.randrange(lo, hi) for _ in range(n)]
+
+
+def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick: bool = False) -> Workload:
+    """Build workload `name` with about `num_requests` requests (chat: conversations x turns)."""
+    rng = random.Random(f"{name}-{seed}")  # each workload its own stream: adding one changes no other
+    q = quick  # quick mode keeps the shapes but shrinks every length about 8-16x
+    if name == "uniform":
+        p, o = (16, 16) if q else (32, 128)
+        reqs = [Request(_tokens(rng, p, vocab), o) for _ in range(num_requests)]
+        return Workload(name, f"prompt {p}, output {o} tokens", reqs)
+    if name == "spread":
+        (plo, phi), (olo, ohi) = ((8, 16), (4, 32)) if q else ((16, 64), (8, 512))
+        reqs = [Request(_tokens(rng, rng.randint(plo, phi), vocab), rng.randint(olo, ohi)) for _ in range(num_requests)]
+        return Workload(name, f"prompt {plo}-{phi}, output {olo}-{ohi} tokens", reqs)
+    if name == "shared-prefix":
+        prefix_len, (slo, shi), (olo, ohi) = (96, (4, 8), (4, 8)) if q else (384, (8, 32), (32, 64))
+        prefix = _tokens(rng, prefix_len, vocab)
+        reqs = [Request(prefix + _tokens(rng, rng.randint(slo, shi), vocab), rng.randint(olo, ohi)) for _ in range(num_requests)]
+        return Workload(name, f"shared prefix {prefix_len} + suffix {slo}-{shi}, output {olo}-{ohi} tokens", reqs)
+    if name == "chat":
+        turns = 2 if q else 4
+        system, (ulo, uhi), (alo, ahi) = (16, (4, 8), (4, 8)) if q else (32, (16, 48), (32, 128))
+        convs = max(1, num_requests // turns)
+        first = [Request(_tokens(rng, system + rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)]
+        later = [[(_tokens(rng, rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)] for _ in range(turns - 1)]
+        desc = f"{convs} conversations x {turns} turns, user {ulo}-{uhi}, answers {alo}-{ahi} tokens"
+        return Workload(name, desc, first, later)
+    raise ValueError(f"unknown workload {name!r}: choose from {', '.join(NAMES)}")

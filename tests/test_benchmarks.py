@@ -1,0 +1,103 @@
+"""The benchmark harness runs and its JSON is well formed. Never its speed.
+
+The harness runs in `--quick` mode on a tiny random checkpoint, in this process, over
+two workloads (spread: one round; chat: several rounds on one LLM), with every level
+that imports plus Hugging Face. Checked: the keys, the types, positive numbers, one
+entry per selected engine, exact output-token counts, plots and the markdown table.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from benchmarks import report, roofline, throughput
+from benchmarks.engines import available_levels
+from benchmarks.workloads import NAMES, make_workload
+from level0_naive.demo_utils import train_tiny_module
+
+pytestmark = pytest.mark.bench
+
+
+def test_workloads_are_seeded_and_shaped():
+    for name in NAMES:
+        a, b = make_workload(name, 16, 259, seed=3), make_workload(name, 16, 259, seed=3)
+        assert [r.prompt for r in a.first] == [r.prompt for r in b.first] and a.rounds() == b.rounds()
+        assert all(0 <= t < 259 for r in a.first for t in r.prompt)
+    spread = make_workload("spread", 128, 259)
+    assert all(8 <= r.max_tokens <= 512 for r in spread.first) and spread.num_requests == 128
+    shared = make_workload("shared-prefix", 32, 259)
+    head = shared.first[0].prompt[:384]
+    assert all(r.prompt[:384] == head and 384 / len(r.prompt) >= 0.9 for r in shared.first)
+    chat = make_workload("chat", 32, 259)
+    rounds = chat.rounds()
+    assert len(rounds) == 4 and chat.num_requests == 32
+    for prev, cur in zip(rounds, rounds[1:]):  # each turn's prompt holds the whole previous exchange
+        assert all(p2 > p1 + n1 for (p1, n1), (p2, _) in zip(prev, cur))
+
+
+def test_flops_match_the_training_script(checkpoint_factory):
+    from transformers import AutoConfig
+
+    path = checkpoint_factory("llama", tokenizer=True)
+    dims = roofline.Dims.from_checkpoint(str(path))
+    ref = train_tiny_module().matmul_flops_per_token(AutoConfig.from_pretrained(path), 100)
+    assert dims.flops_per_token(100) == ref["total"]
+    # One request, prompt 3, output 2: fed tokens at positions 0, 1, 2, 3; two lm_head rows.
+    assert roofline.useful_flops(dims, [(3, 2)]) == 4 * dims.body_flops + 2 * dims.lm_head_flops + dims.attention_flops(1 + 2 + 3 + 4)
+
+
+def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys):
+    model = checkpoint_factory("llama", tokenizer=True)
+    out, img = tmp_path / "quick.json", tmp_path / "img"
+    threads = torch.get_num_threads()
+    try:
+        throughput.main(["--quick", "--model", str(model), "--workload", "spread", "--workload", "chat", "--num-requests", "6",
+                         "--no-progress", "--threads", "1", "--out", str(out), "--plots", "--img-dir", str(img)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)  # --threads is process-wide; leave the session as it was
+    data = json.loads(out.read_text())
+
+    assert {"schema", "machine", "config", "roofline", "workloads", "goals"} <= data.keys()
+    m = data["machine"]
+    assert isinstance(m["cpu"], str) and m["cores"] >= 1 and m["torch"] == torch.__version__ and m["date"][:2] == "20"
+    assert data["roofline"]["peak_flops_per_s"] > 0 and all(s["flops_per_s"] > 0 for s in data["roofline"]["sweep"])
+    assert data["config"]["quick"] is True
+
+    levels = available_levels()
+    assert {"level0_naive", "level1_paged", "level2_continuous"} <= set(levels)
+    assert list(data["workloads"]) == ["spread", "chat"]
+    for name, wl in data["workloads"].items():
+        expected = ["hf", *levels] + (["level3_prefix:nocache"] if name == "chat" and "level3_prefix" in levels else [])
+        assert list(wl["results"]) == expected
+        want = make_workload(name, 6, 259, quick=True)
+        assert wl["num_requests"] == want.num_requests and wl["kv_cache_memory"] > 0
+        for engine, f in wl["results"].items():
+            assert f["num_requests"] == want.num_requests, engine
+            assert f["output_tokens"] == sum(n for rnd in want.rounds() for _, n in rnd), engine  # exact lengths
+            for key in ("duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "mfu", "decode_roofline_fraction"):
+                assert isinstance(f[key], float) and f[key] > 0 and math.isfinite(f[key]), (engine, key)
+            for key in ("ttft_s", "tpot_s", "e2e_s"):
+                assert set(f[key]) == {"mean", "p50", "p99"} and all(v >= 0 for v in f[key].values()), (engine, key)
+            assert f["e2e_s"]["mean"] >= f["ttft_s"]["mean"] > 0
+            assert f["kv_reserved_peak_bytes"] >= f["kv_used_peak_bytes"] > 0 and 0 <= f["kv_waste"] < 1
+            assert f["peak_running"] >= 1 and f["steps"] >= 1 and isinstance(f["preemptions"], int)
+            assert len(f["samples"]["e2e"]) == want.num_requests
+            assert f["vs_hf"] > 0 and f["vs_level0"] > 0
+    assert all({"goal", "measured", "target", "met"} <= g.keys() for g in data["goals"])
+    assert {p.name for p in img.glob("bench_*.png")} >= {"bench_throughput.png", "bench_latency_cdf.png", "bench_kv_waste.png", "bench_roofline.png"}
+
+    capsys.readouterr()
+    throughput.main(["--markdown", str(out)])
+    md = capsys.readouterr().out
+    assert "| engine | req/s | out tok/s" in md and "HF generate" in md and "L0 naive" in md
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\n<!-- results:start -->\nold table\n<!-- results:end -->\n\n## after\n")
+    report.write_readme(data, readme)
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# title") and text.endswith("## after\n")
+    assert "| engine | out tok/s | x L0 | x HF |" in text and text.count("L0 naive") == len(data["workloads"])
