@@ -105,6 +105,16 @@ class Sequence:
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_slice(self, start: int, n: int) -> list[int]:
+        """Tokens start .. start+n-1 of prompt + output, without building the whole list
+        (a decode step needs one token; `all_token_ids` would copy them all)."""
+        p = len(self.prompt_token_ids)
+        if start >= p:
+            return self.output_token_ids[start - p : start - p + n]
+        if start + n <= p:
+            return self.prompt_token_ids[start : start + n]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: start + n - p]
+
     @property
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold: prompt + max_tokens, capped."""

@@ -146,7 +146,7 @@ class LLMEngine(PagedLLM):
             req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
             is_decode = n == 1 and start == req.num_tokens - 1 and req.output_token_ids
             prefill += 0 if is_decode else n  # prompt tokens, or prompt + output again after a preemption
-            chunks.append((req.all_token_ids[start : start + n], start))
+            chunks.append((req.token_slice(start, n), start))
             tables.append(self.kv.block_table(req))
             slots.extend(self.kv.slots(req, start, n))
             if start + n == req.num_tokens:  # the chunk reaches the end: sample the next token

@@ -255,3 +255,12 @@ def test_sliding_window_caps_the_context_instead_of_being_ignored():
     qwen2 = {**base, "model_type": "qwen2", "sliding_window": 64}
     assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_position_embeddings == 512
     assert model_config_from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 64
+
+
+def test_token_slice_matches_slicing_everything(llama_dir):
+    llm = LLM(llama_dir, dtype="float64")
+    [seq] = llm._make_group([1, 2, 3, 4], SamplingParams(max_tokens=5))
+    seq.output_token_ids += [7, 8, 9]
+    for start in range(7):
+        for n in range(1, 8 - start):
+            assert seq.token_slice(start, n) == seq.all_token_ids[start : start + n]
