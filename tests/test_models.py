@@ -17,16 +17,16 @@ Reference: `models/README.md` (the measured numbers and the commands).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+from level0_naive.demo_utils import train_tiny_module
 
 pytestmark = pytest.mark.models
 
@@ -89,13 +89,8 @@ SPEAKER_LINE = re.compile(r"^[A-Z][A-Z' ]*[A-Z]:$", re.MULTILINE)  # "ROMEO:", "
 
 
 def train_tiny():
-    """`models/train_tiny.py` is a script, not a package: import it by path."""
-    if "train_tiny" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("train_tiny", REPO / "models" / "train_tiny.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["train_tiny"] = module  # dataclasses look their module up here
-        spec.loader.exec_module(module)
-    return sys.modules["train_tiny"]
+    """`models/train_tiny.py` is a script, not a package: the demos' helper imports it by path."""
+    return train_tiny_module()
 
 
 def word_list() -> set[str]:
