@@ -26,6 +26,7 @@ Reference: vLLM `benchmarks/benchmark_throughput.py` (`run_vllm`, `run_hf`).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import time
 from dataclasses import dataclass, field
 
@@ -228,9 +229,8 @@ def available_levels() -> list[str]:
     """The level packages that import (level 3 joins once it lands)."""
     found = []
     for module in ("level0_naive", "level1_paged", "level2_continuous", "level3_prefix"):
-        try:
-            if hasattr(importlib.import_module(module), "LLM"):
-                found.append(module)
-        except Exception:  # a level being written may not import yet: benchmark the rest
+        if importlib.util.find_spec(module) is None:  # a level not written yet
             continue
+        importlib.import_module(module)  # a level that exists but fails to import is an error, not a skip
+        found.append(module)
     return found
