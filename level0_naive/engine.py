@@ -66,8 +66,13 @@ class LLM:
         self._init_kv_cache()
 
     # --- the public API ------------------------------------------------------
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None, *, progress: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt (a string or a list of token ids); outputs in prompt order."""
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Generate for every prompt (a string or a list of token ids); outputs in prompt order.
+
+        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is.
+        """
+        progress = progress if use_tqdm is None else use_tqdm
         groups = self._make_requests(prompts, sampling_params)  # validates everything first
         seqs = [s for g in groups for s in g]
         with Timer() as t, GenerateProgress(len(seqs), enabled=progress) as bar:
