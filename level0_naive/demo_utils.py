@@ -88,6 +88,16 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out, save (making the folder) and close a demo's matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
 def spread_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
     """n output lengths spread evenly-at-random between lo and hi (seeded)."""
     rng = random.Random(seed)

@@ -32,6 +32,7 @@ from level0_naive.demo_utils import (
     default_model,
     demo_parser,
     prompts_for,
+    save_figure,
     spread_lengths,
     torch_threads,
 )
@@ -218,10 +219,7 @@ def plot(path: Path, s0: TracedStats, s1: TracedStats, budget: int) -> None:
     ax.set_xlabel("model step")
     ax.set_ylabel("requests")
     ax.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ from level0_naive.demo_utils import (
     default_model,
     demo_parser,
     prompts_for,
+    save_figure,
     torch_threads,
 )
 from level0_naive.engine import LLM as NaiveLLM
@@ -172,10 +173,7 @@ def plot(path: Path, results: dict, lengths: list[int]) -> None:
     axes[-1].set_xlabel("seconds since the requests arrived")
     axes[0].legend(handles=[Patch(color="0.85", label="queued"), Patch(color="tab:blue", label="running, short request"),
                             Patch(color="tab:orange", label="running, long request")], loc="upper right", fontsize=8)  # fmt: skip
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

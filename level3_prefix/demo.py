@@ -19,7 +19,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from level0_naive.demo_utils import REPO, default_model, demo_parser, torch_threads
+from level0_naive.demo_utils import REPO, default_model, demo_parser, save_figure, torch_threads
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM, LLMEngine
@@ -136,10 +136,7 @@ def plot(ttfts: dict[bool, list[float]], path: Path) -> None:
     ax.set_title("A shared system prompt: TTFT with and without prefix caching")
     ax.legend()
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 if __name__ == "__main__":
