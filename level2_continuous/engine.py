@@ -160,15 +160,16 @@ class LLMEngine(PagedLLM):
         s.generated_tokens += len(sampled)
         s.preemptions += len(out.preempted)
         running = len(self.scheduler.running)
-        used_tokens = sum(r.num_computed_tokens for r in self.scheduler.running)
-        s.record_step(running, *self._kv_bytes(used_tokens), step_s)
+        s.record_step(running, *self._kv_usage(), step_s)
         self.step_log.append(StepRecord(time.perf_counter(), running, len(self.scheduler.waiting), out.num_batched_tokens, prefill,
                                         len(out.preempted), self.kv.num_used_blocks, sched_s, step_s,
                                         [r.request_id for r, _ in out.scheduled]))  # fmt: skip
 
-    def _kv_bytes(self, used_tokens: int) -> tuple[int, int]:
+    def _kv_usage(self) -> tuple[int, int]:
+        """(bytes reserved, bytes holding real tokens), from the KV manager's blocks."""
         reserved = self.kv.num_used_blocks * self.config.block_size
-        return reserved * self.bytes_per_token, used_tokens * self.bytes_per_token
+        used = sum(r.num_computed_tokens for r in self.scheduler.running)
+        return reserved * self.bytes_per_token, used * self.bytes_per_token
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
     def _run(self, seqs: list[Request], bar: GenerateProgress) -> None:

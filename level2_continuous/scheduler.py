@@ -39,7 +39,6 @@ from .request import FINISH_STATUS, Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
     preempted: list[Request] = field(default_factory=list)
-    admitted: list[Request] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -97,7 +96,6 @@ class Scheduler:
             req.to(RequestStatus.RUNNING)
             self.running.append(req)
             out.scheduled.append((req, n))
-            out.admitted.append(req)
             budget -= n
 
     def _next_waiting(self) -> Request:

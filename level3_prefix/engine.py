@@ -42,7 +42,7 @@ class LLMEngine(ContinuousEngine):
         """prefix_cache_queries / prefix_cache_hits (tokens), hit rate, cached blocks, evictions."""
         return self.kv.stats()
 
-    def _kv_bytes(self, used_tokens: int) -> tuple[int, int]:
+    def _kv_usage(self) -> tuple[int, int]:
         # Shared blocks count once: a block holds as many tokens as its fullest owner put there.
         fill: dict[int, int] = {}
         bs = self.config.block_size
