@@ -7,8 +7,8 @@ end-to-end latency) plus the engine's KV and batching counters.
 
   levels  a fresh `LLM` per run (stats accumulate per LLM; chat's turns share one, so
           level 3 can reuse the previous turn's blocks); every level gets the same
-          `kv_cache_memory`. The model runner's `forward` is wrapped with a timer, so
-          the report can say what share of the wall time the model itself took.
+          `kv_cache_memory`. The model runner's (or worker's) `forward` is wrapped with
+          a timer, so the report can say what share of the wall time the model took.
   hf      `AutoModelForCausalLM.generate`, the way a user batches it: fixed-size batches
           in arrival order, left padding, greedy. One `generate` call cannot give each
           row its own length, so a batch runs to its longest request
@@ -91,7 +91,9 @@ class LevelEngine:
     def run(self, workload: Workload) -> RunResult:
         llm = self.new_llm()
         res = RunResult(self.name, forward_seconds=0.0)
-        inner = llm.runner.forward
+        engine = llm.llm_engine
+        runner = getattr(engine, "worker", None) or engine.runner  # level 1 on: the Worker owns the model
+        inner = runner.forward
 
         def timed_forward(*args, **kwargs):  # an instance attribute: the engine code is untouched
             t0 = time.perf_counter()
@@ -100,7 +102,7 @@ class LevelEngine:
             finally:
                 res.forward_seconds += time.perf_counter() - t0
 
-        llm.runner.forward = timed_forward
+        runner.forward = timed_forward
 
         def run_round(reqs: list[Request]) -> list[list[int]]:
             SP = self.module.SamplingParams
@@ -115,8 +117,8 @@ class LevelEngine:
         workload.play(run_round)
         s = llm.stats
         res.stats = {k: v for k, v in s.as_dict().items() if k not in ("busy_time", "output_tokens_per_s")}
-        if hasattr(llm, "step_log"):
-            res.schedule_seconds = sum(r.schedule_seconds for r in llm.step_log)
+        if hasattr(engine, "scheduler"):
+            res.schedule_seconds = s.schedule_seconds
         if hasattr(llm, "prefix_stats"):
             res.stats["prefix"] = llm.prefix_stats()
         return res
@@ -170,7 +172,7 @@ class HFEngine:
         return out[:, width:]  # [B, n]
 
     def run(self, workload: Workload) -> RunResult:
-        from level0_naive.progress import GenerateProgress
+        from ladder.progress import GenerateProgress
 
         res = RunResult(self.name)
         kv = {"prefill": 0, "steps": 0, "reserved_sum": 0, "used_sum": 0, "reserved_peak": 0, "used_peak": 0, "running_sum": 0, "peak_running": 0}

@@ -25,7 +25,7 @@ def build(out: Path, hidden: int = 768, layers: int = 12, heads: int = 12, kv_he
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from level0_naive.demo_utils import train_tiny_module
+    from ladder.models import train_tiny_module
 
     tiny = train_tiny_module()
     cfg = LlamaConfig(

@@ -113,7 +113,7 @@ def make_console() -> Console:
 
 def run(args, console: Console) -> dict:
     from level0_naive.config import resolve_device, resolve_dtype
-    from level0_naive.demo_utils import default_model
+    from ladder.models import default_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,9 +1,9 @@
 """Level 0: the naive baseline every other level imports and is measured against."""
 
 from .config import EngineConfig
-from .engine import LLM
+from .llm import LLM
 from .loader import load_model
 from .outputs import CompletionOutput, Logprob, RequestOutput
-from .sampling import SamplingParams
+from .sampling import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "EngineConfig", "load_model"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "EngineConfig", "load_model"]

@@ -44,9 +44,18 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> torch.device:
+    """"auto" -> CUDA if available, else CPU. Asking for CUDA where there is none is a
+    clear error here, before any weight is loaded."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device={device!r} is not a device torch knows ({e})") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"device={device!r} is not available ({why}); use 'cpu' or 'auto'")
+    return dev
 
 
 def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:

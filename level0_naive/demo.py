@@ -13,25 +13,21 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from .demo_utils import (
-    default_model,
-    demo_parser,
-    prompts_for,
-    spread_lengths,
-    torch_threads,
-)
-from .engine import LLM
+from ladder.cli import demo_parser, parse_demo_args, positive_int, prompts_for, spread_lengths, torch_threads
+from ladder.models import default_model
+
+from .llm import LLM
 from .sampling import SamplingParams
 
 
 def parser():
-    p = demo_parser(__doc__)
-    p.add_argument("--requests", type=int, default=16)
+    p = demo_parser(__doc__, "level0_naive.demo")
+    p.add_argument("--requests", type=positive_int, default=16, help="how many requests (default 16)")
     return p
 
 
 def main(argv=None):
-    args = parser().parse_args(argv)
+    args = parse_demo_args(parser(), argv)
     with torch_threads(args.threads):
         return run(args, Console())
 
@@ -40,9 +36,9 @@ def run(args, console: Console):
     model = args.model or default_model()
     cap = args.max_tokens or 256
     lengths = spread_lengths(args.requests, min(16, cap), cap, seed=args.seed)
-    probe = LLM(model, dtype=args.dtype, device=args.device, seed=args.seed)
+    probe = LLM(model, dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory=1)  # only to size the budget
     # A KV budget that holds about four requests' worst case: tight, as real GPUs are.
-    budget = 4 * (cap + 16) * probe.bytes_per_token
+    budget = 4 * (cap + 16) * probe.llm_engine.bytes_per_token
     llm = LLM(model, dtype=args.dtype, device=args.device, kv_cache_memory=budget, seed=args.seed)
     del probe
     prompts = prompts_for(args.requests)

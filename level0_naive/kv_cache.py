@@ -72,22 +72,21 @@ class SlabAttention:
     those tokens go to slab positions slab.used .. slab.used + n - 1.
     """
 
-    def __init__(self, slabs: list[Slab], query_lens: list[int]):
-        self.slabs, self.query_lens = slabs, query_lens
-        self.starts = [0]
-        for n in query_lens:
-            self.starts.append(self.starts[-1] + n)
+    def __init__(self, slabs: list[Slab], query_start_loc: torch.Tensor):
+        self.slabs = slabs
+        qsl = query_start_loc.tolist()  # [B+1], read once per forward, not once per layer
+        self.spans = list(zip(qsl[:-1], qsl[1:]))
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         out = torch.empty_like(q)  # [T, Hq, D]
-        for slab, n, s in zip(self.slabs, self.query_lens, self.starts):
-            ctx = slab.used
-            slab.k[layer, ctx : ctx + n] = k[s : s + n]
-            slab.v[layer, ctx : ctx + n] = v[s : s + n]
-            out[s : s + n] = causal_attention(q[s : s + n], slab.k[layer, : ctx + n], slab.v[layer, : ctx + n], ctx)
+        for slab, (s, e) in zip(self.slabs, self.spans):
+            ctx, n = slab.used, e - s
+            slab.k[layer, ctx : ctx + n] = k[s:e]
+            slab.v[layer, ctx : ctx + n] = v[s:e]
+            out[s:e] = causal_attention(q[s:e], slab.k[layer, : ctx + n], slab.v[layer, : ctx + n], ctx)
         return out
 
     def commit(self) -> None:
         """After the forward: the new tokens are now part of every slab's context."""
-        for slab, n in zip(self.slabs, self.query_lens):
-            slab.used += n
+        for slab, (s, e) in zip(self.slabs, self.spans):
+            slab.used += e - s

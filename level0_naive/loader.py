@@ -2,8 +2,9 @@
 
 What it is: `load_model(path_or_hub_id, dtype, device)` reads `config.json`, single or
 sharded `*.safetensors` (via `model.safetensors.index.json`), `tokenizer.json` /
-`tokenizer_config.json` (chat template included) and `generation_config.json`. A hub id
-is looked up in the local Hugging Face cache only. Weights stored in bf16/fp16 are
+`tokenizer_config.json` (chat template included) and `generation_config.json`. A
+built-in model is found by name from any directory ("tiny-shakespeare"), a hub id in the
+local Hugging Face cache only. Weights stored in bf16/fp16 are
 upcast to the requested dtype.
 
 What it is not: a downloader. Nothing here touches the network; a model that is not on
@@ -22,6 +23,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from ladder.models import resolve_path
 
 from .model import ModelConfig, Transformer, rope_inv_freq
 
@@ -43,26 +46,6 @@ class LoadedModel:
     path: Path
     hf_config: dict
     generation_config: dict
-
-
-def resolve_path(model: str | os.PathLike) -> Path:
-    """A local directory, or a hub id already in the local Hugging Face cache."""
-    tried = [str(Path(model).expanduser().resolve())]
-    path = Path(model).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if path.is_dir():
-        raise ValueError(f"model directory {path} has no config.json")
-    if "/" in str(model) and not str(model).startswith((".", "/", "~")):
-        try:
-            from huggingface_hub import snapshot_download
-
-            return Path(snapshot_download(str(model), local_files_only=True))
-        except Exception:  # not in the cache (the hub library says why; we only list where)
-            from huggingface_hub.constants import HF_HUB_CACHE
-
-            tried.append(f"{HF_HUB_CACHE} (local Hugging Face cache, hub id {model!r})")
-    raise ValueError("model not found; looked in:\n  " + "\n  ".join(tried) + "\n(nothing is downloaded at run time)")
 
 
 def model_config_from_hf(hf: dict) -> ModelConfig:

@@ -1,14 +1,18 @@
-"""What a request is while it runs (`Sequence`) and what the caller gets back (`RequestOutput`).
+"""What a request is while it runs (`Sequence`), and what the caller gets back (`RequestOutput`).
 
 What it is: plain data plus the stop rules every level shares: EOS, `stop_token_ids`,
 `stop` strings (removed from the text unless asked to keep them), `max_tokens` and the
-context length. The output types mirror vLLM's (`RequestOutput` holding one
-`CompletionOutput` per sample, `n` of them), so code written against vLLM reads the same.
+context length; and the `OutputProcessor`, which turns sequences into outputs of the
+kind each request asked for (`RequestOutputKind`: cumulative, delta, final only). Text
+comes from each sequence's `IncrementalDetokenizer`, so a step decodes only new tokens,
+and a streaming output holds back what may still turn out to be part of a stop string.
+The output types mirror vLLM's (`RequestOutput` holding one `CompletionOutput` per
+sample, `n` of them), so code written against vLLM reads the same.
 
 What it is not: a scheduler state machine. Level 0 only needs "running" and "finished";
 level 2's `Request` adds WAITING / RUNNING / PREEMPTED on top of this class.
 
-Reference: vllm/outputs.py, vllm/v1/engine/detokenizer.py (stop strings).
+Reference: vllm/outputs.py, vllm/v1/engine/output_processor.py and detokenizer.py.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .sampling import SamplingParams, SamplingState
+from .detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
+from .sampling import RequestOutputKind, SamplingParams, SamplingState, top_logprobs
 
 
 @dataclass
@@ -33,6 +38,7 @@ class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    last_token_time: float | None = None
     finished_time: float | None = None
 
     @property
@@ -82,19 +88,23 @@ class Sequence:
     max_len: int  # prompt + output never exceeds this (max_model_len)
     eos_token_ids: list[int]
     generator: torch.Generator | None
+    tokenizer: object | None = None  # for text and stop strings; None: token ids only
     metrics: RequestMetrics = None  # type: ignore[assignment]
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
-    text: str = ""  # detokenized output; kept current only when a stop string needs it
+    # what the OutputProcessor has already handed out (delta outputs send only the rest)
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
 
     def __post_init__(self):
         if self.metrics is None:
             self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        self.detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, self.output_token_ids, self.params.skip_special_tokens)
 
     # --- sizes -------------------------------------------------------------
     @property
@@ -125,24 +135,30 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def text(self) -> str:
+        """The output text decoded so far (complete characters; cut at a stop string)."""
+        return self.detok.text if self.detok is not None else ""
+
     def sampling_state(self) -> SamplingState:
         return SamplingState(self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids)
 
     # --- one new token -----------------------------------------------------
-    def append_token(self, token: int, tokenizer, logprob: dict[int, Logprob] | None = None) -> None:
+    def append_token(self, token: int, logprob: dict[int, Logprob] | None = None) -> None:
         """Add a sampled token and decide whether it ends the sequence."""
         self.output_token_ids.append(token)
         now = time.perf_counter()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
+        self.metrics.last_token_time = now
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob[token].logprob
-        self._check_stop(token, tokenizer)
+        self._check_stop(token)
         if self.is_finished:
-            self.metrics.finished_time = now
+            self._end()
 
-    def _check_stop(self, token: int, tokenizer) -> None:
+    def _check_stop(self, token: int) -> None:
         p, n_out = self.params, len(self.output_token_ids)
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
@@ -151,64 +167,112 @@ class Sequence:
             if token in p.stop_token_ids:
                 self.finish_reason, self.stop_reason = "stop", token
                 return
-            if p.stop and self._check_stop_strings(tokenizer):
-                return
+        if p.stop and self._check_stop_strings(search=n_out >= p.min_tokens):
+            return
         if (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= self.max_len:
             self.finish_reason = "length"
 
-    def _check_stop_strings(self, tokenizer) -> bool:
-        # Decoding and searching the whole output each step is O(n^2) over a request;
-        # fine for a reference (vLLM decodes incrementally). Searching everything, not
-        # just the new tail, stays right when a byte-level tokenizer's partial UTF-8
-        # ('\ufffd') turns into a real character and the text changes length.
-        self.text = decode(tokenizer, self.output_token_ids, self.params.skip_special_tokens)
-        for stop in self.params.stop:
-            at = self.text.find(stop)
-            if at != -1:
-                end = at + len(stop) if self.params.include_stop_str_in_output else at
-                self.text = self.text[:end]
-                self.finish_reason, self.stop_reason = "stop", stop
-                return True
-        return False
+    def _check_stop_strings(self, search: bool) -> bool:
+        """Decode the new token and look for a stop string ending in the new text only (as
+        vLLM does, text produced before `min_tokens` is never searched)."""
+        checked = len(self.detok.text)
+        if not self.detok.update() or not search:
+            return False
+        hit = find_stop(self.detok.text, self.params.stop, checked)
+        if hit is None:
+            return False
+        at, stop = hit
+        self.detok.truncate(at + len(stop) if self.params.include_stop_str_in_output else at)
+        self.finish_reason, self.stop_reason = "stop", stop
+        return True
 
     def finish(self, reason: str) -> None:
+        """End it from outside (an abort); a stop rule ends it from `append_token`."""
         self.finish_reason = reason
-        self.metrics.finished_time = time.perf_counter()
+        self._end()
 
-    def completion(self, tokenizer) -> CompletionOutput:
-        if self.stop_reason is None or not isinstance(self.stop_reason, str):
-            self.text = decode(tokenizer, self.output_token_ids, self.params.skip_special_tokens)
+    def _end(self) -> None:
+        self.metrics.finished_time = time.perf_counter()
+        if self.detok is not None and not isinstance(self.stop_reason, str):
+            self.detok.finish()  # bytes held back for an incomplete character come out now
+
+    def visible_text(self) -> str:
+        """The text an output may show now: all of it once finished; while running, minus
+        a tail that could still become a stop string that is cut from the output."""
+        if self.detok is None:
+            return ""
+        self.detok.update()  # catch up: each token is decoded once, whenever this is asked
+        hold = 0 if self.is_finished else stop_holdback(self.params.stop, self.params.include_stop_str_in_output)
+        return self.detok.text[: len(self.detok.text) - hold] if hold else self.detok.text
+
+    def completion(self, delta: bool = False) -> CompletionOutput:
+        """This sample's output: everything so far, or (delta) what was not handed out yet."""
+        text, tokens, logprobs = self.visible_text(), self.output_token_ids, self.logprobs
+        if delta:
+            t0, c0 = self.num_sent_tokens, self.num_sent_chars
+            self.num_sent_tokens, self.num_sent_chars = len(tokens), max(len(text), c0)
+            text, tokens, logprobs = text[c0:], tokens[t0:], None if logprobs is None else logprobs[t0:]
         return CompletionOutput(
             index=self.index,
-            text=self.text,
-            token_ids=list(self.output_token_ids),
+            text=text,
+            token_ids=list(tokens),
             cumulative_logprob=self.cumulative_logprob if self.logprobs is not None else None,
-            logprobs=self.logprobs,
+            logprobs=None if logprobs is None else list(logprobs),
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
 
 
-def decode(tokenizer, token_ids: list[int], skip_special_tokens: bool = True) -> str:
-    if tokenizer is None:
-        return ""
-    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], tokenizer) -> list[dict[int, Logprob] | None]:
+    """The `logprobs` entry of each row's chosen token (None where the request did not ask):
+    its logprob and rank, and the top-N alternatives, decoded for reading."""
+    want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    if not want:
+        return [None] * len(seqs)
+    chosen_lp, rank, top_ids, top_vals = top_logprobs(logits, tokens, max(want))
+    decode = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))
+    entries = []
+    for i, (seq, tok) in enumerate(zip(seqs, tokens.tolist())):
+        n = seq.params.logprobs
+        if n is None:
+            entries.append(None)
+            continue
+        entry = {int(t): Logprob(float(v), r + 1, decode(int(t))) for r, (t, v) in enumerate(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))}
+        entry[tok] = Logprob(float(chosen_lp[i]), int(rank[i]), decode(tok))
+        entries.append(entry)
+    return entries
 
 
-def group_outputs(seqs: list[Sequence], tokenizer) -> RequestOutput:
-    """The n samples of one request -> one RequestOutput (metrics from the slowest sample)."""
-    first = seqs[0]
-    metrics = RequestMetrics(
-        arrival_time=first.metrics.arrival_time,
-        first_scheduled_time=min((s.metrics.first_scheduled_time for s in seqs if s.metrics.first_scheduled_time), default=None),
-        first_token_time=min((s.metrics.first_token_time for s in seqs if s.metrics.first_token_time), default=None),
-        finished_time=max((s.metrics.finished_time for s in seqs if s.metrics.finished_time), default=None),
-    )
-    return RequestOutput(
-        request_id=first.request_id,
-        prompt=first.prompt,
-        prompt_token_ids=first.prompt_token_ids,
-        outputs=[s.completion(tokenizer) for s in sorted(seqs, key=lambda s: s.index)],
-        finished=all(s.is_finished for s in seqs),
-        metrics=metrics,
-    )
+class OutputProcessor:
+    """Sequences -> `RequestOutput`s of the kind each request asked for.
+
+    One request is a group of `n` sequences (its samples). `make(group)` returns None
+    for a FINAL_ONLY request that has not finished; a DELTA request gets only the text,
+    tokens and logprobs it has not been given yet (concatenated, they are exactly the
+    final cumulative output).
+    """
+
+    def make(self, group: list[Sequence]) -> RequestOutput | None:
+        kind = group[0].params.output_kind
+        finished = all(s.is_finished for s in group)
+        if kind is RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind is RequestOutputKind.DELTA
+        return self._output(group, [s.completion(delta) for s in sorted(group, key=lambda s: s.index)], finished)
+
+    def final(self, group: list[Sequence]) -> RequestOutput:
+        """The whole output of a finished request (what `LLM.generate` returns)."""
+        return self._output(group, [s.completion() for s in sorted(group, key=lambda s: s.index)], True)
+
+    @staticmethod
+    def _output(group: list[Sequence], completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+        first = group[0]
+        times = lambda name, pick: pick((getattr(s.metrics, name) for s in group if getattr(s.metrics, name)), default=None)  # noqa: E731
+        metrics = RequestMetrics(
+            arrival_time=first.metrics.arrival_time,
+            first_scheduled_time=times("first_scheduled_time", min),
+            first_token_time=times("first_token_time", min),
+            last_token_time=times("last_token_time", max),
+            finished_time=times("finished_time", max) if finished else None,
+        )
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)

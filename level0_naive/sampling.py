@@ -1,9 +1,16 @@
 """Sampling: the parameters a vLLM user passes, and the function that turns logits into tokens.
 
 What it is: `SamplingParams` with vLLM's field names and validation (a `ValueError`
-that names the field), and `sample()`, which applies per-request penalties, min-tokens
-EOS suppression, temperature, top-k, top-p and min-p to a batch of logits and draws one
-token per row, each request from its own `torch.Generator` so a seeded request gives
+that names the field), and sampling in two stages, so that speculative decoding (level
+4) can reuse the first:
+
+    logits [B, V] --probabilities()--> probs [B, V] --draw()--> tokens [B]
+                   penalties, min-tokens EOS ban,     one multinomial draw per row from
+                   temperature, top-k, top-p, min-p    the request's own generator; a
+                   (a greedy row: one-hot at argmax)   greedy row takes its argmax
+
+`sample()` is the two together, with a fast path (one `argmax`) when every row is plain
+greedy. Each request draws from its own `torch.Generator`, so a seeded request gives
 the same tokens whatever batch it lands in.
 
 What it is not: fast. Penalised or seeded rows are handled with small per-row loops; a
@@ -16,9 +23,18 @@ API for presence/frequency penalties; Hugging Face's `RepetitionPenaltyLogitsPro
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 import torch
+
+
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request that moved (vLLM's names)."""
+
+    CUMULATIVE = 0  # everything so far, every step
+    DELTA = 1  # only what is new since the last output (streaming)
+    FINAL_ONLY = 2  # nothing until the request finishes
 
 
 @dataclass
@@ -40,6 +56,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -64,6 +81,7 @@ class SamplingParams:
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer (or None)"),
+            ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -128,27 +146,61 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def process_row(row: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    """One row of raw logits [V] -> the logits the request really samples from [V].
+
+    Greedy rows get the bans and penalties but no temperature (there is nothing to
+    divide by); sampled rows are divided by the temperature and filtered.
+    """
+    p = st.params
+    if len(st.output_token_ids) < p.min_tokens:
+        banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
+        if banned:
+            row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
+    if p.needs_penalties:
+        row = apply_penalties(row, st)
+    if p.greedy:
+        return row
+    return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
+
+
+def probabilities(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Stage 1. logits [B, V] -> the distribution each row is sampled from, probs [B, V].
+
+    A greedy row is one-hot at the argmax of its processed logits: sampling from it is
+    the argmax, and level 4's rejection sampler needs no special case to be exact for it.
+    """
+    probs = torch.empty_like(logits)  # [B, V]
+    for i, st in enumerate(states):
+        row = process_row(logits[i], st)  # [V]
+        if st.params.greedy:
+            probs[i] = torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).to(probs.dtype)
+        else:
+            probs[i] = torch.softmax(row, dim=-1)
+    return probs
+
+
+def draw(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Stage 2. probs [B, V] -> one token per row [B] (long), each from its own generator."""
+    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
+    for i, st in enumerate(states):
+        if st.params.greedy:
+            out[i] = probs[i].argmax()
+        else:
+            out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
+    return out
+
+
+def is_plain_greedy(params: SamplingParams) -> bool:
+    """Greedy with nothing that reshapes the logits: the row's token is its raw argmax."""
+    return params.greedy and not params.needs_penalties and not params.min_tokens
+
+
 def sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     """logits [B, V] (float32+) -> next tokens [B] (long). One row per state."""
-    B = logits.shape[0]
-    if all(st.params.greedy and not st.params.needs_penalties and not st.params.min_tokens for st in states):
+    if all(is_plain_greedy(st.params) for st in states):
         return logits.argmax(dim=-1)  # the fast path: plain greedy
-    out = torch.empty(B, dtype=torch.long, device=logits.device)
-    for i, st in enumerate(states):
-        p, row = st.params, logits[i]  # row [V]
-        if len(st.output_token_ids) < p.min_tokens:
-            banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
-            if banned:
-                row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
-        if p.needs_penalties:
-            row = apply_penalties(row, st)
-        if p.greedy:
-            out[i] = row.argmax()
-            continue
-        row = filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-        probs = torch.softmax(row, dim=-1)
-        out[i] = torch.multinomial(probs, 1, generator=st.generator)[0]
-    return out
+    return draw(probabilities(logits, states), states)
 
 
 def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,7 +1,9 @@
 """Level 1: PagedAttention. Level 0's engine with a block-allocated KV cache."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, SamplingParams, load_model
+from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
 
-from .engine import LLM, PagedEngineConfig
+from .engine import LLM, PagedEngine, PagedEngineConfig
+from .worker import ModelInput, Worker
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PagedEngineConfig", "load_model"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PagedEngineConfig", "PagedEngine",
+           "ModelInput", "Worker", "load_model"]  # fmt: skip

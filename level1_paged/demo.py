@@ -9,7 +9,9 @@ per request) and level 1 (16-token blocks handed out as tokens arrive). It print
     requests were in memory at once, how often level 1 had to evict, tokens/s;
   - a picture of one moment: level 0's slabs and level 1's block pool and block tables;
 
-and saves `docs/img/level1_memory.png`: the KV memory of both engines, step by step.
+and saves a picture of the KV memory of both engines, step by step (to a folder outside
+the repository, printed at the end; `--plot PATH` to choose; `python -m ladder.figures`
+regenerates the committed `docs/img/level1_memory.png` with the docs' settings).
 
 What it is not: a throughput benchmark (`benchmarks/` is). Both engines use static
 batching, so the difference shown is memory, and tokens/s follow only from that.
@@ -27,16 +29,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from level0_naive.demo_utils import (
-    REPO,
-    default_model,
-    demo_parser,
-    prompts_for,
-    save_figure,
-    spread_lengths,
-    torch_threads,
-)
-from level0_naive.engine import LLM as NaiveLLM
+from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_float, positive_int, prompts_for, save_figure, spread_lengths, torch_threads
+from ladder.models import default_model
+from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.sampling import SamplingParams
 from level0_naive.stats import EngineStats
 
@@ -62,17 +57,18 @@ class TracedStats(EngineStats):
 
 
 def parser():
-    p = demo_parser(__doc__)
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--budget-requests", type=float, default=4.0, help="KV budget, in worst-case requests (longest prompt + max tokens)")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--snapshot-step", type=int, default=64, help="the step whose slabs and block tables are drawn")
-    p.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "level1_memory.png")
+    p = demo_parser(__doc__, "level1_paged.demo")
+    p.add_argument("--requests", type=positive_int, default=24, help="how many requests (default 24)")
+    p.add_argument("--budget-requests", type=positive_float, default=4.0, help="KV budget, in worst-case requests (longest prompt + max tokens; default 4)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block of level 1 (default 16)")
+    p.add_argument("--snapshot-step", type=positive_int, default=64, help="the step whose slabs and block tables are drawn (default 64)")
+    p.add_argument("--plot", type=Path, default=None, help="where to save the memory picture (default: level1_memory.png in a folder outside the repository)")
     return p
 
 
 def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
+    args = parse_demo_args(parser(), argv)
+    args.plot = plot_path(args.plot, "level1_memory.png")
     with torch_threads(args.threads):
         return run(args, Console())
 
@@ -84,7 +80,7 @@ def run(args, console: Console) -> dict:
     prompts = prompts_for(args.requests)
     params = [SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for n in lengths]
     common = dict(dtype=args.dtype, device=args.device, seed=args.seed)
-    probe = NaiveLLM(model, kv_cache_memory=1, **common)  # only to size the budget
+    probe = NaiveLLM(model, kv_cache_memory=1, **common).llm_engine  # only to size the budget (allocates no KV)
     worst = max(len(probe.tokenizer(p)["input_ids"]) for p in prompts) + cap
     budget = int(args.budget_requests * worst * probe.bytes_per_token)
     del probe
@@ -94,14 +90,14 @@ def run(args, console: Console) -> dict:
     engines, snaps = {}, {}
     for name, cls, extra in [("level 0", NaiveLLM, {}), ("level 1", PagedLLM, {"block_size": args.block_size})]:
         llm = cls(model, kv_cache_memory=budget, **common, **extra)
-        llm.stats = TracedStats(hook=snapshotter(llm, args.snapshot_step, snaps.setdefault(name, {})))
+        llm.llm_engine.stats = TracedStats(hook=snapshotter(llm.llm_engine, args.snapshot_step, snaps.setdefault(name, {})))
         console.print(f"[bold]{name}[/]")
         llm.generate(prompts, params, progress=not args.no_progress)
         engines[name] = llm
 
     s0, s1 = engines["level 0"].stats, engines["level 1"].stats
     print_table(console, s0, s1, budget)
-    draw_snapshot(console, snaps["level 0"], snaps["level 1"], engines["level 1"].num_blocks, args.block_size)
+    draw_snapshot(console, snaps["level 0"], snaps["level 1"], engines["level 1"].llm_engine.num_blocks, args.block_size)
     plot(args.plot, s0, s1, budget)
     console.print(f"[bold]KV waste[/] {100 * s0.kv_waste:.1f} % -> [green]{100 * s1.kv_waste:.1f} %[/];  "
                   f"[bold]peak requests in memory[/] {s0.peak_running} -> [green]{s1.peak_running}[/] "
@@ -110,17 +106,17 @@ def run(args, console: Console) -> dict:
 
 
 # --- measuring --------------------------------------------------------------------------
-def snapshotter(llm, at_step: int, snap: dict) -> Callable[[int], None]:
+def snapshotter(engine, at_step: int, snap: dict) -> Callable[[int], None]:
     """A hook that copies the engine's KV layout after every step up to `at_step`
     (so a run shorter than that still leaves its last step), and the first step's ids."""
 
     def hook(step: int) -> None:
         if step > at_step:
             return
-        if isinstance(llm, PagedLLM):  # seq_id -> (its block table, tokens cached)
-            layout = {sid: (list(t), llm.cached.get(sid, 0)) for sid, t in llm.blocks.tables.items()}
-        else:  # seq_id -> (slab slots reserved, slots used)
-            layout = {sid: (slab.reserved, slab.used) for sid, slab in llm.slabs.items()}
+        if hasattr(engine, "blocks"):  # level 1: seq_id -> (its block table, tokens cached)
+            layout = {sid: (list(t), engine.cached.get(sid, 0)) for sid, t in engine.blocks.tables.items()}
+        else:  # level 0: seq_id -> (slab slots reserved, slots used)
+            layout = {sid: (slab.reserved, slab.used) for sid, slab in engine.slabs.items()}
         snap.update(step=step, layout=layout)
         snap.setdefault("first_ids", sorted(layout))
 

@@ -12,8 +12,11 @@ the youngest request in the batch is evicted: its blocks are freed and it goes b
 the head of the queue, keeping the tokens it generated, to be recomputed (prefilled
 again) in a later batch. Level 2 turns this emergency exit into a scheduling policy.
 
-What it is not: continuous batching (level 2) or prefix sharing (level 3). Only the
-hooks of `level0_naive.engine.LLM` that touch the KV cache are replaced here.
+The model now runs in a `Worker` (`worker.py`) that owns the paged KV cache; each step
+the engine hands it one `ModelInput` built from the block tables.
+
+What it is not: continuous batching (level 2) or prefix sharing (level 3). Only the KV
+methods of `level0_naive.engine.NaiveEngine` are replaced here.
 
 Reference: Kwon et al., SOSP 2023, sections 4.2 (block table) and 4.5 (recomputation).
 """
@@ -22,11 +25,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from level0_naive.config import EngineConfig
-from level0_naive.engine import LLM as NaiveLLM
-from level0_naive.outputs import Sequence
+import torch
 
-from .paged_cache import BlockTables, PagedAttention, PagedKVCache, PagedMetadata, attention_impl, blocks_for
+from level0_naive.config import EngineConfig
+from level0_naive.engine import NaiveEngine
+from level0_naive.llm import LLM as NaiveLLM
+from level0_naive.outputs import Sequence
+from level0_naive.worker import Chunk
+
+from .paged_cache import BlockTables, blocks_for, num_blocks_for_budget
+from .worker import ModelInput, Worker
 
 
 @dataclass
@@ -40,21 +48,17 @@ class PagedEngineConfig(EngineConfig):
             raise ValueError(f"block_size={self.block_size} must be >= 1")
 
 
-class LLM(NaiveLLM):
+class PagedEngine(NaiveEngine):
     config_class = PagedEngineConfig
 
     def _init_kv_cache(self) -> None:
         bs = self.config.block_size
-        self.num_blocks = self.kv_budget // (bs * self.bytes_per_token)
-        if self.num_blocks < 1:
-            raise ValueError(f"kv_cache_memory={self.kv_budget} bytes holds no block of {bs} tokens ({bs * self.bytes_per_token} bytes)")
-        self.cache = PagedKVCache(self.model_config, self.num_blocks, bs, self.dtype, self.device)
+        self.num_blocks = num_blocks_for_budget(self.kv_budget, bs, self.bytes_per_token)
+        self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.attention_backend)
         self.blocks = BlockTables(self.num_blocks, bs)
-        self.impl = attention_impl(self.config.attention_backend, self.device)
-        self.scale = self.model_config.head_dim**-0.5
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 
-    def _fits(self, seq: Sequence, i: int) -> None:
+    def check_fits(self, seq: Sequence, i: int) -> None:
         need = blocks_for(seq.max_total_tokens, self.config.block_size)
         if need > self.num_blocks:
             raise ValueError(f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) but the pool has {self.num_blocks}")
@@ -67,7 +71,7 @@ class LLM(NaiveLLM):
         self.cached[seq.seq_id] = 0
         return True
 
-    def _attention(self, running: list[Sequence], chunks):
+    def _make_room(self, running: list[Sequence], chunks: list[Chunk]) -> tuple[list[Sequence], list[Chunk]]:
         # Every sequence needs room for its new tokens; evict the youngest until all fit.
         while True:
             short = sum(self.blocks.missing_blocks(s.seq_id, pos + len(toks)) for s, (toks, pos) in zip(running, chunks))
@@ -79,11 +83,11 @@ class LLM(NaiveLLM):
         for s, (toks, pos) in zip(running, chunks):
             self.blocks.grow(s.seq_id, pos + len(toks))
             self.cached[s.seq_id] = pos + len(toks)
-        slots = [slot for s, (toks, pos) in zip(running, chunks) for slot in self.blocks.slots(s.seq_id, pos, len(toks))]
-        meta = PagedMetadata.build(
-            [self.blocks.tables[s.seq_id] for s in running], [pos for _, pos in chunks], [len(t) for t, _ in chunks], slots, self.device
-        )
-        return PagedAttention(self.cache, meta, self.impl, self.scale), running, chunks
+        return running, chunks
+
+    def _execute(self, running: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
+        tables = [self.blocks.tables[s.seq_id] for s in running]
+        return self.worker.execute(ModelInput.build(chunks, tables, self.config.block_size, [1] * len(chunks)))
 
     def _evict(self, seq: Sequence) -> None:
         """Free a running request's blocks and requeue it at the head; it keeps its tokens."""
@@ -98,6 +102,12 @@ class LLM(NaiveLLM):
     def _end_batch(self, batch: list[Sequence]) -> None:
         """Nothing left to free: blocks went back as each request finished."""
 
-    def _kv_usage(self) -> tuple[int, int]:
+    def kv_usage(self) -> tuple[int, int]:
         reserved = self.blocks.allocator.num_used * self.config.block_size
         return reserved * self.bytes_per_token, sum(self.cached.values()) * self.bytes_per_token
+
+
+class LLM(NaiveLLM):
+    """Level 0's front end over the paged engine."""
+
+    engine_class = PagedEngine

@@ -15,8 +15,8 @@ Only the tail of the last block can be wasted: fewer than `block_size` slots per
 sequence, versus a whole `max_tokens` reservation at level 0.
 
 `PagedAttention` is the attention backend the model calls for one flattened batch,
-described by vLLM's metadata: `query_start_loc [B+1]`, `seq_lens [B]`,
-`block_tables [B, max_blocks]`, `slot_mapping [T]`.
+described by vLLM's metadata (`query_start_loc [B+1]`, `seq_lens [B]`,
+`block_tables [B, max_blocks]`, `slot_mapping [T]`), which `worker.ModelInput` builds.
 
 What it is not: a scheduler. `BlockTables` grows and frees tables when told to; who
 runs, and who is preempted when blocks run out, is the engine's (level 1) or the
@@ -27,8 +27,6 @@ and `v1/attention/backends/`.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +50,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return -(-num_tokens // block_size)
 
 
+def num_blocks_for_budget(kv_budget: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks a KV budget in bytes holds (at least one, or a ValueError)."""
+    num_blocks = kv_budget // (block_size * bytes_per_token)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory={kv_budget} bytes holds no block of {block_size} tokens ({block_size * bytes_per_token} bytes)")
+    return num_blocks
+
+
 class BlockTables:
     """Which physical blocks each sequence owns, in logical order."""
 
@@ -60,12 +66,9 @@ class BlockTables:
         self.block_size = block_size
         self.tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return blocks_for(num_tokens, self.block_size)
-
     def missing_blocks(self, seq_id: int, num_tokens: int) -> int:
         """How many more blocks `seq_id` needs to hold `num_tokens` tokens."""
-        return max(self.blocks_for(num_tokens) - len(self.tables.get(seq_id, [])), 0)
+        return max(blocks_for(num_tokens, self.block_size) - len(self.tables.get(seq_id, [])), 0)
 
     def grow(self, seq_id: int, num_tokens: int) -> None:
         """Make the table cover `num_tokens` tokens; all or nothing (raises OutOfBlocks)."""
@@ -78,41 +81,6 @@ class BlockTables:
     def free(self, seq_id: int) -> None:
         for block in reversed(self.tables.pop(seq_id, [])):
             self.allocator.free(block)
-
-    def slots(self, seq_id: int, start: int, n: int) -> list[int]:
-        """Flat slot (block * block_size + offset) of token positions start .. start+n-1."""
-        table, bs = self.tables[seq_id], self.block_size
-        return [table[p // bs] * bs + p % bs for p in range(start, start + n)]
-
-
-@dataclass
-class PagedMetadata:
-    """vLLM's names, one flattened batch of B sequences and T new tokens.
-
-        query_start_loc  [0, 5, 6, 9]      seq i's queries are rows qsl[i]:qsl[i+1]
-        seq_lens         [5, 8, 5]         context + new tokens, per sequence
-        block_tables     [[3, -], [0, 1], [2, -]]   padded with 0 (never read)
-        slot_mapping     [48..52, 119, 34..36]      where each new token's k/v goes
-    """
-
-    query_start_loc: torch.Tensor  # [B+1] int32
-    seq_lens: torch.Tensor  # [B] int32
-    block_tables: torch.Tensor  # [B, max_blocks] int32
-    slot_mapping: torch.Tensor  # [T] int64
-
-    @classmethod
-    def build(cls, tables: list[list[int]], starts: list[int], query_lens: list[int], slots: list[int], device) -> PagedMetadata:
-        qsl = [0]
-        for n in query_lens:
-            qsl.append(qsl[-1] + n)
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
-        return cls(
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor([s + n for s, n in zip(starts, query_lens)], dtype=torch.int32, device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        )
 
 
 def attention_impl(name: str, device: torch.device):
@@ -133,9 +101,13 @@ def attention_impl(name: str, device: torch.device):
 
 
 class PagedAttention:
-    """The attention backend for one forward: write new k/v to their slots, attend through tables."""
+    """The attention backend for one forward: write new k/v to their slots, attend through tables.
 
-    def __init__(self, cache: PagedKVCache, meta: PagedMetadata, impl, scale: float):
+    `meta` is the step's `ModelInput` (`worker.py`): query_start_loc, seq_lens,
+    block_tables, slot_mapping, already on the cache's device.
+    """
+
+    def __init__(self, cache: PagedKVCache, meta, impl, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
         self.write_kv, self.attend = impl
 
@@ -145,8 +117,6 @@ class PagedAttention:
         self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
         return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
 
-    def commit(self) -> None:
-        """Nothing to do: the block tables already say where everything is."""
 
 
-__all__ = ["blocks_for", "PagedKVCache", "BlockTables", "PagedMetadata", "PagedAttention", "OutOfBlocks", "attention_impl"]
+__all__ = ["blocks_for", "num_blocks_for_budget", "PagedKVCache", "BlockTables", "PagedAttention", "OutOfBlocks", "attention_impl"]

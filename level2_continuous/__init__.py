@@ -1,8 +1,10 @@
 """Level 2: continuous batching. An iteration-level scheduler over level 1's paged cache."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, SamplingParams, load_model
+from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
 
-from .engine import LLM, ContinuousEngineConfig, LLMEngine
+from .engine import LLM, ContinuousEngineConfig, LLMEngine, SamplerOutput
+from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .request import Request, RequestStatus
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "ContinuousEngineConfig", "Request", "RequestStatus", "load_model"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "ContinuousEngineConfig",
+           "KVCacheManager", "SimpleKVCacheManager", "SamplerOutput", "Request", "RequestStatus", "load_model"]  # fmt: skip

@@ -7,8 +7,10 @@ and the same number of seats (`max_num_seqs=8`; the budget holds 8 worst-case re
 so memory never forces a preemption and the only difference is *when a free seat is
 refilled*). It prints a table of tokens/s and request latency (mean, p50, p99), the
 measured share of each level-2 step spent in the scheduler and its bookkeeping, and
-saves `docs/img/level2_timeline.png`: one row per request, a light bar while it queued,
-a dark bar from its first step to its last. At level 1 short requests queue behind
+saves a timeline (to a folder outside the repository, printed at the end; `--plot PATH`
+to choose; `python -m ladder.figures` regenerates the committed
+`docs/img/level2_timeline.png`): one row per request, a light bar while it queued, a
+dark bar from its first step to its last. At level 1 short requests queue behind
 every earlier batch's longest member (head-of-line blocking); at level 2 they start as
 soon as anyone finishes.
 
@@ -27,15 +29,9 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from level0_naive.demo_utils import (
-    REPO,
-    default_model,
-    demo_parser,
-    prompts_for,
-    save_figure,
-    torch_threads,
-)
-from level0_naive.engine import LLM as NaiveLLM
+from ladder.cli import demo_parser, fraction, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
+from ladder.models import default_model
+from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.sampling import SamplingParams
 from level1_paged.engine import LLM as StaticLLM
 
@@ -50,16 +46,17 @@ def mixed_lengths(n: int, cap: int, long_fraction: float, seed: int = 0) -> list
 
 
 def parser():
-    p = demo_parser(__doc__)
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--batch-size", type=int, default=8, help="max_num_seqs of both engines")
-    p.add_argument("--long-fraction", type=float, default=0.2)
-    p.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "level2_timeline.png")
+    p = demo_parser(__doc__, "level2_continuous.demo")
+    p.add_argument("--requests", type=positive_int, default=32, help="how many requests (default 32)")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="max_num_seqs of both engines (default 8)")
+    p.add_argument("--long-fraction", type=fraction, default=0.2, help="share of long requests, in [0, 1] (default 0.2)")
+    p.add_argument("--plot", type=Path, default=None, help="where to save the timeline (default: level2_timeline.png in a folder outside the repository)")
     return p
 
 
 def main(argv=None) -> dict:
-    args = parser().parse_args(argv)
+    args = parse_demo_args(parser(), argv)
+    args.plot = plot_path(args.plot, "level2_timeline.png")
     with torch_threads(args.threads):
         return run(args, Console())
 
@@ -71,7 +68,7 @@ def run(args, console: Console) -> dict:
     prompts = prompts_for(args.requests)
     params = [SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for n in lengths]
     common = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_num_seqs=args.batch_size)
-    probe = NaiveLLM(model, kv_cache_memory=1, **common)  # only to size the budget (allocates no KV)
+    probe = NaiveLLM(model, kv_cache_memory=1, **common).llm_engine  # only to size the budget (allocates no KV)
     worst = max(len(probe.tokenizer(p)["input_ids"]) for p in prompts) + cap
     budget = args.batch_size * worst * probe.bytes_per_token
     del probe
@@ -133,13 +130,13 @@ def latency_table(results: dict) -> tuple[Table, dict]:
 
 
 def scheduler_share(llm, batch_size: int) -> dict:
-    """Scheduler + block bookkeeping + metadata building, as a share of step time (level 2)."""
-    log = llm.step_log
-    sched = sum(r.schedule_seconds for r in log)
-    total = sum(r.step_seconds for r in log)
-    full = [r.schedule_seconds / r.step_seconds for r in log if r.running == batch_size and r.num_prefill_tokens == 0]
-    text = (f"[bold]level 2 scheduler + bookkeeping[/]: {1e3 * sched / len(log):.2f} ms of a {1e3 * total / len(log):.2f} ms step "
-            f"on average = [bold]{100 * sched / total:.1f} %[/] of step time over {len(log)} steps")  # fmt: skip
+    """Scheduler + block bookkeeping + batch building, as a share of step time (level 2):
+    the mean from the engine's counters, the median from its ring buffer of recent steps."""
+    s = llm.stats
+    sched, total, steps = s.schedule_seconds, s.step_seconds, s.steps
+    full = [r.schedule_seconds / r.step_seconds for r in llm.llm_engine.step_log if r.running == batch_size and r.num_prefill_tokens == 0]
+    text = (f"[bold]level 2 scheduler + bookkeeping[/]: {1e3 * sched / steps:.2f} ms of a {1e3 * total / steps:.2f} ms step "
+            f"on average = [bold]{100 * sched / total:.1f} %[/] of step time over {steps} steps")  # fmt: skip
     if full:
         text += f"; {100 * statistics.median(full):.1f} % (median) in the {len(full)} pure-decode steps with all {batch_size} seats busy"
     return {"share": sched / total, "text": text}

@@ -1,42 +1,50 @@
 """Level 2: continuous batching. The engine asks the scheduler every step.
 
 What it is: `LLMEngine`, vLLM's online core API (`add_request`, `abort_request`,
-`step`, `has_unfinished_requests`), and `LLM`, whose `generate` is built on it. One
-`step()`:
+`step`, `has_unfinished_requests`, `get_metrics`), composed of a `Scheduler`, a
+`KVCacheManager` and a `Worker`; and `LLM`, level 0's front end over it. One step is a
+pipeline of methods, each one a later level can override:
 
-    scheduler.schedule()          who runs, how many tokens each (may preempt)
-    build the flattened batch     input_ids [T], positions [T], PagedMetadata
-    model forward                 level 1's paged attention, unchanged
-    scheduler.update()            num_computed_tokens += scheduled
-    sample where a prompt ended   a partial prefill chunk samples nothing
-    stop rules, free finished     their blocks go back *now*, and the very next step
-                                  can admit a waiting request into the free seats
+    schedule()            who runs, how many tokens each (may preempt)   -> SchedulerOutput
+    prepare_input()       the flattened batch, built once                -> ModelInput
+    worker.execute()      model forward through the paged cache         -> logits rows
+    sample()              processed probabilities, then the draw         -> SamplerOutput
+    update_from_output()  num_computed_tokens += accepted; name full blocks (level 3);
+                          append tokens; stop rules; finish and free     -> requests that moved
+    step() / run()        outputs for the caller (cumulative, delta or final only)
 
-A request leaves the batch the step it finishes and a waiting one joins the next step:
-nobody waits for the batch's longest member (head-of-line blocking is gone).
+A request leaves the batch the step it finishes, its blocks go back at once, and a
+waiting one joins the next step: nobody waits for the batch's longest member.
 
-What it is not: asynchronous (level 6 wraps this in asyncio) or multi-device. The
-static-batching hooks inherited from level 1 (`_admit_one`, `_attention`, ...) are not
-used here: `_run` is replaced by the step loop.
+What it is not: asynchronous (level 6 wraps it) or multi-device (level 5 replaces the
+Worker with an executor over ranks). It inherits no static-batching code: `EngineBase`
+gives it only configuration, model loading, input/output processing and statistics.
 
-Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.py`.
+Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.py`,
+`v1/core/sched/scheduler.py` (update_from_output).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from level0_naive.outputs import RequestOutput, group_outputs
-from level0_naive.progress import GenerateProgress
+import torch
+
+from ladder.progress import GenerateProgress
+from level0_naive.core import EngineBase
+from level0_naive.llm import LLM as NaiveLLM
+from level0_naive.metrics import Gauge, Metric
+from level0_naive.outputs import RequestOutput
 from level0_naive.sampling import SamplingParams
 from level0_naive.stats import Timer
-from level1_paged.engine import LLM as PagedLLM
 from level1_paged.engine import PagedEngineConfig
-from level1_paged.paged_cache import PagedAttention, PagedMetadata
+from level1_paged.paged_cache import blocks_for, num_blocks_for_budget
+from level1_paged.worker import ModelInput, Worker
 
-from .kv_cache_manager import KVCacheManager
+from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -45,16 +53,19 @@ from .scheduler import Scheduler, SchedulerOutput
 class ContinuousEngineConfig(PagedEngineConfig):
     max_num_batched_tokens: int = 2048  # the token budget of one step (prefill chunks + decodes)
     policy: str = "fcfs"  # fcfs | priority
+    step_log_size: int = 1024  # the last steps kept for timelines (a ring buffer: memory stays bounded)
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.step_log_size < 0:
+            raise ValueError(f"step_log_size={self.step_log_size} must be >= 0")
 
 
 @dataclass
 class StepRecord:
-    """What one step did: the per-step stats, and the raw material of the demo's timeline."""
+    """What one step did: the raw material of the demo's timeline (the last `step_log_size` steps)."""
 
     time: float
     running: int
@@ -63,127 +74,179 @@ class StepRecord:
     num_prefill_tokens: int
     preempted: int
     kv_blocks_used: int
-    schedule_seconds: float  # scheduler + block bookkeeping + metadata building
+    schedule_seconds: float  # scheduler + block bookkeeping + batch building
     step_seconds: float
     request_ids: list[str]
 
 
-class LLMEngine(PagedLLM):
+@dataclass
+class SamplerOutput:
+    """What sampling decided, per request whose logits were computed."""
+
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # one token each here; level 4: up to k + 1
+    logprobs: list[list] = field(default_factory=list)  # entries matching token_ids (None: not asked)
+    num_rejected: dict[int, int] = field(default_factory=dict)  # seq_id -> scheduled tokens not accepted (level 4)
+
+
+class LLMEngine(EngineBase):
     config_class = ContinuousEngineConfig
     sequence_class = Request
 
-    def _init_kv_cache(self) -> None:
-        super()._init_kv_cache()  # level 1: block count, KV tensors, attention impl
-        self.kv = self._make_kv_manager()
-        del self.blocks, self.cached  # level 1's static-batch bookkeeping: the KV manager owns blocks now
+    def __init__(self, model: str, **kwargs):
+        super().__init__(model, **kwargs)
+        self.num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
+        self.worker = self.make_worker()
+        self.kv: KVCacheManager = self.make_kv_manager()
         self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.policy)
-        self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples
-        self.step_log: list[StepRecord] = []
+        self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
+        self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
+        self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
 
-    def _make_kv_manager(self) -> KVCacheManager:
-        """The hook level 3 replaces with its prefix-caching manager."""
-        return KVCacheManager(self.num_blocks, self.config.block_size)
+    def make_worker(self) -> Worker:
+        return Worker(self.loaded.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
+
+    def make_kv_manager(self) -> KVCacheManager:
+        """The part level 3 replaces with its prefix-caching manager."""
+        return SimpleKVCacheManager(self.num_blocks, self.config.block_size)
+
+    def check_fits(self, seq: Request, i: int) -> None:
+        need = blocks_for(seq.max_total_tokens, self.config.block_size)
+        if need > self.num_blocks:
+            raise ValueError(f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) but the pool has {self.num_blocks}")
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
         """Queue a request; a bad one raises ValueError here and nothing else is affected."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = self._make_group(prompt, params or SamplingParams(), request_id=request_id)
+        group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id)
         for req in group:
             req.priority = priority
             self.scheduler.add(req)
         self.requests[request_id] = group
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
-        """Stop one request (or several) now; their blocks are free before this returns."""
+        """Stop one request (or several) now: their blocks are free before this returns, and
+        the next `step()` returns each one's final output (finish_reason "abort"). An unknown
+        or already finished id is ignored."""
         for rid in [request_id] if isinstance(request_id, str) else list(request_id):
-            for req in self.requests.pop(rid, []):
-                if not req.status.finished:
+            group = self.requests.pop(rid, None)
+            if group is None:
+                continue
+            for req in group:
+                if not req.is_finished:
                     self.scheduler.finish(req, "abort")
+                    self.stats.record_finished(req)
+            self._aborted.append(self.outputs.make(group))
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def step(self) -> list[RequestOutput]:
-        """Run one iteration; return the (cumulative) output of every request that moved."""
-        touched = self._step()
-        outputs = []
-        for rid in dict.fromkeys(r.request_id for r in touched):
+        """Run one iteration; return an output for every request that moved (and every abort),
+        of the kind its `SamplingParams.output_kind` asks for."""
+        moved = self._step()
+        outputs, self._aborted = self._aborted, []
+        for rid in dict.fromkeys(r.request_id for r in moved):
             group = self.requests.get(rid)
             if group is None:
                 continue
-            outputs.append(group_outputs(group, self.tokenizer))
+            out = self.outputs.make(group)
             if all(r.is_finished for r in group):
                 del self.requests[rid]
+            if out is not None:
+                outputs.append(out)
         return outputs
 
-    # --- one iteration --------------------------------------------------------------------
+    def get_metrics(self) -> list[Metric]:
+        used_blocks, _ = self.kv.usage()
+        return super().get_metrics() + [
+            Gauge("vllm:num_requests_running", value=len(self.scheduler.running)),
+            Gauge("vllm:num_requests_waiting", value=len(self.scheduler.waiting)),
+            Gauge("vllm:kv_cache_usage_perc", value=used_blocks / self.num_blocks),
+        ]
+
+    # --- one iteration: the pipeline --------------------------------------------------------
     def _step(self) -> list[Request]:
         with Timer() as t_step:
             with Timer() as t_sched:
-                out = self.scheduler.schedule()
-                if not out.scheduled:
+                sched = self.schedule()
+                if not sched.scheduled:
                     if self.scheduler.has_unfinished():  # admission guarantees a lone request fits
                         raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                     return []
-                attn, chunks, sample_rows, prefill = self._prepare(out)
-            logits = self.runner.forward(chunks, attn, sample_rows)
-            self.scheduler.update(out)
-            sampled = [out.scheduled[i][0] for i in sample_rows]
-            self.runner.sample_and_append(sampled, logits)
-            for req in sampled:
-                if req.is_finished:
-                    self.scheduler.finish(req)
-        self._record(out, sampled, prefill, t_sched.seconds, t_step.seconds)
-        return sampled
+                model_input = self.prepare_input(sched)
+            logits = self.worker.execute(model_input)
+            sampled = self.sample(sched, logits)
+            moved = self.update_from_output(sched, sampled)
+        self._record(sched, t_sched.seconds, t_step.seconds)
+        return moved
 
-    def _prepare(self, out: SchedulerOutput):
-        now = time.perf_counter()
-        chunks, tables, slots, sample_rows, prefill = [], [], [], [], 0
-        for i, (req, n) in enumerate(out.scheduled):
+    def schedule(self) -> SchedulerOutput:
+        sched = self.scheduler.schedule()
+        self.mark_scheduled([req for req, _ in sched.scheduled])
+        return sched
+
+    def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
+        """Each scheduled request's new tokens, from where its cache ends; logits where a chunk
+        reaches the request's last token (a partial prefill chunk samples nothing)."""
+        chunks, tables, num_logits = [], [], []
+        for req, n in sched.scheduled:
             start = req.num_computed_tokens
-            req.metrics.first_scheduled_time = req.metrics.first_scheduled_time or now
-            is_decode = n == 1 and start == req.num_tokens - 1 and req.output_token_ids
-            prefill += 0 if is_decode else n  # prompt tokens, or prompt + output again after a preemption
             chunks.append((req.token_slice(start, n), start))
             tables.append(self.kv.block_table(req))
-            slots.extend(self.kv.slots(req, start, n))
-            if start + n == req.num_tokens:  # the chunk reaches the end: sample the next token
-                sample_rows.append(i)
-        meta = PagedMetadata.build(tables, [c[1] for c in chunks], [len(c[0]) for c in chunks], slots, self.device)
-        return PagedAttention(self.cache, meta, self.impl, self.scale), chunks, sample_rows, prefill
+            num_logits.append(1 if start + n == req.num_tokens else 0)
+        return ModelInput.build(chunks, tables, self.config.block_size, num_logits)
 
-    def _record(self, out: SchedulerOutput, sampled: list[Request], prefill: int, sched_s: float, step_s: float) -> None:
+    @torch.inference_mode()
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
+        """logits [S, V], one row per request whose chunk reached its end -> one token each."""
+        reqs = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        tokens, logprobs = self.sample_tokens(logits, reqs)
+        return SamplerOutput(reqs, [[t] for t in tokens], [[lp] for lp in logprobs])
+
+    def update_from_output(self, sched: SchedulerOutput, out: SamplerOutput) -> list[Request]:
+        """The scheduled tokens are in the cache now (less any rejected); new tokens join the
+        requests; whoever stopped leaves, and its blocks are free when this returns."""
+        for req, n in sched.scheduled:
+            req.num_computed_tokens += n - out.num_rejected.get(req.seq_id, 0)
+            self.kv.cache_blocks(req)  # level 3: name the blocks that became full
+        for req, tokens, logprobs in zip(out.requests, out.token_ids, out.logprobs):
+            for tok, lp in zip(tokens, logprobs):
+                self.append_token(req, tok, lp)
+                self.stats.generated_tokens += 1
+                if req.is_finished:
+                    break  # a stop inside a run of accepted tokens: nothing after it is kept
+            if req.is_finished:
+                self.scheduler.finish(req)
+        return out.requests
+
+    def _record(self, sched: SchedulerOutput, sched_s: float, step_s: float) -> None:
         s = self.stats
-        s.prompt_tokens += prefill
-        s.generated_tokens += len(sampled)
-        s.preemptions += len(out.preempted)
+        s.prompt_tokens += sched.num_prefill_tokens
+        s.preemptions += len(sched.preempted)
+        s.schedule_seconds += sched_s
+        used_blocks, stored = self.kv.usage()
         running = len(self.scheduler.running)
-        s.record_step(running, *self._kv_usage(), step_s)
-        self.step_log.append(StepRecord(time.perf_counter(), running, len(self.scheduler.waiting), out.num_batched_tokens, prefill,
-                                        len(out.preempted), self.kv.num_used_blocks, sched_s, step_s,
-                                        [r.request_id for r, _ in out.scheduled]))  # fmt: skip
-
-    def _kv_usage(self) -> tuple[int, int]:
-        """(bytes reserved, bytes holding real tokens), from the KV manager's blocks."""
-        reserved = self.kv.num_used_blocks * self.config.block_size
-        used = sum(r.num_computed_tokens for r in self.scheduler.running)
-        return reserved * self.bytes_per_token, used * self.bytes_per_token
+        s.record_step(running, used_blocks * self.config.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s)
+        self.step_log.append(StepRecord(time.perf_counter(), running, len(self.scheduler.waiting), sched.num_batched_tokens,
+                                        sched.num_prefill_tokens, len(sched.preempted), used_blocks, sched_s, step_s,
+                                        [r.request_id for r, _ in sched.scheduled]))  # fmt: skip
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
-    def _run(self, seqs: list[Request], bar: GenerateProgress) -> None:
-        if self.scheduler.has_unfinished():
+    def run(self, seqs: list[Request], bar: GenerateProgress) -> None:
+        if self.has_unfinished_requests():
             raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with add_request first")
         for req in seqs:
-            self.requests.setdefault(req.request_id, []).append(req)
             self.scheduler.add(req)
         while self.scheduler.has_unfinished():
-            sampled = self._step()
-            bar.update(finished=sum(r.is_finished for r in sampled), new_tokens=len(sampled))
-        for req in seqs:
-            self.requests.pop(req.request_id, None)
+            before = self.stats.generated_tokens
+            moved = self._step()
+            bar.update(finished=sum(r.is_finished for r in moved), new_tokens=self.stats.generated_tokens - before)
 
 
-class LLM(LLMEngine):
-    """The offline entry point: `generate` and `chat` (inherited), run by continuous batching."""
+class LLM(NaiveLLM):
+    """Level 0's front end over the continuous-batching engine."""
+
+    engine_class = LLMEngine

@@ -1,14 +1,19 @@
 """The scheduler's view of KV memory: can this request get room for n more tokens?
 
-What it is: a thin layer over level 1's `BlockTables` with the interface vLLM V1's
-scheduler uses, keyed by request. Three of its methods are hooks that do nothing here
-and that level 3 (prefix caching) overrides:
+What it is: `KVCacheManager`, the interface (a Protocol) vLLM V1's scheduler talks to,
+keyed by request, and `SimpleKVCacheManager`, level 2's implementation over level 1's
+`BlockTables`. Level 3's `PrefixCachingKVCacheManager` implements the same Protocol
+over a hash-named block pool; neither inherits from the other.
 
   - `get_computed_blocks(req)`: blocks whose K/V already exist for this request's
-    prefix (none at level 2), found before the request is admitted;
-  - `allocate_slots(req, n, computed)`: all-or-nothing room for n new tokens, taking
-    the computed blocks as its first blocks;
-  - `cache_blocks(req)`: after a step, name the request's newly full blocks.
+    prefix (never any here), found before the request is admitted;
+  - `allocate_slots(req, n, computed_blocks, num_lookahead_tokens)`: all-or-nothing
+    room for positions up to `num_computed + n + num_lookahead_tokens`, with the
+    computed blocks as the head of the table (lookahead slots: level 4's draft tokens);
+  - `cache_blocks(req)`: after a step, the request's first `num_computed_tokens`
+    tokens are in its blocks: name the newly full ones (level 3) and count them as
+    stored, so `usage()` is a counter, not a walk over every table;
+  - `free(req)`, `block_table(req)`, `num_free_blocks`, `usage()`.
 
 What it is not: a policy. It never picks a victim; when `allocate_slots` says no, the
 scheduler decides whom to preempt.
@@ -18,50 +23,78 @@ Reference: vLLM V1 `v1/core/kv_cache_manager.py`.
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 from level1_paged.paged_cache import BlockTables
 
 from .request import Request
 
 
-class KVCacheManager:
+@runtime_checkable
+class KVCacheManager(Protocol):
+    block_size: int
+    num_blocks: int
+
+    def get_computed_blocks(self, req: Request) -> tuple[list, int]:
+        """(cached blocks of the request's prefix, how many tokens they hold)."""
+        ...
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
+        """Room up to num_computed + num_new + lookahead, or False and nothing changed.
+        `computed_blocks` is given (possibly empty) only when the request is admitted."""
+        ...
+
+    def cache_blocks(self, req: Request) -> None:
+        """After a step: the first `req.num_computed_tokens` tokens are stored (and verified)."""
+        ...
+
+    def free(self, req: Request) -> None: ...
+
+    def block_table(self, req: Request) -> list[int]:
+        """The request's physical block ids, in logical order."""
+        ...
+
+    @property
+    def num_free_blocks(self) -> int: ...
+
+    def usage(self) -> tuple[int, int]:
+        """(blocks in use, tokens stored in them): shared blocks count once."""
+        ...
+
+
+class SimpleKVCacheManager:
+    """Level 2: every request owns its blocks; nothing is shared or remembered."""
+
     def __init__(self, num_blocks: int, block_size: int):
         self.tables = BlockTables(num_blocks, block_size)
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.stored: dict[int, int] = {}  # seq_id -> tokens whose K/V are in its blocks
+        self.num_stored = 0  # their sum, kept current
 
-    # --- hooks level 3 replaces ------------------------------------------------
-    def get_computed_blocks(self, req: Request) -> tuple[list[int], int]:
-        """(cached blocks of the request's prefix, how many tokens they hold). None here."""
+    def get_computed_blocks(self, req: Request) -> tuple[list, int]:
         return [], 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
-        """Room for tokens up to num_computed + num_new, or False and nothing changed.
-
-        `computed_blocks` is given (possibly empty) when the request is being admitted:
-        the blocks `get_computed_blocks` found, to become the head of its table.
-        """
-        total = req.num_computed_tokens + num_new_tokens
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
+        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free:
             return False
         self.tables.grow(req.seq_id, total)
         return True
 
     def cache_blocks(self, req: Request) -> None:
-        """Nothing to remember at level 2."""
+        self.num_stored += req.num_computed_tokens - self.stored.get(req.seq_id, 0)
+        self.stored[req.seq_id] = req.num_computed_tokens
 
     def free(self, req: Request) -> None:
         self.tables.free(req.seq_id)
+        self.num_stored -= self.stored.pop(req.seq_id, 0)
 
-    # --- queries -------------------------------------------------------------------
     def block_table(self, req: Request) -> list[int]:
         return self.tables.tables[req.seq_id]
-
-    def slots(self, req: Request, start: int, n: int) -> list[int]:
-        return self.tables.slots(req.seq_id, start, n)
 
     @property
     def num_free_blocks(self) -> int:
         return self.tables.allocator.num_free
 
-    @property
-    def num_used_blocks(self) -> int:
-        return self.num_blocks - self.num_free_blocks
+    def usage(self) -> tuple[int, int]:
+        return self.num_blocks - self.num_free_blocks, self.num_stored

@@ -17,7 +17,7 @@ What it is: vLLM V1's policy, written to be read. At every step, within a token 
 
 The scheduler decides; it never touches a tensor. `schedule()` returns a
 `SchedulerOutput` (which requests run how many tokens), the engine runs the model,
-and `update()` moves the counters on.
+and the engine's `update_from_output` moves the counters on.
 
 What it is not: fair beyond FCFS, aware of prefix sharing (level 3 adds that through
 the KV manager's hooks), or able to swap KV to the CPU (preemption is by recompute).
@@ -39,6 +39,20 @@ from .request import FINISH_STATUS, Request, RequestStatus
 class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
     preempted: list[Request] = field(default_factory=list)
+    num_prefill_tokens: int = 0  # prompt tokens, or prompt + output again after a preemption
+
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled.append((req, n))
+        if not (req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1):  # not a decode
+            self.num_prefill_tokens += n
+
+    def remove(self, req: Request) -> int:
+        """Take a request back out (it was preempted later in the same step); its tokens."""
+        k = next(j for j, (r, _) in enumerate(self.scheduled) if r is req)
+        n = self.scheduled.pop(k)[1]
+        if not (req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1):
+            self.num_prefill_tokens -= n
+        return n
 
     @property
     def num_batched_tokens(self) -> int:
@@ -70,13 +84,13 @@ class Scheduler:
             while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # (priority policy) already scheduled this step:
-                    budget += self._unschedule(victim, out)  # take its tokens back
+                    budget += out.remove(victim)  # take its tokens back
                     i -= 1
                 self._preempt(victim, out)
                 if victim is req:
                     break
             else:
-                out.scheduled.append((req, n))
+                out.add(req, n)
                 budget -= n
                 i += 1
         if not out.preempted:
@@ -95,7 +109,7 @@ class Scheduler:
             self.waiting.remove(req)
             req.to(RequestStatus.RUNNING)
             self.running.append(req)
-            out.scheduled.append((req, n))
+            out.add(req, n)
             budget -= n
 
     def _next_waiting(self) -> Request:
@@ -108,10 +122,6 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
         return self.running[-1]
 
-    def _unschedule(self, req: Request, out: SchedulerOutput) -> int:
-        k = next(j for j, (r, _) in enumerate(out.scheduled) if r is req)
-        return out.scheduled.pop(k)[1]
-
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
@@ -122,13 +132,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         out.preempted.append(req)
 
-    # --- after the model ran ---------------------------------------------------------
-    def update(self, out: SchedulerOutput) -> None:
-        """The scheduled tokens now have K/V in the cache."""
-        for req, n in out.scheduled:
-            req.num_computed_tokens += n
-            self.kv.cache_blocks(req)
-
+    # --- a request leaves ---------------------------------------------------------------
     def finish(self, req: Request, reason: str | None = None) -> None:
         """Take a request out (finished by a stop rule, or aborted) and free its blocks now."""
         if reason is not None:  # an abort; stop rules already set finish_reason

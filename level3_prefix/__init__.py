@@ -1,8 +1,9 @@
 """Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, SamplingParams, load_model
+from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
 from level2_continuous import Request, RequestStatus
 
 from .engine import LLM, LLMEngine, PrefixEngineConfig
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "CompletionOutput", "Logprob", "PrefixEngineConfig", "Request", "RequestStatus", "load_model"]
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PrefixEngineConfig", "Request", "RequestStatus",
+           "load_model"]  # fmt: skip

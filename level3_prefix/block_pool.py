@@ -14,6 +14,8 @@ pops it for new tokens is its name dropped (lazy eviction).
 
 The free queue is a doubly linked list threaded through the blocks themselves, so
 removing a touched block from the middle is O(1) (a `deque.remove` would be O(n)).
+The pool also counts the tokens stored in blocks someone uses (`num_stored`), a shared
+block once, updated as blocks are filled, touched and freed: usage is never a walk.
 
 What it is not: the per-request bookkeeping (that is `kv_cache_manager.py`), and not a
 radix tree: sharing is only at whole-block granularity, as in vLLM.
@@ -45,11 +47,12 @@ def hash_block(parent: bytes | None, tokens: tuple[int, ...], extra: tuple = ())
 
 
 class KVBlock:
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "parent_hash", "tokens", "prev", "next")
+    __slots__ = ("block_id", "ref_cnt", "num_tokens", "block_hash", "parent_hash", "tokens", "prev", "next")
 
     def __init__(self, block_id: int):
         self.block_id = block_id
         self.ref_cnt = 0
+        self.num_tokens = 0  # token slots holding K/V (a full block: block_size)
         self.block_hash: bytes | None = None  # set once full and registered
         self.parent_hash: bytes | None = None
         self.tokens: tuple[int, ...] | None = None  # what the name claims, checked on every hit
@@ -106,6 +109,7 @@ class BlockPool:
         self.cached: dict[bytes, KVBlock] = {}  # name -> the block holding that content
         self.hash_fn = hash_fn
         self.evictions = 0
+        self.num_stored = 0  # tokens in blocks with ref_cnt > 0, each block counted once
 
     @property
     def num_free(self) -> int:
@@ -124,6 +128,7 @@ class BlockPool:
         for b in blocks:
             if b.ref_cnt == 0:
                 self.free_queue.remove(b)
+                self.num_stored += b.num_tokens
             b.ref_cnt += 1
 
     def allocate(self, n: int) -> list[KVBlock]:
@@ -133,7 +138,7 @@ class BlockPool:
         for _ in range(n):
             b = self.free_queue.popleft()
             self._evict(b)
-            b.ref_cnt = 1
+            b.ref_cnt, b.num_tokens = 1, 0
             out.append(b)
         return out
 
@@ -153,6 +158,13 @@ class BlockPool:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 self.free_queue.append(b)
+                self.num_stored -= b.num_tokens
+
+    def fill(self, b: KVBlock, num_tokens: int) -> None:
+        """A block in use now holds `num_tokens` tokens (more after a step; fewer after level 4
+        rolls back rejected draft tokens)."""
+        self.num_stored += num_tokens - b.num_tokens
+        b.num_tokens = num_tokens
 
     def register(self, b: KVBlock, block_hash: bytes, parent: bytes | None, tokens: tuple[int, ...]) -> None:
         """Name a block that just became full. If the name is taken (two requests computed

@@ -6,11 +6,15 @@ system prompt has been seen once before (a first conversation warms the cache, a
 any chat service). Then all the questions arrive at once. Without caching each one
 prefills the whole system prompt again; with caching it is found in the block pool and
 only the question is computed. The table shows time to first token (TTFT), throughput
-and hit rate; the picture shows which KV blocks the requests share.
+and hit rate; a panel shows which KV blocks five running requests share; a plot of
+every request's TTFT goes to a folder outside the repository (printed at the end;
+`--plot PATH` to choose; `python -m ladder.figures` regenerates the committed
+`docs/img/level3_ttft.png`).
 """
 
 from __future__ import annotations
 
+import itertools
 import statistics
 from pathlib import Path
 
@@ -19,7 +23,8 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from level0_naive.demo_utils import REPO, default_model, demo_parser, save_figure, torch_threads
+from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
+from ladder.models import default_model
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM, LLMEngine
@@ -51,30 +56,37 @@ def run(llm: LLM, prompts: list[list[int]], max_tokens: int, temperature: float)
     return outs, llm.stats.busy_time - busy
 
 
+SHOWN = 5  # requests drawn in the shared-blocks panel
+
+
 def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
-    """Admit a few requests, run one step, and draw each one's block table by ref count."""
+    """Admit the first SHOWN questions one step apart, and draw each one's block table by ref
+    count while all of them are still running (each generates more tokens than there are steps)."""
     engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size)
-    for i, p in enumerate(prompts[:5]):
-        engine.add_request(f"q{i}", p, SamplingParams(max_tokens=4, temperature=0))
+    for i, p in enumerate(prompts[:SHOWN]):
+        engine.add_request(f"q{i}", p, SamplingParams(max_tokens=SHOWN + 2, temperature=0, ignore_eos=True))
         engine.step()  # one at a time, so each finds the blocks of those before it
-    pic = Text()
-    for req in engine.scheduler.running:
-        pic.append(f"{req.request_id:>4} ")
-        for b in engine.kv.req_blocks[req.seq_id]:
-            style = "bold black on green" if b.ref_cnt > 1 else "black on grey70"
-            pic.append(f"{b.ref_cnt}", style=style)
+    running = engine.scheduler.running
+    pic = Text(f"after {SHOWN} steps, one new question admitted per step; all {len(running)} are running:\n", style="italic")
+    for req in running:
+        pic.append(f"{req.request_id:>4}  ")
+        refs = [b.ref_cnt for b in engine.kv.req_blocks[req.seq_id]]
+        for ref, run in itertools.groupby(refs):  # a run of blocks with the same ref count: one cell
+            pic.append(f" {ref} x{len(list(run))} ", style="bold black on green" if ref > 1 else "black on grey70")
             pic.append(" ")
-        pic.append("\n")
-    pic.append("each cell is one KV block; the number is how many requests use it (green: shared)", style="italic")
+        pic.append(f" {QUESTIONS[int(req.request_id[1:])]!r}\n")
+    pic.append(f"a cell 'r xN' is N consecutive KV blocks of {args.block_size} tokens, each used by r running requests.\n"
+               "Green: the system prompt's blocks, shared by all; grey: each question's own tail and answer.", style="italic")  # fmt: skip
     return pic
 
 
 def main(argv=None) -> dict:
-    parser = demo_parser(__doc__)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--plot", type=Path, default=REPO / "docs" / "img" / "level3_ttft.png")
+    parser = demo_parser(__doc__, "level3_prefix.demo")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--plot", type=Path, default=None, help="where to save the TTFT plot (default: level3_ttft.png in a folder outside the repository)")
     parser.set_defaults(max_tokens=16, temperature=0.8)
-    args = parser.parse_args(argv)
+    args = parse_demo_args(parser, argv)
+    args.plot = plot_path(args.plot, "level3_ttft.png")
     with torch_threads(args.threads):
         return run_demo(args, Console())
 
@@ -95,7 +107,7 @@ def run_demo(args, console: Console) -> dict:
 
     llm_on, outs_on, _ = results[True]
     for out in outs_on[:2]:
-        console.print(Panel(QUESTIONS[int(out.request_id) % len(QUESTIONS)] + "\n" + out.outputs[0].text, title=f"request {out.request_id}", expand=False))
+        console.print(Panel(QUESTIONS[int(out.request_id)] + "\n" + out.outputs[0].text, title=f"request {out.request_id}", expand=False))
     console.print("[dim](the built-in model was trained on 256-byte windows, so after a ~650-token prompt its prose "
                   "degrades; this demo measures time, and checks that caching never changes a token)[/]")  # fmt: skip
 
@@ -115,7 +127,7 @@ def run_demo(args, console: Console) -> dict:
     same = [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in results[False][1]]
     console.print(table)
     console.print(f"mean TTFT cut by caching: [bold green]{100 * cut:.0f} %[/]; identical outputs: {same}")
-    console.print(Panel(shared_blocks_picture(model, prompts, args), title="blocks shared between requests (ref counts)", expand=False))
+    console.print(Panel(shared_blocks_picture(model, prompts, args), title=f"blocks shared between {SHOWN} running requests (ref counts)", expand=False))
     plot(ttfts, args.plot)
     console.print(f"plot: {args.plot}")
     return {"ttft_cut": cut, "identical": same, "ttft_ms": ttfts, "hit_rate": llm_on.prefix_stats()["prefix_cache_hit_rate"]}

@@ -1,12 +1,13 @@
 """Level 3: level 2's engine with automatic prefix caching.
 
 What it is: `LLMEngine` and `LLM` of level 2 with one part replaced, the KV cache
-manager (`kv_cache_manager.PrefixCachingKVCacheManager`). The scheduler, the model
-runner and the attention kernel do not change: a prefix hit simply admits a request
-with `num_computed_tokens > 0`, and its first chunk is a query of length > 1 over a
-longer context, which the paged kernel already handles.
+manager (`kv_cache_manager.PrefixCachingKVCacheManager`). The scheduler, the worker and
+the attention kernel do not change: a prefix hit simply admits a request with
+`num_computed_tokens > 0`, and its first chunk is a query of length > 1 over a longer
+context, which the paged kernel already handles.
 
-Adds `enable_prefix_caching` (default on), `reset_prefix_cache()` and `prefix_stats()`.
+Adds `enable_prefix_caching` (default on), `reset_prefix_cache()`, `prefix_stats()`
+and the `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` metrics.
 
 What it is not: a cache-aware scheduler, or a cache that outlives the process.
 
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from level0_naive.metrics import Counter, Metric
+from level2_continuous.engine import LLM as ContinuousLLM
 from level2_continuous.engine import ContinuousEngineConfig
 from level2_continuous.engine import LLMEngine as ContinuousEngine
 
@@ -31,7 +34,7 @@ class PrefixEngineConfig(ContinuousEngineConfig):
 class LLMEngine(ContinuousEngine):
     config_class = PrefixEngineConfig
 
-    def _make_kv_manager(self) -> PrefixCachingKVCacheManager:
+    def make_kv_manager(self) -> PrefixCachingKVCacheManager:
         return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
 
     def reset_prefix_cache(self) -> None:
@@ -42,15 +45,20 @@ class LLMEngine(ContinuousEngine):
         """prefix_cache_queries / prefix_cache_hits (tokens), hit rate, cached blocks, evictions."""
         return self.kv.stats()
 
-    def _kv_usage(self) -> tuple[int, int]:
-        # Shared blocks count once: a block holds as many tokens as its fullest owner put there.
-        fill: dict[int, int] = {}
-        bs = self.config.block_size
-        for req in self.scheduler.running:
-            for i, block in enumerate(self.kv.block_table(req)):
-                fill[block] = max(fill.get(block, 0), min(bs, req.num_computed_tokens - i * bs))
-        return len(fill) * bs * self.bytes_per_token, sum(fill.values()) * self.bytes_per_token
+    def get_metrics(self) -> list[Metric]:
+        return super().get_metrics() + [
+            Counter("vllm:prefix_cache_queries", value=self.kv.queries),
+            Counter("vllm:prefix_cache_hits", value=self.kv.hits),
+        ]
 
 
-class LLM(LLMEngine):
+class LLM(ContinuousLLM):
     """The offline entry point, with prefix caching."""
+
+    engine_class = LLMEngine
+
+    def reset_prefix_cache(self) -> None:
+        self.llm_engine.reset_prefix_cache()
+
+    def prefix_stats(self) -> dict:
+        return self.llm_engine.prefix_stats()

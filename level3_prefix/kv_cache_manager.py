@@ -1,22 +1,26 @@
-"""Level 2's KV cache manager with automatic prefix caching.
+"""A KV cache manager with automatic prefix caching: level 2's Protocol over a `BlockPool`.
 
-What it is: the three hooks of `level2_continuous.kv_cache_manager.KVCacheManager`,
-filled in over a `BlockPool`:
+What it is: `PrefixCachingKVCacheManager`, which implements level 2's `KVCacheManager`
+Protocol (it inherits nothing from level 2's simple manager):
 
   - `get_computed_blocks(req)`: hash the request's full blocks in a chain and walk the
     cache until the first miss. The last token is never taken from the cache (there
     must be something to compute, to get logits to sample from), so a prompt of 32
     tokens with 16-token blocks can reuse one block, not two.
-  - `allocate_slots(req, n, computed)`: touch the hit blocks (ref +1, out of the free
-    queue), then allocate the rest; all or nothing.
-  - `cache_blocks(req)`: after a step, name every block that became full. Generated
-    tokens count too, so a conversation's next turn hits its previous answer.
+  - `allocate_slots(req, n, computed, lookahead)`: touch the hit blocks (ref +1, out of
+    the free queue), then allocate the rest; all or nothing.
+  - `cache_blocks(req)`: after a step, record how full the request's blocks are and name
+    every block that became full. Generated tokens count too, so a conversation's next
+    turn hits its previous answer. Only tokens counted in `num_computed_tokens` are
+    named: level 4's rejected draft tokens never are.
 
     request tokens:  [ t0 .. t15 | t16 .. t31 | t32 .. t37 ]
     block hashes:      h1=H(-,t0..15)  h2=H(h1,t16..31)   (partial: not cached)
 
-On `free`, a request's blocks go back in reverse order, so when memory is needed its
-tail (the least shareable part) is evicted before its head.
+The names are kept on the request (`req.block_hashes`, computed once each, as vLLM
+does), so a preempted request comes back knowing them. On `free`, a request's blocks
+go back in reverse order, so when memory is needed its tail (the least shareable part)
+is evicted before its head.
 
 What it is not: a cache-aware scheduler (requests are still served in arrival order).
 
@@ -26,54 +30,51 @@ Reference: vLLM `docs/design/prefix_caching.md`, `v1/core/kv_cache_manager.py`.
 from __future__ import annotations
 
 from level1_paged.paged_cache import blocks_for
-from level2_continuous.kv_cache_manager import KVCacheManager
 from level2_continuous.request import Request
 
 from .block_pool import BlockPool, KVBlock, hash_block
 
 
-class PrefixCachingKVCacheManager(KVCacheManager):
+class PrefixCachingKVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn=hash_block):
-        # Deliberately not calling KVCacheManager.__init__: the pool replaces level 1's tables.
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, hash_fn)
         self.req_blocks: dict[int, list[KVBlock]] = {}  # seq_id -> its blocks, logical order
-        self.req_hashes: dict[int, list[bytes]] = {}  # seq_id -> names of its full blocks so far
-        self.num_cached: dict[int, int] = {}  # seq_id -> how many of its blocks are registered
+        self.num_named: dict[int, int] = {}  # seq_id -> how many of its blocks are registered
+        self.num_filled: dict[int, int] = {}  # seq_id -> tokens of it recorded in its blocks' fill
         self.queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries); a readmitted
         # preempted request looks up its prompt and its output so far
         self.hits = 0  # of which found in the cache (vLLM: prefix_cache_hits)
 
     # --- hashing --------------------------------------------------------------------
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
-        """The chained names of the request's first `num_blocks` full blocks (memoised)."""
-        hashes = self.req_hashes.setdefault(req.seq_id, [])
-        tokens, bs = req.all_token_ids, self.block_size
+        """The chained names of the request's first `num_blocks` full blocks (memoised on it)."""
+        hashes, bs = req.block_hashes, self.block_size
         while len(hashes) < num_blocks:
             i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(self.pool.hash_fn(parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            hashes.append(self.pool.hash_fn(hashes[-1] if hashes else None, tuple(req.token_slice(i * bs, bs))))
         return hashes[:num_blocks]
 
-    # --- the level-2 hooks -----------------------------------------------------------
+    # --- the Protocol ------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
         if not self.enable_caching:
             return [], 0
         usable = (req.num_tokens - 1) // self.block_size  # keep the last token to compute
-        tokens, bs, hit = req.all_token_ids, self.block_size, []
+        bs, hit = self.block_size, []
         for i, h in enumerate(self._hashes(req, usable)):
             parent = hit[-1].block_hash if hit else None
-            b = self.pool.lookup(h, parent, tuple(tokens[i * bs : (i + 1) * bs]))
+            b = self.pool.lookup(h, parent, tuple(req.token_slice(i * bs, bs)))
             if b is None:
                 break
             hit.append(b)
         return hit, len(hit) * bs
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
         blocks = self.req_blocks.setdefault(req.seq_id, [])
         computed = computed_blocks or []
-        need = blocks_for(req.num_computed_tokens + num_new_tokens, self.block_size) - len(blocks) - len(computed)
+        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        need = blocks_for(total, self.block_size) - len(blocks) - len(computed)
         idle_hits = sum(b.ref_cnt == 0 for b in computed)  # touching them takes them off the free queue
         if need > self.pool.num_free - idle_hits:
             if not blocks:
@@ -85,43 +86,52 @@ class PrefixCachingKVCacheManager(KVCacheManager):
         if computed_blocks is not None:  # an admission: count the lookup once, when it sticks
             self.queries += req.num_tokens
             self.hits += len(computed) * self.block_size
-            self.num_cached[req.seq_id] = len(computed)
+            self.num_named[req.seq_id] = len(computed)
+            self.num_filled[req.seq_id] = len(computed) * self.block_size  # hit blocks are full already
         return True
 
     def cache_blocks(self, req: Request) -> None:
+        self._record_fill(req)
         if not self.enable_caching:
             return
         full = req.num_computed_tokens // self.block_size
-        done = self.num_cached.get(req.seq_id, 0)
+        done = self.num_named.get(req.seq_id, 0)
         if full <= done:
             return
-        blocks, tokens, bs = self.req_blocks[req.seq_id], req.all_token_ids, self.block_size
+        blocks, bs = self.req_blocks[req.seq_id], self.block_size
         hashes = self._hashes(req, full)
         for i in range(done, full):
             parent = hashes[i - 1] if i else None
-            self.pool.register(blocks[i], hashes[i], parent, tuple(tokens[i * bs : (i + 1) * bs]))
-        self.num_cached[req.seq_id] = full
+            self.pool.register(blocks[i], hashes[i], parent, tuple(req.token_slice(i * bs, bs)))
+        self.num_named[req.seq_id] = full
+
+    def _record_fill(self, req: Request) -> None:
+        """Update the fill of the blocks between the last recorded and the current computed count."""
+        blocks, bs = self.req_blocks[req.seq_id], self.block_size
+        before, now = self.num_filled.get(req.seq_id, 0), req.num_computed_tokens
+        lo, hi = min(before, now), max(before, now)
+        for i in range(lo // bs, min(len(blocks), blocks_for(hi, bs))):
+            self.pool.fill(blocks[i], min(bs, max(0, now - i * bs)))
+        self.num_filled[req.seq_id] = now
 
     def free(self, req: Request) -> None:
         self.pool.free(list(reversed(self.req_blocks.pop(req.seq_id, []))))
-        self.num_cached.pop(req.seq_id, None)
-        if req.is_finished:  # a preempted request comes back with the same tokens: keep its names
-            self.req_hashes.pop(req.seq_id, None)
+        self.num_named.pop(req.seq_id, None)
+        self.num_filled.pop(req.seq_id, None)
 
-    def reset_prefix_cache(self) -> None:
-        self.pool.reset()
-
-    # --- queries ------------------------------------------------------------------------
     def block_table(self, req: Request) -> list[int]:
         return [b.block_id for b in self.req_blocks[req.seq_id]]
-
-    def slots(self, req: Request, start: int, n: int) -> list[int]:
-        blocks, bs = self.req_blocks[req.seq_id], self.block_size
-        return [blocks[p // bs].block_id * bs + p % bs for p in range(start, start + n)]
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free
+
+    def usage(self) -> tuple[int, int]:
+        return self.num_blocks - self.pool.num_free, self.pool.num_stored
+
+    # --- prefix-cache services -------------------------------------------------------------
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset()
 
     def stats(self) -> dict:
         return {

@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
 
 from hypothesis import HealthCheck, settings  # noqa: E402
 
-from level0_naive.demo_utils import train_tiny_module  # noqa: E402
+from ladder.models import train_tiny_module  # noqa: E402
 
 settings.register_profile(
     "ci",

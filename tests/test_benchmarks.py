@@ -17,7 +17,7 @@ import torch
 from benchmarks import report, roofline, throughput
 from benchmarks.engines import available_levels
 from benchmarks.workloads import NAMES, make_workload
-from level0_naive.demo_utils import train_tiny_module
+from ladder.models import train_tiny_module
 
 pytestmark = pytest.mark.bench
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from conftest import ARCHS, VOCAB
@@ -17,7 +19,7 @@ GREEDY = dict(temperature=0, ignore_eos=True)
 def our_logits(loaded, prompts: list[list[int]]) -> list[torch.Tensor]:
     """One flattened forward over several prompts; logits [len(prompt), V] for each."""
     slabs = [Slab(loaded.config, len(p), torch.float64, "cpu") for p in prompts]
-    attn = SlabAttention(slabs, [len(p) for p in prompts])
+    attn = SlabAttention(slabs, torch.tensor([0, *itertools.accumulate(len(p) for p in prompts)]))
     ids = torch.tensor([t for p in prompts for t in p])
     pos = torch.tensor([i for p in prompts for i in range(len(p))])
     logits = loaded.model.compute_logits(loaded.model(ids, pos, attn))
@@ -88,7 +90,7 @@ def test_static_batching_holds_later_requests_back(llama_dir):
 
 def test_kv_budget_limits_the_batch(llama_dir):
     llm = LLM(llama_dir, dtype="float64")
-    per_request = (4 + 6) * llm.bytes_per_token
+    per_request = (4 + 6) * llm.llm_engine.bytes_per_token
     llm2 = LLM(llama_dir, dtype="float64", kv_cache_memory=3 * per_request)
     out = llm2.generate([[1, 2, 3, 4]] * 7, SamplingParams(max_tokens=6, **GREEDY), progress=False)
     assert llm2.stats.peak_running == 3
@@ -259,7 +261,7 @@ def test_sliding_window_caps_the_context_instead_of_being_ignored():
 
 def test_token_slice_matches_slicing_everything(llama_dir):
     llm = LLM(llama_dir, dtype="float64")
-    [seq] = llm._make_group([1, 2, 3, 4], SamplingParams(max_tokens=5))
+    [seq] = llm.llm_engine.inputs.make_group([1, 2, 3, 4], SamplingParams(max_tokens=5))
     seq.output_token_ids += [7, 8, 9]
     for start in range(7):
         for n in range(1, 8 - start):

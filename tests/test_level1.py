@@ -12,6 +12,7 @@ import level1_paged
 from level0_naive import SamplingParams
 from level1_paged.block_allocator import BlockAllocator, OutOfBlocks
 from level1_paged.paged_cache import BlockTables
+from level1_paged.worker import ModelInput
 
 pytestmark = pytest.mark.level1
 
@@ -99,7 +100,12 @@ def test_slots_follow_the_block_table():
     bt.grow(1, 4)
     bt.grow(0, 6)  # sequence 0's second block comes after sequence 1's
     assert bt.tables == {0: [0, 2], 1: [1]}
-    assert bt.slots(0, 2, 4) == [2, 3, 8, 9]
+    # positions 2..5 of sequence 0 and a decode at position 3 of sequence 1, in one batch
+    mi = ModelInput.build([([7, 7, 7, 7], 2), ([9], 3)], [bt.tables[0], bt.tables[1]], 4, [1, 1])
+    assert mi.slot_mapping.tolist() == [2, 3, 8, 9, 7]
+    assert mi.positions.tolist() == [2, 3, 4, 5, 3] and mi.query_start_loc.tolist() == [0, 4, 5]
+    assert mi.seq_lens.tolist() == [6, 4] and mi.block_tables.tolist() == [[0, 2], [1, 0]]
+    assert mi.logits_indices.tolist() == [3, 4]
 
 
 def run(llm, prompts, lengths):
@@ -114,7 +120,8 @@ def test_running_out_of_blocks_mid_batch_evicts_and_recomputes(llama_dir):
     paged = level1_paged.LLM(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 12))
     assert run(paged, prompts, lengths) == naive
     assert paged.stats.preemptions > 0
-    assert paged.blocks.allocator.num_free == paged.num_blocks and not paged.blocks.tables
+    engine = paged.llm_engine
+    assert engine.blocks.allocator.num_free == engine.num_blocks and not engine.blocks.tables
 
 
 def test_a_request_larger_than_the_pool_is_refused_up_front(llama_dir):
@@ -131,7 +138,7 @@ def test_waste_is_at_most_the_last_blocks_tail(llama_dir, block_size):
     paged = level1_paged.LLM(llama_dir, dtype="float64", block_size=block_size)
     run(paged, [[1] * 5, [2] * 17, [3] * 2], [9, 30, 14])
     s = paged.stats
-    slack = (s.kv_reserved_sum - s.kv_used_sum) / paged.bytes_per_token
+    slack = (s.kv_reserved_sum - s.kv_used_sum) / paged.llm_engine.bytes_per_token
     assert 0 <= slack <= (block_size - 1) * s.running_sum
     if block_size == 1:
         assert s.kv_waste == 0.0

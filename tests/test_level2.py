@@ -9,7 +9,7 @@ from test_equivalence import kv_bytes
 
 import level0_naive
 from level0_naive import SamplingParams
-from level2_continuous import LLMEngine, RequestStatus
+from level2_continuous import LLM, LLMEngine, RequestStatus
 
 pytestmark = pytest.mark.level2
 
@@ -29,6 +29,7 @@ class EngineMachine(RuleBasedStateMachine):
                                 max_num_batched_tokens=BUDGET, max_num_seqs=SEATS)  # fmt: skip
         self.live: dict[str, int] = {}  # request id -> max_tokens
         self.ended: dict[str, str] = {}  # request id -> finish reason
+        self.abort_pending: set[str] = set()  # aborted; their final output comes with the next step
         self.count = 0
 
     @rule(prompt=st.lists(st.integers(1, 90), min_size=1, max_size=14), max_tokens=st.integers(1, 12), stop_id=st.none() | st.integers(1, 90))
@@ -41,11 +42,16 @@ class EngineMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self):
-        steps_before = len(self.engine.step_log)
+        steps_before = self.engine.stats.steps
         outs = self.engine.step()
-        for log in self.engine.step_log[steps_before:]:  # every step that ran, sampled or not
+        ran = self.engine.stats.steps - steps_before
+        for log in list(self.engine.step_log)[len(self.engine.step_log) - ran :]:  # every step that ran, sampled or not
             assert log.num_batched_tokens <= BUDGET and log.running <= SEATS
         for out in outs:
+            if out.request_id in self.abort_pending:  # the final output of an abort: once, and marked so
+                assert out.finished and out.outputs[0].finish_reason == "abort"
+                self.abort_pending.remove(out.request_id)
+                continue
             assert out.request_id in self.live, f"{out.request_id} reported after it ended"
             o = out.outputs[0]
             assert len(o.token_ids) <= self.live[out.request_id]
@@ -65,6 +71,7 @@ class EngineMachine(RuleBasedStateMachine):
             assert req.status is RequestStatus.FINISHED_ABORTED and req.finish_reason == "abort"
             assert req.seq_id not in self.engine.kv.tables.tables, "abort must free blocks at once"
         self.ended[rid] = "abort"
+        self.abort_pending.add(rid)
         del self.live[rid]
 
     @invariant()
@@ -84,6 +91,7 @@ class EngineMachine(RuleBasedStateMachine):
         while self.engine.has_unfinished_requests():
             self.step()
         assert not self.live, f"never finished: {sorted(self.live)}"
+        assert not self.abort_pending, f"no final output for the aborts of {sorted(self.abort_pending)}"
         assert self.engine.kv.num_free_blocks == self.engine.kv.num_blocks
 
 
@@ -113,10 +121,10 @@ def test_chunked_prefill_mixes_prefill_and_decode(llama_dir):
 def test_preemption_by_recompute_keeps_answers(llama_dir):
     prompts, lengths = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [20, 25, 18, 30]
     naive = greedy(level0_naive.LLM(llama_dir, dtype="float64"), prompts, lengths)
-    engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10))
-    assert greedy(engine, prompts, lengths) == naive
-    assert engine.stats.preemptions > 0
-    assert engine.kv.num_free_blocks == engine.kv.num_blocks
+    llm = LLM(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10))
+    assert greedy(llm, prompts, lengths) == naive
+    assert llm.stats.preemptions > 0
+    assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.kv.num_blocks
 
 
 def test_priority_policy_preempts_the_lowest_priority(llama_dir):
@@ -135,14 +143,18 @@ def test_priority_policy_preempts_the_lowest_priority(llama_dir):
 
 
 def test_generate_refuses_a_busy_engine_and_abort_takes_several_ids(llama_dir):
-    engine = LLMEngine(llama_dir, dtype="float64")
+    llm = LLM(llama_dir, dtype="float64")
+    engine = llm.llm_engine
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=5, **GREEDY))
     engine.add_request("b", [3, 4], SamplingParams(max_tokens=5, **GREEDY))
     with pytest.raises(RuntimeError, match="idle engine"):
-        engine.generate([[5, 6]], progress=False)
+        llm.generate([[5, 6]], progress=False)
     engine.step()
     engine.abort_request(["a", "b"])
-    assert not engine.has_unfinished_requests() and engine.kv.num_free_blocks == engine.kv.num_blocks
+    assert engine.kv.num_free_blocks == engine.kv.num_blocks  # freed before abort_request returned
+    finals = engine.step()  # the aborts' final outputs
+    assert sorted(o.request_id for o in finals) == ["a", "b"] and all(o.outputs[0].finish_reason == "abort" for o in finals)
+    assert not engine.has_unfinished_requests()
 
 
 def test_a_request_that_can_never_fit_is_refused_and_others_are_served(llama_dir):
@@ -172,6 +184,6 @@ def test_step_outputs_stream_cumulatively(llama_dir):
 
 def test_continuous_batching_admits_into_freed_seats(llama_dir):
     """With two seats, the third request starts as soon as the short one ends, not after the long one."""
-    engine = LLMEngine(llama_dir, dtype="float64", max_num_seqs=2)
-    outs = engine.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False)
+    llm = LLM(llama_dir, dtype="float64", max_num_seqs=2)
+    outs = llm.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False)
     assert outs[2].metrics.first_scheduled_time < outs[1].metrics.finished_time

@@ -13,7 +13,7 @@ from test_equivalence import kv_bytes
 import level0_naive
 from level0_naive import SamplingParams
 from level2_continuous.request import Request
-from level3_prefix import LLMEngine
+from level3_prefix import LLM, LLMEngine
 from level3_prefix.block_pool import BlockPool, hash_block
 from level3_prefix.kv_cache_manager import PrefixCachingKVCacheManager
 
@@ -125,10 +125,13 @@ def test_a_colliding_hash_never_returns_another_prefixs_kv(llama_dir, oracle):
     must turn every false hit into a miss, and outputs stay exact."""
 
     class Colliding(LLMEngine):
-        def _make_kv_manager(self):
+        def make_kv_manager(self):
             return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, hash_fn=lambda parent, tokens, extra=(): b"x" * 32)
 
-    engine = Colliding(llama_dir, dtype="float64", block_size=2)
+    class CollidingLLM(LLM):
+        engine_class = Colliding
+
+    engine = CollidingLLM(llama_dir, dtype="float64", block_size=2)
     prompts = [[1, 2, 3, 4, 5], [1, 2, 9, 9, 5], [7, 7, 3, 4, 5], [1, 2, 3, 4, 6]]
     for p in prompts:  # one at a time, so each finds the blocks of those before it
         out = engine.generate([p], SamplingParams(max_tokens=6, **GREEDY), progress=False)[0]
@@ -155,13 +158,13 @@ def test_hash_is_stable_and_chained():
 
 
 def test_a_repeated_prompt_skips_its_cached_prefill(llama_dir):
-    engine = LLMEngine(llama_dir, dtype="float64", block_size=4)
+    engine = LLM(llama_dir, dtype="float64", block_size=4)
     prompt = list(range(1, 23))  # 22 tokens: 5 full blocks, and the last token always recomputed
     first = engine.generate([prompt], SamplingParams(max_tokens=3, **GREEDY), progress=False)[0]
-    steps_before = len(engine.step_log)
+    prefill_before = engine.stats.prompt_tokens
     second = engine.generate([prompt], SamplingParams(max_tokens=3, **GREEDY), progress=False)[0]
     assert second.outputs[0].token_ids == first.outputs[0].token_ids
-    assert engine.step_log[steps_before].num_prefill_tokens == 22 - 20
+    assert engine.stats.prompt_tokens - prefill_before == 22 - 20
     stats = engine.prefix_stats()
     assert stats["prefix_cache_queries"] == 44 and stats["prefix_cache_hits"] == 20
     engine.reset_prefix_cache()
@@ -170,7 +173,7 @@ def test_a_repeated_prompt_skips_its_cached_prefill(llama_dir):
 
 
 def test_block_aligned_prompt_still_computes_its_last_token(llama_dir):
-    engine = LLMEngine(llama_dir, dtype="float64", block_size=4)
+    engine = LLM(llama_dir, dtype="float64", block_size=4)
     prompt = list(range(1, 17))  # exactly 4 blocks: only 3 can come from the cache
     engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), progress=False)
     engine.generate([prompt], SamplingParams(max_tokens=2, **GREEDY), progress=False)
@@ -193,7 +196,7 @@ def test_eviction_takes_the_least_recent_and_a_requests_tail_first():
 
 
 def test_conversation_turns_hit_the_previous_answer(llama_dir):
-    engine = LLMEngine(llama_dir, dtype="float64", block_size=4)
+    engine = LLM(llama_dir, dtype="float64", block_size=4)
     turn1 = list(range(1, 10))
     out1 = engine.generate([turn1], SamplingParams(max_tokens=12, **GREEDY), progress=False)[0].outputs[0].token_ids
     turn2 = turn1 + out1 + [5, 6, 7]
@@ -204,8 +207,8 @@ def test_conversation_turns_hit_the_previous_answer(llama_dir):
 
 def test_caching_off_gives_the_same_answers_and_no_hits(llama_dir):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9]] * 3
-    on = LLMEngine(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40))
-    off = LLMEngine(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40), enable_prefix_caching=False)
+    on = LLM(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40))
+    off = LLM(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40), enable_prefix_caching=False)
     naive = level0_naive.LLM(llama_dir, dtype="float64")
     run = lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), progress=False)]  # noqa: E731
     assert run(on) == run(off) == run(naive)

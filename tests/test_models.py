@@ -26,7 +26,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from level0_naive.demo_utils import train_tiny_module
+from ladder.models import train_tiny_module
 
 pytestmark = pytest.mark.models
 
@@ -263,7 +263,7 @@ def test_project_loader_matches_transformers(path, tokenizer):
     loaded = load_model(path, dtype=torch.float32, device="cpu")  # bf16 on disk, upcast
     assert loaded.tokenizer is not None and loaded.tokenizer.encode("ROMEO:") == list(b"ROMEO:")
     # One prefill of the same tokens through level 0's own cache backend.
-    attn = SlabAttention([Slab(loaded.config, len(ids), torch.float32, "cpu")], [len(ids)])
+    attn = SlabAttention([Slab(loaded.config, len(ids), torch.float32, "cpu")], torch.tensor([0, len(ids)]))
     hidden = loaded.model(ids, torch.arange(len(ids)), attn)  # [T, hidden]
     logits = loaded.model.compute_logits(hidden)  # [T, V]
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,169 @@
+"""What every command-line tool of the ladder shares: flags that refuse nonsense up front.
+
+What it is: `demo_parser()` (the flags every demo has), argparse types that reject a bad
+value with one line naming the flag (`positive_int`, `fraction`, ...), `check_device`
+(an unavailable device is an error before any weight is loaded), `torch_threads`, where
+pictures go (`plot_path`: outside the tracked tree unless asked), `save_figure`, and the
+demos' prompts and seeded lengths.
+
+What it is not: an engine. No level's `engine.py` imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import random
+import sys
+import tempfile
+from pathlib import Path
+
+from .models import REPO, resolve_path
+
+DOCS_IMG = REPO / "docs" / "img"
+
+PROMPTS = [
+    "ROMEO:\n", "JULIET:\n", "First Citizen:\n", "KING RICHARD III:\n", "HAMLET:\n",
+    "MENENIUS:\nWhat work's, my countrymen, in hand?", "DUKE VINCENTIO:\n", "LADY MACBETH:\n",
+    "QUEEN MARGARET:\n", "PETRUCHIO:\nGood morrow, Kate;", "BRUTUS:\n", "ISABELLA:\n",
+    "GLOUCESTER:\nNow is the winter of our discontent", "CORIOLANUS:\n", "PROSPERO:\n", "MIRANDA:\n",
+]  # fmt: skip
+
+
+# --- argparse types: a bad value is one line that names the flag (exit code 2) ---------------
+def _number(kind, ok, what: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+
+    parse.__name__ = what  # argparse shows the type's name in some messages
+    return parse
+
+
+positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
+nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
+nonneg_float = _number(float, lambda v: v >= 0, "a number >= 0")
+positive_float = _number(float, lambda v: v > 0, "a number > 0")
+fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+
+
+class LadderParser(argparse.ArgumentParser):
+    """argparse, but a bad flag is answered in one line (`--help` still shows everything)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def prog(module: str) -> str:
+    """What `--help` shows as the command: `python -m level2_continuous.demo`, not `demo.py`."""
+    return f"python -m {module}"
+
+
+def demo_parser(description: str, module: str) -> argparse.ArgumentParser:
+    p = LadderParser(prog=prog(module), description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face checkpoint directory, a hub id in the local cache, or a built-in name "
+                        "(tiny-shakespeare, tiny-shakespeare-draft); default: the built-in tiny Shakespeare model")  # fmt: skip
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"], help="weights and KV cache dtype")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if available, else CPU")
+    p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per request (default: the demo's own)")
+    p.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seeds the workload and every sampled request (default 0)")
+    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: fastest for a tiny model, and on a busy machine)")
+    p.add_argument("--no-progress", action="store_true", help="draw no progress bar")
+    return p
+
+
+def parse_demo_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """Parse, then check what argparse cannot, before any weight loads: that the device
+    exists and that every model flag names a model on disk."""
+    args = parser.parse_args(argv)
+    check_device_and_models(parser, args)
+    return args
+
+
+def check_device_and_models(parser: argparse.ArgumentParser, args: argparse.Namespace, model_flags=("model",)) -> None:
+    problem = device_problem(args.device)
+    if problem:
+        parser.error(f"argument --device: {problem}")
+    for name in model_flags:
+        value = getattr(args, name, None)
+        if value is not None:
+            try:
+                resolve_path(value)
+            except ValueError as e:
+                parser.error(f"argument --{name.replace('_', '-')}: {e}")
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot be used here, or None."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            built = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            return f"{device!r} is not available ({built}); use --device cpu or auto"
+    return None
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Run a demo with n torch CPU threads, and put the old count back afterwards.
+
+    Why 1 by default: a tiny model's matmuls are a few microseconds of work, and on a
+    machine with other busy processes, OpenMP threads spin waiting for each other;
+    measured here, 2 threads ran the demos 10-25x slower than 1.
+    """
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+# --- pictures -------------------------------------------------------------------------------------
+def output_dir() -> Path:
+    """Where demos put their pictures unless told otherwise: outside the repository, so a run
+    never modifies a tracked file (`INFERENCE_LADDER_OUT` overrides)."""
+    return Path(os.environ.get("INFERENCE_LADDER_OUT") or Path(tempfile.gettempdir()) / "inference-ladder")
+
+
+def plot_path(requested: Path | None, name: str) -> Path:
+    """`--plot PATH` if given, else `output_dir() / name`."""
+    return Path(requested) if requested else output_dir() / name
+
+
+def save_figure(fig, path: Path, dpi: int = 110) -> None:
+    """Lay out, save (making the folder) and close a demo's matplotlib figure."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+
+
+# --- the demos' workload --------------------------------------------------------------------------
+def spread_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """n output lengths spread evenly-at-random between lo and hi (seeded)."""
+    rng = random.Random(seed)
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+def prompts_for(n: int) -> list[str]:
+    return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
+
+
+def fail(message: str) -> None:
+    """A one-line error for a problem found after parsing (exit code 2, like argparse)."""
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)

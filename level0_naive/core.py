@@ -1,0 +1,91 @@
+"""What every engine of the ladder has, whatever its batching: the parts around the model loop.
+
+What it is: `EngineBase`, the constructor and the small services that level 0's static
+engine and level 2's continuous engine share: the configuration, the loaded model and
+tokenizer, `max_model_len`, the KV budget and the bytes one cached token costs, the
+`InputProcessor` (prompts -> validated sequences), the `OutputProcessor` (sequences ->
+outputs), the sampling stage, and the statistics. An engine subclass adds the loop
+(`run`) and its KV cache, and says whether a request could ever fit (`check_fits`).
+
+What it is not: an engine by itself, and not a home for hooks: nothing here is a
+static-batching or continuous-batching idea.
+
+Reference: vLLM `v1/engine/llm_engine.py` and `core.py` (what EngineCore owns).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ladder.progress import GenerateProgress
+
+from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
+from .inputs import InputProcessor
+from .kv_cache import kv_bytes_per_token
+from .loader import LoadedModel, load_model
+from .metrics import Metric
+from .outputs import OutputProcessor, Sequence, logprob_entries
+from .sampling import sample
+from .stats import EngineStats
+
+
+class EngineBase:
+    config_class = EngineConfig
+    sequence_class = Sequence  # level 2 swaps in its Request (a Sequence with a scheduler state)
+
+    def __init__(self, model: str, **kwargs):
+        self.config = self.config_class(model=str(model), **kwargs)
+        self.device = resolve_device(self.config.device)
+        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.loaded = self.load_model()
+        self.model_config, self.tokenizer = self.loaded.config, self.loaded.tokenizer
+        limit = self.model_config.max_position_embeddings
+        self.max_model_len = self.config.max_model_len or limit
+        if self.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        self.kv_budget = resolve_kv_budget(self.config, self.device)
+        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        self.stats = EngineStats()
+        self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device, self.sequence_class, self.check_fits)
+        self.outputs = OutputProcessor()
+
+    def load_model(self) -> LoadedModel:
+        """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
+        return load_model(self.config.model, self.dtype, self.device)
+
+    # --- what an engine must say ---------------------------------------------------------------
+    def check_fits(self, seq: Sequence, i: int) -> None:
+        """Raise ValueError, up front, for a request that could never run even alone."""
+        raise NotImplementedError
+
+    def run(self, seqs: list[Sequence], bar: GenerateProgress) -> None:
+        """Run these sequences to the end (what `LLM.generate` calls)."""
+        raise NotImplementedError
+
+    # --- the sampling stage, the same at every level -------------------------------------------
+    @torch.inference_mode()
+    def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
+        """logits [len(seqs), V] -> (one token per sequence, its logprobs entry or None)."""
+        tokens = sample(logits, [s.sampling_state() for s in seqs])  # [B]
+        return tokens.tolist(), logprob_entries(logits, tokens, seqs, self.tokenizer)
+
+    def append_token(self, seq: Sequence, token: int, logprob=None) -> None:
+        """One new token for one sequence (stop rules applied); its inter-token latency is recorded."""
+        before = seq.metrics.last_token_time
+        seq.append_token(token, logprob)
+        if before is not None:
+            self.stats.itl.observe(seq.metrics.last_token_time - before)
+        if seq.is_finished:
+            self.stats.record_finished(seq)
+
+    def get_metrics(self) -> list[Metric]:
+        """vLLM's offline metrics: a list of counters, gauges and histograms."""
+        return self.stats.metrics()
+
+    @staticmethod
+    def mark_scheduled(seqs: list[Sequence]) -> None:
+        now = time.perf_counter()
+        for s in seqs:
+            s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or now

@@ -1,0 +1,91 @@
+"""Prompts in, validated sequences out: every check runs before any work starts.
+
+What it is: `InputProcessor`, shared by `LLM.generate` and `LLMEngine.add_request`. It
+tokenizes text prompts (or checks token ids against the vocabulary), refuses an empty
+prompt or one that leaves no room to generate, asks the engine whether the request
+could ever fit its KV cache, gives each of the `n` samples its own seeded generator,
+and names things with two separate counters: request ids ("0", "1", "2", ... for
+`generate`) and sequence ids (one per sample, what KV managers key on).
+
+What it is not: a tokenizer (the checkpoint's own is used) or a scheduler.
+
+Reference: vLLM `v1/engine/processor.py` (Processor.process_inputs).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from .outputs import Sequence
+from .sampling import SamplingParams
+
+Prompt = str | list[int]
+
+
+class InputProcessor:
+    def __init__(self, loaded, max_model_len: int, seed: int, device: torch.device, sequence_class: type[Sequence],
+                 check_fits: Callable[[Sequence, int], None]):  # fmt: skip
+        self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.config.vocab_size
+        self.eos_token_ids, self.path = loaded.eos_token_ids, loaded.path
+        self.max_model_len, self.device = max_model_len, device
+        self.sequence_class, self.check_fits = sequence_class, check_fits
+        self._rng = torch.Generator().manual_seed(seed)  # seeds every unseeded sampling request
+        self._request_ids = itertools.count()
+        self._seq_ids = itertools.count()
+
+    def make_requests(self, prompts, sampling_params) -> list[list[Sequence]]:
+        """Prompts -> one group of `n` sequences per prompt; every check runs before any work."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if not prompts:
+            raise ValueError("prompts is empty: give at least one prompt")
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        return [self.make_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+
+    def make_group(self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None) -> list[Sequence]:
+        """One validated prompt -> its `n` sequences (the samples of one request)."""
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError(f"sampling_params.stop for prompt {i} needs a tokenizer, and the model has none (use stop_token_ids)")
+        ids = self.tokenize(prompt, i)
+        text = prompt if isinstance(prompt, str) else None
+        group = [self._new_sequence("", j, text, ids, params) for j in range(params.n)]
+        self.check_fits(group[0], i)
+        rid = request_id if request_id is not None else str(next(self._request_ids))  # only once all checks passed
+        for seq in group:
+            seq.request_id = rid
+        return group
+
+    def tokenize(self, prompt: Prompt, i: int = 0) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompt {i} is text but the model has no tokenizer; pass token ids")
+            ids = self.tokenizer(prompt)["input_ids"] if prompt else []
+        else:
+            ids = list(prompt)
+            if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+                raise ValueError(f"prompt {i} has token ids outside [0, {self.vocab_size})")
+        if not ids:
+            raise ValueError(f"prompt {i} is empty")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+        return ids
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"the model at {self.path} has no chat template (tokenizer_config.json 'chat_template')")
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def _new_sequence(self, rid: str, index: int, prompt: str | None, ids: list[int], p: SamplingParams) -> Sequence:
+        gen = None
+        if not p.greedy:
+            seed = p.seed + index if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+            gen = torch.Generator(device=self.device).manual_seed(seed)
+        return self.sequence_class(next(self._seq_ids), rid, index, prompt, ids, p, self.max_model_len, self.eos_token_ids, gen, self.tokenizer)

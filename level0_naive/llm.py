@@ -1,0 +1,70 @@
+"""`LLM`: vLLM's offline entry point. It validates, generates and chats; an engine does the work.
+
+What it is: the front end every level shares. `LLM(model, **engine_kwargs)` builds
+`self.llm_engine` (the level's engine class: level 0's static-batching `NaiveEngine`,
+level 1's paged one, from level 2 on the continuous-batching `LLMEngine`) and offers:
+
+    generate(prompts, sampling_params)   prompts: strings or token-id lists; outputs in order
+    chat(messages, sampling_params)      renders with the checkpoint's chat template
+    get_metrics()                        vLLM's offline metrics (counters, histograms)
+
+A level changes the engine, never this file: `class LLM(level0_naive.LLM): engine_class
+= ...` is all a level writes.
+
+What it is not: an engine (no batching, no cache), and not asynchronous (level 6 is).
+
+Reference: vLLM `vllm/entrypoints/llm.py`.
+"""
+
+from __future__ import annotations
+
+from ladder.progress import GenerateProgress
+
+from .engine import NaiveEngine
+from .inputs import Prompt
+from .metrics import Metric
+from .outputs import RequestOutput
+from .sampling import SamplingParams
+from .stats import EngineStats, Timer
+
+
+class LLM:
+    """The offline engine: load once, call `generate` or `chat` many times."""
+
+    engine_class = NaiveEngine
+
+    def __init__(self, model: str, **kwargs):
+        self.llm_engine = self.engine_class(model, **kwargs)
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.llm_engine.stats
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
+        """Generate for every prompt (a string or a list of token ids); outputs in prompt order.
+
+        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is.
+        """
+        progress = progress if use_tqdm is None else use_tqdm
+        engine = self.llm_engine
+        groups = engine.inputs.make_requests(prompts, sampling_params)  # validates everything first
+        seqs = [s for g in groups for s in g]
+        with Timer() as t, GenerateProgress(len(seqs), enabled=progress) as bar:
+            engine.run(seqs, bar)
+        engine.stats.busy_time += t.seconds
+        return [engine.outputs.final(g) for g in groups]
+
+    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *, progress: bool = False) -> list[RequestOutput]:
+        """Render conversation(s) with the checkpoint's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress=progress)
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        return self.llm_engine.inputs.apply_chat_template(messages)
+
+    def get_metrics(self) -> list[Metric]:
+        return self.llm_engine.get_metrics()

@@ -1,0 +1,81 @@
+"""The model runner: one flattened batch in, logits rows out. No cache, no sampling, no requests.
+
+What it is: `FlatBatch`, the batch geometry computed once per step, and `ModelRunner`,
+which owns the model and runs one forward over it through the attention backend it is
+handed. The new tokens of every sequence are concatenated:
+
+    seq A: 5 prompt tokens (prefill)     seq B: 1 token (decode)    seq C: 3 tokens
+    input_ids        [ a0 a1 a2 a3 a4 | b7 | c2 c3 c4 ]          T = 9
+    positions        [  0  1  2  3  4 |  7 |  2  3  4 ]
+    query_start_loc  [ 0,              5,   6,         9 ]        B + 1 entries
+    logits_indices   [             4,   5,         8 ]            the rows to sample from
+
+A sequence asks for the logits of its last `num_logits` rows: 1 for a decode or a
+prefill that reaches the end of its prompt, 0 for a chunk that does not (it samples
+nothing), k + 1 for a speculative verification (level 4).
+
+What it is not: a scheduler, a cache or a sampler. Level 1's `Worker` adds the paged
+KV cache it owns; the engines decide who runs and what to do with the logits.
+
+Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`, logits indices).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .model import AttentionBackend, Transformer
+
+Chunk = tuple[list[int], int]  # (new token ids of one sequence, position of the first)
+
+
+@dataclass
+class FlatBatch:
+    """Plain tensors on the CPU (picklable, so level 5 can broadcast them to ranks)."""
+
+    input_ids: torch.Tensor  # [T] long
+    positions: torch.Tensor  # [T] long
+    query_start_loc: torch.Tensor  # [B+1] int32: seq i's rows are qsl[i]:qsl[i+1]
+    logits_indices: torch.Tensor  # [S] long: the rows whose logits are computed
+
+    @staticmethod
+    def geometry(chunks: list[Chunk], num_logits: list[int]) -> dict[str, torch.Tensor]:
+        """The token fields of a batch: what every level's batch has (level 1 adds the paging)."""
+        lens = torch.tensor([len(toks) for toks, _ in chunks], dtype=torch.long)  # [B]
+        starts = torch.tensor([p for _, p in chunks], dtype=torch.long)  # [B]
+        qsl = torch.zeros(len(chunks) + 1, dtype=torch.long)
+        torch.cumsum(lens, 0, out=qsl[1:])  # [B+1]
+        seq_of_row = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
+        positions = starts[seq_of_row] + torch.arange(int(qsl[-1])) - qsl[:-1][seq_of_row]  # [T]
+        ends = qsl[1:].tolist()
+        rows = [ends[i] - j for i, k in enumerate(num_logits) for j in range(k, 0, -1)]
+        return dict(
+            input_ids=torch.tensor([t for toks, _ in chunks for t in toks], dtype=torch.long),
+            positions=positions,
+            query_start_loc=qsl.to(torch.int32),
+            logits_indices=torch.tensor(rows, dtype=torch.long),
+        )
+
+    @classmethod
+    def build(cls, chunks: list[Chunk], num_logits: list[int]) -> FlatBatch:
+        return cls(**cls.geometry(chunks, num_logits))
+
+    def to(self, device: torch.device):
+        """The same batch with every tensor on `device` (a no-op on the CPU)."""
+        return type(self)(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
+
+
+class ModelRunner:
+    """Owns the model; runs one flattened forward and computes logits only where asked."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.device = model.lm_head.weight.device
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, attn: AttentionBackend) -> torch.Tensor:
+        """-> logits [len(batch.logits_indices), V], float32 or wider."""
+        hidden = self.model(batch.input_ids, batch.positions, attn)  # [T, hidden]
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]
