@@ -178,6 +178,9 @@ class Sequence:
         checked = len(self.detok.text)
         if not self.detok.update() or not search:
             return False
+        return self._cut_at_stop(checked)
+
+    def _cut_at_stop(self, checked: int) -> bool:
         hit = find_stop(self.detok.text, self.params.stop, checked)
         if hit is None:
             return False
@@ -194,7 +197,9 @@ class Sequence:
     def _end(self) -> None:
         self.metrics.finished_time = time.perf_counter()
         if self.detok is not None and not isinstance(self.stop_reason, str):
-            self.detok.finish()  # bytes held back for an incomplete character come out now
+            checked = len(self.detok.text)
+            if self.detok.finish() and self.params.stop:  # bytes held back for an incomplete character
+                self._cut_at_stop(checked)  # come out now; a stop string may end in them
 
     def visible_text(self) -> str:
         """The text an output may show now: all of it once finished; while running, minus

@@ -46,6 +46,8 @@ if not torch.cuda.is_available():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux); the torch backends are tested elsewhere")
+
 from level1_paged.attention_ref import (  # noqa: E402
     paged_attention_ref,
     paged_attention_torch,
