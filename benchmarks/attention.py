@@ -46,7 +46,9 @@ def main(argv=None) -> dict:
                 fn(*batch)
                 best[name] = min(best[name], 1000 * (time.perf_counter() - t))
         out[ctx] = best
-        print(f"{args.seqs} decodes x {ctx} context: ref {best['ref']:.1f} ms, torch {best['torch']:.1f} ms ({best['ref'] / best['torch']:.1f}x)")
+        print(
+            f"{args.seqs} decodes x {ctx} context: ref {best['ref']:.1f} ms, torch {best['torch']:.1f} ms ({best['ref'] / best['torch']:.1f}x)"
+        )
     return out
 
 

@@ -71,10 +71,22 @@ def _records(outs, round_start: float) -> list[dict]:
 
 
 class LevelEngine:
-    def __init__(self, name: str, model: str, dtype: str, device: str, kv_cache_memory: int, max_num_seqs: int, seed: int, progress: bool):
+    def __init__(
+        self,
+        name: str,
+        model: str,
+        dtype: str,
+        device: str,
+        kv_cache_memory: int,
+        max_num_seqs: int,
+        seed: int,
+        progress: bool,
+    ):
         module, _, variant = name.partition(":")
         self.name, self.module = name, importlib.import_module(module)
-        self.kwargs = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, seed=seed)
+        self.kwargs = dict(
+            dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs, seed=seed
+        )
         if variant == "nocache":
             self.kwargs["enable_prefix_caching"] = False
         self.model, self.progress = model, progress
@@ -106,7 +118,9 @@ class LevelEngine:
 
         def run_round(reqs: list[Request]) -> list[list[int]]:
             SP = self.module.SamplingParams
-            params = [SP(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs]
+            params = [
+                SP(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs
+            ]
             t0 = time.perf_counter()
             outs = llm.generate([r.prompt for r in reqs], params, progress=self.progress)
             res.duration += time.perf_counter() - t0
@@ -164,18 +178,35 @@ class HFEngine:
         from transformers import GenerationConfig, LogitsProcessorList
 
         width = max(len(r.prompt) for r in batch)
-        ids = torch.tensor([[self.pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=self.device)  # [B, P]
-        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=self.device)  # [B, P]
+        ids = torch.tensor(
+            [[self.pad] * (width - len(r.prompt)) + r.prompt for r in batch], device=self.device
+        )  # [B, P]
+        mask = torch.tensor(
+            [[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch], device=self.device
+        )  # [B, P]
         n = max(r.max_tokens for r in batch)
-        gen = GenerationConfig(max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=self.pad, eos_token_id=self.eos)
-        out = self.model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, logits_processor=LogitsProcessorList([clock]))
+        gen = GenerationConfig(
+            max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=self.pad, eos_token_id=self.eos
+        )
+        out = self.model.generate(
+            input_ids=ids, attention_mask=mask, generation_config=gen, logits_processor=LogitsProcessorList([clock])
+        )
         return out[:, width:]  # [B, n]
 
     def run(self, workload: Workload) -> RunResult:
         from ladder.progress import GenerateProgress
 
         res = RunResult(self.name)
-        kv = {"prefill": 0, "steps": 0, "reserved_sum": 0, "used_sum": 0, "reserved_peak": 0, "used_peak": 0, "running_sum": 0, "peak_running": 0}
+        kv = {
+            "prefill": 0,
+            "steps": 0,
+            "reserved_sum": 0,
+            "used_sum": 0,
+            "reserved_peak": 0,
+            "used_peak": 0,
+            "running_sum": 0,
+            "peak_running": 0,
+        }
 
         def run_round(reqs: list[Request]) -> list[list[int]]:
             answers = []
@@ -221,7 +252,18 @@ class HFEngine:
             kv["peak_running"] = max(kv["peak_running"], len(batch))
 
 
-def make_engine(name: str, model: str, *, dtype: str, device: str, kv_cache_memory: int, max_num_seqs: int, hf_batch_size: int, seed: int, progress: bool):
+def make_engine(
+    name: str,
+    model: str,
+    *,
+    dtype: str,
+    device: str,
+    kv_cache_memory: int,
+    max_num_seqs: int,
+    hf_batch_size: int,
+    seed: int,
+    progress: bool,
+):
     if name == "hf":
         return HFEngine(model, dtype, device, hf_batch_size, progress)
     return LevelEngine(name, model, dtype, device, kv_cache_memory, max_num_seqs, seed, progress)

@@ -21,7 +21,16 @@ import argparse
 from pathlib import Path
 
 
-def build(out: Path, hidden: int = 768, layers: int = 12, heads: int = 12, kv_heads: int = 4, ffn: int = 3072, max_positions: int = 2048, seed: int = 0) -> Path:
+def build(
+    out: Path,
+    hidden: int = 768,
+    layers: int = 12,
+    heads: int = 12,
+    kv_heads: int = 4,
+    ffn: int = 3072,
+    max_positions: int = 2048,
+    seed: int = 0,
+) -> Path:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

@@ -108,14 +108,28 @@ def kv_waste(data: dict, path: Path) -> None:
         for j, w in enumerate(wls):
             f = data["workloads"][w]["results"].get(n)
             if f is not None:
-                a.bar(j + (i - (len(names) - 1) / 2) * width, 100 * f["kv_waste"], width, color=col[n], label=_once(seen, f["label"]))
+                a.bar(
+                    j + (i - (len(names) - 1) / 2) * width,
+                    100 * f["kv_waste"],
+                    width,
+                    color=col[n],
+                    label=_once(seen, f["label"]),
+                )
     a.set_xticks(range(len(wls)), wls)
     a.set_ylabel("KV waste, % of reserved (time-averaged)")
     a.legend(fontsize=7)
     res = data["workloads"][focus]["results"]
     xs = np.arange(len(res))
-    b.bar(xs, [f["kv_reserved_peak_bytes"] / 2**20 for f in res.values()], 0.6, color="lightgray", label="peak reserved")
-    b.bar(xs, [f["kv_used_peak_bytes"] / 2**20 for f in res.values()], 0.35, color=[col[n] for n in res], label="peak holding tokens")
+    b.bar(
+        xs, [f["kv_reserved_peak_bytes"] / 2**20 for f in res.values()], 0.6, color="lightgray", label="peak reserved"
+    )
+    b.bar(
+        xs,
+        [f["kv_used_peak_bytes"] / 2**20 for f in res.values()],
+        0.35,
+        color=[col[n] for n in res],
+        label="peak holding tokens",
+    )
     b.axhline(data["workloads"][focus]["kv_cache_memory"] / 2**20, color="k", ls="--", lw=1, label="budget (levels)")
     b.set_xticks(xs, [f["label"] for f in res.values()], rotation=20, fontsize=7)
     b.set_ylabel("MiB")
@@ -135,7 +149,14 @@ def roofline(data: dict, path: Path) -> None:
     ax.axhline(roof["peak_flops_per_s"] / 1e9, color="k", ls=":", lw=1)
     focus = "spread" if "spread" in data["workloads"] else next(iter(data["workloads"]))
     for n, f in data["workloads"][focus]["results"].items():
-        ax.scatter(max(f["mean_running"], 1), f["mfu"] * roof["peak_flops_per_s"] / 1e9, color=col[n], s=50, zorder=3, label=f"{f['label']} ({100 * f['mfu']:.0f} %)")
+        ax.scatter(
+            max(f["mean_running"], 1),
+            f["mfu"] * roof["peak_flops_per_s"] / 1e9,
+            color=col[n],
+            s=50,
+            zorder=3,
+            label=f"{f['label']} ({100 * f['mfu']:.0f} %)",
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size (engines: mean running requests)")
     ax.set_ylabel("GFLOP/s")
@@ -147,7 +168,11 @@ def roofline(data: dict, path: Path) -> None:
 
 
 def prefix_ttft(data: dict, path: Path) -> bool:
-    pairs = [(w, wl["results"]) for w, wl in data["workloads"].items() if "level3_prefix" in wl["results"] and "level3_prefix:nocache" in wl["results"]]
+    pairs = [
+        (w, wl["results"])
+        for w, wl in data["workloads"].items()
+        if "level3_prefix" in wl["results"] and "level3_prefix:nocache" in wl["results"]
+    ]
     if not pairs:
         return False
     fig, axes = plt.subplots(1, len(pairs), figsize=(4.5 * len(pairs), 3.8), squeeze=False)
@@ -155,7 +180,13 @@ def prefix_ttft(data: dict, path: Path) -> bool:
         stats = ("mean", "p50", "p99")
         xs = np.arange(len(stats))
         for k, (n, name) in enumerate((("level3_prefix:nocache", "cache off"), ("level3_prefix", "cache on"))):
-            ax.bar(xs + (k - 0.5) * 0.38, [res[n]["ttft_s"][s] for s in stats], 0.38, label=name, color="tab:gray" if k == 0 else "tab:green")
+            ax.bar(
+                xs + (k - 0.5) * 0.38,
+                [res[n]["ttft_s"][s] for s in stats],
+                0.38,
+                label=name,
+                color="tab:gray" if k == 0 else "tab:green",
+            )
         cut = res["level3_prefix"].get("ttft_cut_vs_cache_off")
         ax.set_title(f"{w}: mean TTFT cut {100 * cut:.0f} %" if cut is not None else w, fontsize=9)
         ax.set_xticks(xs, stats)
@@ -171,7 +202,13 @@ def prefix_ttft(data: dict, path: Path) -> bool:
 def make_all(data: dict, img_dir: Path, prefix: str = "bench_") -> list[Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, draw in (("throughput", throughput), ("latency_cdf", latency_cdf), ("kv_waste", kv_waste), ("roofline", roofline), ("prefix_ttft", prefix_ttft)):
+    for name, draw in (
+        ("throughput", throughput),
+        ("latency_cdf", latency_cdf),
+        ("kv_waste", kv_waste),
+        ("roofline", roofline),
+        ("prefix_ttft", prefix_ttft),
+    ):
         path = img_dir / f"{prefix}{name}.png"
         if draw(data, path) is not False:
             written.append(path)

@@ -120,7 +120,12 @@ def goals(workloads: dict) -> list[dict]:
             for k, v in wl["results"].items() if k.startswith("level")]  # fmt: skip
     if best:
         f, w, k = max(best)
-        goal(f"best level's decode throughput / matmul roofline ({label(k)}, {w})", f, ">= 50 % (100M model, large batch)", f >= 0.5)
+        goal(
+            f"best level's decode throughput / matmul roofline ({label(k)}, {w})",
+            f,
+            ">= 50 % (100M model, large batch)",
+            f >= 0.5,
+        )
     return out
 
 
@@ -142,7 +147,10 @@ COLUMNS = [
     ("TTFT mean/p50/p99 s", lambda f: "{mean:.2f} / {p50:.2f} / {p99:.2f}".format(**f["ttft_s"])),
     ("TPOT mean/p50/p99 ms", lambda f: " / ".join(f"{1e3 * f['tpot_s'][k]:.1f}" for k in ("mean", "p50", "p99"))),
     ("e2e mean s", lambda f: f"{f['e2e_s']['mean']:.2f}"),
-    ("KV peak reserved / used", lambda f: f"{_fmt_bytes(f['kv_reserved_peak_bytes'])} / {_fmt_bytes(f['kv_used_peak_bytes'])}"),
+    (
+        "KV peak reserved / used",
+        lambda f: f"{_fmt_bytes(f['kv_reserved_peak_bytes'])} / {_fmt_bytes(f['kv_used_peak_bytes'])}",
+    ),
     ("KV waste", lambda f: f"{100 * f['kv_waste']:.1f} %"),
     ("batch mean/peak", lambda f: f"{f['mean_running']:.1f} / {f['peak_running']}"),
     ("preempt", lambda f: str(f["preemptions"])),
@@ -155,16 +163,32 @@ def rows(wl: dict) -> list[list[str]]:
     return [[fn(f) for _, fn in COLUMNS] for f in wl["results"].values()]
 
 
-THROUGHPUT_COLS = ("engine", "req/s", "out tok/s", "total tok/s", "x L0", "x HF", "batch mean/peak", "preempt", "prefill computed", "roofline")
+THROUGHPUT_COLS = (
+    "engine",
+    "req/s",
+    "out tok/s",
+    "total tok/s",
+    "x L0",
+    "x HF",
+    "batch mean/peak",
+    "preempt",
+    "prefill computed",
+    "roofline",
+)
 
 
 def rich_tables(name: str, wl: dict) -> list:
     """Two tables (throughput; latency and memory) so each fits a terminal."""
     from rich.table import Table
 
-    title = f"{name}: {wl['description']} ({wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])})"
+    title = (
+        f"{name}: {wl['description']} ({wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])})"
+    )
     tables = []
-    for t_title, keep in ((title, lambda c: c in THROUGHPUT_COLS), (f"{name}: latency and KV memory", lambda c: c == "engine" or c not in THROUGHPUT_COLS)):
+    for t_title, keep in (
+        (title, lambda c: c in THROUGHPUT_COLS),
+        (f"{name}: latency and KV memory", lambda c: c == "engine" or c not in THROUGHPUT_COLS),
+    ):
         t = Table(title=t_title)
         idx = [i for i, (col, _) in enumerate(COLUMNS) if keep(col)]
         for i in idx:
@@ -183,7 +207,10 @@ def markdown(data: dict) -> str:
              f"matmul roofline {data['roofline']['peak_flops_per_s'] / 1e9:.1f} GFLOP/s. "
              f"`{c['command']}`", ""]  # fmt: skip
     for name, wl in data["workloads"].items():
-        lines += [f"**{name}** — {wl['description']}, {wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])}", ""]
+        lines += [
+            f"**{name}** — {wl['description']}, {wl['num_requests']} requests, KV budget {_fmt_bytes(wl['kv_cache_memory'])}",
+            "",
+        ]
         lines.append("| " + " | ".join(col for col, _ in COLUMNS) + " |")
         lines.append("|" + "|".join(["---"] + ["--:"] * (len(COLUMNS) - 1)) + "|")
         lines += ["| " + " | ".join(r) + " |" for r in rows(wl)]
@@ -193,11 +220,23 @@ def markdown(data: dict) -> str:
         for g in data["goals"]:
             v = g["measured"]
             shown = "-" if v is None else (f"{100 * v:.1f} %" if "%" in g["target"] else f"{v:.2f}")
-            lines.append(f"| {g['goal']} | {shown} | {g['target']} | {'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |")
+            lines.append(
+                f"| {g['goal']} | {shown} | {g['target']} | {'-' if g['met'] is None else ('yes' if g['met'] else 'no')} |"
+            )
     return "\n".join(lines)
 
 
-README_COLS = ("engine", "out tok/s", "x L0", "x HF", "TTFT mean/p50/p99 s", "KV waste", "batch mean/peak", "preempt", "prefill computed")
+README_COLS = (
+    "engine",
+    "out tok/s",
+    "x L0",
+    "x HF",
+    "TTFT mean/p50/p99 s",
+    "KV waste",
+    "batch mean/peak",
+    "preempt",
+    "prefill computed",
+)
 
 
 def readme_summary(data: dict) -> str:

@@ -57,7 +57,14 @@ class Dims:
         c = AutoConfig.from_pretrained(path)
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         n_kv = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-        return cls(c.hidden_size, c.num_hidden_layers, c.num_attention_heads * head_dim, n_kv * head_dim, c.intermediate_size, c.vocab_size)
+        return cls(
+            c.hidden_size,
+            c.num_hidden_layers,
+            c.num_attention_heads * head_dim,
+            n_kv * head_dim,
+            c.intermediate_size,
+            c.vocab_size,
+        )
 
     @property
     def body_flops(self) -> int:
@@ -98,7 +105,9 @@ def mean_decode_context(lengths: list[tuple[int, int]]) -> float:
 
 
 @torch.inference_mode()
-def matmul_flops_per_s(dims: Dims, batch: int, dtype: torch.dtype, device: torch.device, window: float, repeats: int) -> float:
+def matmul_flops_per_s(
+    dims: Dims, batch: int, dtype: torch.dtype, device: torch.device, window: float, repeats: int
+) -> float:
     """Best-window FLOP/s of the model's fused matmul chain at batch size `batch`."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
@@ -139,7 +148,9 @@ def matmul_flops_per_s(dims: Dims, batch: int, dtype: torch.dtype, device: torch
     return max(rates)
 
 
-def measure(dims: Dims, dtype: torch.dtype, device: torch.device, batches: list[int], window: float = 0.25, repeats: int = 5) -> dict:
+def measure(
+    dims: Dims, dtype: torch.dtype, device: torch.device, batches: list[int], window: float = 0.25, repeats: int = 5
+) -> dict:
     """The sweep, its peak, and the model's per-token costs, as plain JSON-ready data."""
     sweep = [{"batch": b, "flops_per_s": matmul_flops_per_s(dims, b, dtype, device, window, repeats)} for b in batches]
     return {

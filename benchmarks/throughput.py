@@ -50,7 +50,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny Shakespeare model)")
     p.add_argument("--workload", action="append", choices=NAMES, help="repeatable; default: spread (--quick: all)")
     p.add_argument("--all", action="store_true", help="every workload")
-    p.add_argument("--engines", default=None, help="comma list, e.g. hf,level0_naive,level3_prefix:nocache (default: hf + every level that imports)")
+    p.add_argument(
+        "--engines",
+        default=None,
+        help="comma list, e.g. hf,level0_naive,level3_prefix:nocache (default: hf + every level that imports)",
+    )
     p.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 128; --quick 8)")
     p.add_argument("--quick", action="store_true", help="tiny lengths and counts: finishes in under a minute")
     p.add_argument("--kv-requests", type=int, default=16, help="KV budget = this many worst-case requests (default 16)")
@@ -58,16 +62,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--device", default="auto")
-    p.add_argument("--repeats", type=int, default=1, help="run every engine this many times, alternating order; keep the fastest run")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run every engine this many times, alternating order; keep the fastest run",
+    )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's; use 1 on a busy shared machine)")
-    p.add_argument("--out", default=None, help="results JSON (default benchmarks/results/latest.json; --quick: quick.json)")
+    p.add_argument(
+        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; use 1 on a busy shared machine)"
+    )
+    p.add_argument(
+        "--out", default=None, help="results JSON (default benchmarks/results/latest.json; --quick: quick.json)"
+    )
     p.add_argument("--plots", action="store_true", help="also draw docs/img/bench_*.png")
     p.add_argument("--img-dir", default=str(IMG))
     p.add_argument("--img-prefix", default="bench_", help="file name prefix of the PNGs (default bench_)")
     p.add_argument("--plots-from", metavar="JSON", help="only redraw the plots from a results JSON")
     p.add_argument("--markdown", metavar="JSON", help="only print the markdown results tables of a results JSON")
-    p.add_argument("--readme", action="store_true", help="also write the README's results tables (with a run, or with --markdown JSON)")
+    p.add_argument(
+        "--readme",
+        action="store_true",
+        help="also write the README's results tables (with a run, or with --markdown JSON)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -86,7 +103,9 @@ def machine_info(device: torch.device) -> dict:
             return None
 
     try:  # read-only: which commit the numbers belong to
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5).stdout.strip()
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True, timeout=5
+        ).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         commit = ""
     return {
@@ -112,8 +131,8 @@ def make_console() -> Console:
 
 
 def run(args, console: Console) -> dict:
-    from level0_naive.config import resolve_device, resolve_dtype
     from ladder.models import default_model
+    from level0_naive.config import resolve_device, resolve_dtype
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -127,13 +146,28 @@ def run(args, console: Console) -> dict:
     dims = roofline.Dims.from_checkpoint(model)
     bytes_per_token = 2 * dims.layers * dims.kv_width * dtype.itemsize
 
-    console.print(f"[bold]model[/] {model}  ({dims.params / 1e6:.1f}M matmul params, {dtype}, {device}); levels: {', '.join(levels)}")
+    console.print(
+        f"[bold]model[/] {model}  ({dims.params / 1e6:.1f}M matmul params, {dtype}, {device}); levels: {', '.join(levels)}"
+    )
     with console.status("measuring the matmul roofline"):
         batches = [1, 16] if args.quick else [1, 4, 16, 64, 256, 1024]  # 1024: prefill chunks are that wide
-        roof = roofline.measure(dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5)
-    console.print("matmul roofline: " + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"]) + " GFLOP/s")
+        roof = roofline.measure(
+            dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5
+        )
+    console.print(
+        "matmul roofline: "
+        + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"])
+        + " GFLOP/s"
+    )
 
-    common = dict(dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs, hf_batch_size=hf_batch, seed=args.seed, progress=not args.no_progress)
+    common = dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_num_seqs=args.max_num_seqs,
+        hf_batch_size=hf_batch,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
     data = {"schema": 1, "machine": machine_info(device), "roofline": roof, "workloads": {}}
     data["config"] = {
         "model": model, "model_name": Path(model).name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
@@ -146,7 +180,9 @@ def run(args, console: Console) -> dict:
         wl = make_workload(wname, num_requests, dims.vocab, seed=args.seed, quick=args.quick)
         kv_budget = args.kv_requests * wl.max_seq_len * bytes_per_token
         names = engine_names(args, wname, levels)
-        console.rule(f"[bold]{wname}[/]: {wl.description}; {wl.num_requests} requests; KV budget {kv_budget / 2**20:.1f} MiB")
+        console.rule(
+            f"[bold]{wname}[/]: {wl.description}; {wl.num_requests} requests; KV budget {kv_budget / 2**20:.1f} MiB"
+        )
         runs: dict[str, list] = {n: [] for n in names}
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else reversed(names):

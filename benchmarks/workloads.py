@@ -93,14 +93,22 @@ def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick
     if name == "shared-prefix":
         prefix_len, (slo, shi), (olo, ohi) = (96, (4, 8), (4, 8)) if q else (384, (8, 32), (32, 64))
         prefix = _tokens(rng, prefix_len, vocab)
-        reqs = [Request(prefix + _tokens(rng, rng.randint(slo, shi), vocab), rng.randint(olo, ohi)) for _ in range(num_requests)]
+        reqs = [
+            Request(prefix + _tokens(rng, rng.randint(slo, shi), vocab), rng.randint(olo, ohi))
+            for _ in range(num_requests)
+        ]
         return Workload(name, f"shared prefix {prefix_len} + suffix {slo}-{shi}, output {olo}-{ohi} tokens", reqs)
     if name == "chat":
         turns = 2 if q else 4
         system, (ulo, uhi), (alo, ahi) = (16, (4, 8), (4, 8)) if q else (32, (16, 48), (32, 128))
         convs = max(1, num_requests // turns)
-        first = [Request(_tokens(rng, system + rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)]
-        later = [[(_tokens(rng, rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)] for _ in range(turns - 1)]
+        first = [
+            Request(_tokens(rng, system + rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)
+        ]
+        later = [
+            [(_tokens(rng, rng.randint(ulo, uhi), vocab), rng.randint(alo, ahi)) for _ in range(convs)]
+            for _ in range(turns - 1)
+        ]
         desc = f"{convs} conversations x {turns} turns, user {ulo}-{uhi}, answers {alo}-{ahi} tokens"
         return Workload(name, desc, first, later)
     raise ValueError(f"unknown workload {name!r}: choose from {', '.join(NAMES)}")

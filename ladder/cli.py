@@ -69,13 +69,32 @@ def demo_parser(description: str, module: str) -> argparse.ArgumentParser:
     p = LadderParser(prog=prog(module), description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
                    help="a Hugging Face checkpoint directory, a hub id in the local cache, or a built-in name "
-                        "(tiny-shakespeare, tiny-shakespeare-draft); default: the built-in tiny Shakespeare model")  # fmt: skip
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"], help="weights and KV cache dtype")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if available, else CPU")
-    p.add_argument("--max-tokens", type=positive_int, default=None, help="output tokens per request (default: the demo's own)")
-    p.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)")
-    p.add_argument("--seed", type=nonneg_int, default=0, help="seeds the workload and every sampled request (default 0)")
-    p.add_argument("--threads", type=positive_int, default=1, help="torch CPU threads (default 1: fastest for a tiny model, and on a busy machine)")
+                        "(tiny-shakespeare, tiny-shakespeare-draft); default: the built-in tiny Shakespeare "
+                        "model")  # fmt: skip
+    p.add_argument(
+        "--dtype",
+        default="auto",
+        choices=["auto", "float32", "bfloat16", "float16", "float64"],
+        help="weights and KV cache dtype",
+    )
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: CUDA if available, else CPU"
+    )
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=None, help="output tokens per request (default: the demo's own)"
+    )
+    p.add_argument(
+        "--temperature", type=nonneg_float, default=0.8, help="sampling temperature; 0 is greedy (default 0.8)"
+    )
+    p.add_argument(
+        "--seed", type=nonneg_int, default=0, help="seeds the workload and every sampled request (default 0)"
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=1,
+        help="torch CPU threads (default 1: fastest for a tiny model, and on a busy machine)",
+    )
     p.add_argument("--no-progress", action="store_true", help="draw no progress bar")
     return p
 

@@ -56,7 +56,9 @@ def resolve_path(model: str | os.PathLike) -> Path:
             from huggingface_hub.constants import HF_HUB_CACHE
 
             tried.append(f"{HF_HUB_CACHE} (local Hugging Face cache, hub id {model!r})")
-    raise ValueError(f"model {str(model)!r} not found; looked in: " + "; ".join(tried) + " (nothing is downloaded at run time)")
+    raise ValueError(
+        f"model {str(model)!r} not found; looked in: " + "; ".join(tried) + " (nothing is downloaded at run time)"
+    )
 
 
 def default_model() -> Path:

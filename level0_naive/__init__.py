@@ -6,4 +6,13 @@ from .loader import load_model
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import RequestOutputKind, SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "EngineConfig", "load_model"]
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "Logprob",
+    "EngineConfig",
+    "load_model",
+]

@@ -44,7 +44,7 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> torch.device:
-    """"auto" -> CUDA if available, else CPU. Asking for CUDA where there is none is a
+    """ "auto" -> CUDA if available, else CPU. Asking for CUDA where there is none is a
     clear error here, before any weight is loaded."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

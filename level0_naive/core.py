@@ -48,7 +48,9 @@ class EngineBase:
         self.kv_budget = resolve_kv_budget(self.config, self.device)
         self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
         self.stats = EngineStats()
-        self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device, self.sequence_class, self.check_fits)
+        self.inputs = InputProcessor(
+            self.loaded, self.max_model_len, self.config.seed, self.device, self.sequence_class, self.check_fits
+        )
         self.outputs = OutputProcessor()
 
     def load_model(self) -> LoadedModel:

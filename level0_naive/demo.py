@@ -36,7 +36,9 @@ def run(args, console: Console):
     model = args.model or default_model()
     cap = args.max_tokens or 256
     lengths = spread_lengths(args.requests, min(16, cap), cap, seed=args.seed)
-    probe = LLM(model, dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory=1)  # only to size the budget
+    probe = LLM(
+        model, dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory=1
+    )  # only to size the budget
     # A KV budget that holds about four requests' worst case: tight, as real GPUs are.
     budget = 4 * (cap + 16) * probe.llm_engine.bytes_per_token
     llm = LLM(model, dtype=args.dtype, device=args.device, kv_cache_memory=budget, seed=args.seed)
@@ -48,7 +50,13 @@ def run(args, console: Console):
     outs = llm.generate(prompts, params, progress=not args.no_progress)
 
     for out in outs[:3]:
-        console.print(Panel(out.prompt + out.outputs[0].text, title=f"request {out.request_id} ({len(out.outputs[0].token_ids)} tokens)", expand=False))
+        console.print(
+            Panel(
+                out.prompt + out.outputs[0].text,
+                title=f"request {out.request_id} ({len(out.outputs[0].token_ids)} tokens)",
+                expand=False,
+            )
+        )
 
     s = llm.stats
     ttft = [o.metrics.ttft for o in outs]

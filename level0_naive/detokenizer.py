@@ -63,7 +63,9 @@ class IncrementalDetokenizer:
     def finish(self) -> str:
         """The sequence ended: emit what was held back (it will never complete)."""
         self.update()
-        rest = self._decode(self.prefix_offset, len(self.token_ids))[len(self._decode(self.prefix_offset, self.read_offset)) :]
+        rest = self._decode(self.prefix_offset, len(self.token_ids))[
+            len(self._decode(self.prefix_offset, self.read_offset)) :
+        ]
         self.prefix_offset = self.read_offset = len(self.token_ids)
         self.text += rest
         return rest

@@ -85,7 +85,10 @@ class NaiveEngine(EngineBase):
     def check_fits(self, seq: Sequence, i: int) -> None:
         need = seq.max_total_tokens * self.bytes_per_token
         if need > self.kv_budget:
-            raise ValueError(f"prompt {i} needs {need} bytes of KV cache (prompt + max_tokens = {seq.max_total_tokens} tokens) but kv_cache_memory is {self.kv_budget}")
+            raise ValueError(
+                f"prompt {i} needs {need} bytes of KV cache (prompt + max_tokens = {seq.max_total_tokens} tokens) "
+                f"but kv_cache_memory is {self.kv_budget}"
+            )
 
     def _admit_one(self, seq: Sequence) -> bool:
         """Reserve a slab for the whole possible length, or say no."""

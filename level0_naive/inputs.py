@@ -42,17 +42,25 @@ class InputProcessor:
             prompts = [prompts]
         if not prompts:
             raise ValueError("prompts is empty: give at least one prompt")
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        params = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else [sampling_params or SamplingParams()] * len(prompts)
+        )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         return [self.make_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
 
-    def make_group(self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None) -> list[Sequence]:
+    def make_group(
+        self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None
+    ) -> list[Sequence]:
         """One validated prompt -> its `n` sequences (the samples of one request)."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
-            raise ValueError(f"sampling_params.stop for prompt {i} needs a tokenizer, and the model has none (use stop_token_ids)")
+            raise ValueError(
+                f"sampling_params.stop for prompt {i} needs a tokenizer, and the model has none (use stop_token_ids)"
+            )
         ids = self.tokenize(prompt, i)
         text = prompt if isinstance(prompt, str) else None
         group = [self._new_sequence("", j, text, ids, params) for j in range(params.n)]
@@ -74,7 +82,9 @@ class InputProcessor:
         if not ids:
             raise ValueError(f"prompt {i} is empty")
         if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate")
+            raise ValueError(
+                f"prompt {i} has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate"
+            )
         return ids
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -88,4 +98,6 @@ class InputProcessor:
         if not p.greedy:
             seed = p.seed + index if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
             gen = torch.Generator(device=self.device).manual_seed(seed)
-        return self.sequence_class(next(self._seq_ids), rid, index, prompt, ids, p, self.max_model_len, self.eos_token_ids, gen, self.tokenizer)
+        return self.sequence_class(
+            next(self._seq_ids), rid, index, prompt, ids, p, self.max_model_len, self.eos_token_ids, gen, self.tokenizer
+        )

@@ -43,8 +43,8 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
-    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
+    def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 *, progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
         """Generate for every prompt (a string or a list of token ids); outputs in prompt order.
 
         `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is.
@@ -58,7 +58,13 @@ class LLM:
         engine.stats.busy_time += t.seconds
         return [engine.outputs.final(g) for g in groups]
 
-    def chat(self, messages: list[dict] | list[list[dict]], sampling_params: SamplingParams | None = None, *, progress: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
         """Render conversation(s) with the checkpoint's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress=progress)

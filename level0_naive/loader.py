@@ -53,7 +53,9 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     mtype = hf.get("model_type")
     if mtype not in SUPPORTED:
         arch = (hf.get("architectures") or [mtype])[0]
-        raise ValueError(f"unsupported architecture {arch!r} (model_type={mtype!r}); supported model types: {', '.join(SUPPORTED)}")
+        raise ValueError(
+            f"unsupported architecture {arch!r} (model_type={mtype!r}); supported model types: {', '.join(SUPPORTED)}"
+        )
     # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
     rope = dict(hf.get("rope_parameters") or {})
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -120,7 +122,9 @@ def eos_ids(hf: dict, gen: dict, tokenizer) -> list[int]:
     return []
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(
+    model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> LoadedModel:
     path = resolve_path(model)
     hf = json.loads((path / "config.json").read_text())
     cfg = model_config_from_hf(hf)
@@ -137,7 +141,10 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
         missing.discard("lm_head.weight")
     unexpected = {k for k in unexpected if not k.endswith("rotary_emb.inv_freq")}
     if missing or unexpected:
-        raise ValueError(f"checkpoint {path} does not match the {hf['model_type']} layout: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        raise ValueError(
+            f"checkpoint {path} does not match the {hf['model_type']} layout: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
     state = {k: v.to(dtype=dtype, device=device) for k, v in state.items() if k in net.state_dict()}
     net.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
@@ -146,4 +153,3 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     net.eval()
     tokenizer = load_tokenizer(path)
     return LoadedModel(net, cfg, tokenizer, eos_ids(hf, gen, tokenizer), path, hf, gen)
-

@@ -104,7 +104,11 @@ class Sequence:
             self.metrics = RequestMetrics(arrival_time=time.perf_counter())
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
-        self.detok = None if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, self.output_token_ids, self.params.skip_special_tokens)
+        self.detok = (
+            None
+            if self.tokenizer is None
+            else IncrementalDetokenizer(self.tokenizer, self.output_token_ids, self.params.skip_special_tokens)
+        )
 
     # --- sizes -------------------------------------------------------------
     @property
@@ -141,7 +145,9 @@ class Sequence:
         return self.detok.text if self.detok is not None else ""
 
     def sampling_state(self) -> SamplingState:
-        return SamplingState(self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids)
+        return SamplingState(
+            self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids
+        )
 
     # --- one new token -----------------------------------------------------
     def append_token(self, token: int, logprob: dict[int, Logprob] | None = None) -> None:
@@ -228,7 +234,9 @@ class Sequence:
         )
 
 
-def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], tokenizer) -> list[dict[int, Logprob] | None]:
+def logprob_entries(
+    logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], tokenizer
+) -> list[dict[int, Logprob] | None]:
     """The `logprobs` entry of each row's chosen token (None where the request did not ask):
     its logprob and rank, and the top-N alternatives, decoded for reading."""
     want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
@@ -242,7 +250,10 @@ def logprob_entries(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Seque
         if n is None:
             entries.append(None)
             continue
-        entry = {int(t): Logprob(float(v), r + 1, decode(int(t))) for r, (t, v) in enumerate(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))}
+        entry = {
+            int(t): Logprob(float(v), r + 1, decode(int(t)))
+            for r, (t, v) in enumerate(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
+        }
         entry[tok] = Logprob(float(chosen_lp[i]), int(rank[i]), decode(tok))
         entries.append(entry)
     return entries
@@ -272,7 +283,9 @@ class OutputProcessor:
     @staticmethod
     def _output(group: list[Sequence], completions: list[CompletionOutput], finished: bool) -> RequestOutput:
         first = group[0]
-        times = lambda name, pick: pick((getattr(s.metrics, name) for s in group if getattr(s.metrics, name)), default=None)  # noqa: E731
+        times = lambda name, pick: pick(
+            (getattr(s.metrics, name) for s in group if getattr(s.metrics, name)), default=None
+        )  # noqa: E731
         metrics = RequestMetrics(
             arrival_time=first.metrics.arrival_time,
             first_scheduled_time=times("first_scheduled_time", min),

@@ -67,7 +67,11 @@ class SamplingParams:
             self.top_k = 0
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
-            ("max_tokens", self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1), "must be an integer >= 1 (or None)"),
+            (
+                "max_tokens",
+                self.max_tokens is None or (isinstance(self.max_tokens, int) and self.max_tokens >= 1),
+                "must be an integer >= 1 (or None)",
+            ),
             ("min_tokens", isinstance(self.min_tokens, int) and self.min_tokens >= 0, "must be an integer >= 0"),
             ("min_tokens", self.max_tokens is None or self.min_tokens <= self.max_tokens, "must be <= max_tokens"),
             ("temperature", self.temperature >= 0, "must be >= 0 (0 means greedy)"),
@@ -77,9 +81,17 @@ class SamplingParams:
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
             ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "must be an integer >= 0 (or None)"),
+            (
+                "logprobs",
+                self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
+                "must be an integer >= 0 (or None)",
+            ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
-            ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "must be non-negative integers"),
+            (
+                "stop_token_ids",
+                all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                "must be non-negative integers",
+            ),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer (or None)"),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
@@ -203,7 +215,9 @@ def sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
     return draw(probabilities(logits, states), states)
 
 
-def top_logprobs(logits: torch.Tensor, chosen: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the raw model distribution (before penalties/temperature, as vLLM V1 reports).
 
     logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]).

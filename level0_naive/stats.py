@@ -101,7 +101,11 @@ class EngineStats:
             Counter("vllm:generation_tokens", value=self.generated_tokens),
             Counter("vllm:num_preemptions", value=self.preemptions),
         ]
-        out += [Counter("vllm:request_success", {"finished_reason": r}, n) for r, n in sorted(self.finished.items()) if r != "abort"]
+        out += [
+            Counter("vllm:request_success", {"finished_reason": r}, n)
+            for r, n in sorted(self.finished.items())
+            if r != "abort"
+        ]
         out += [
             self.ttft.metric("vllm:time_to_first_token_seconds"),
             self.itl.metric("vllm:inter_token_latency_seconds"),

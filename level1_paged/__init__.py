@@ -5,5 +5,16 @@ from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutput
 from .engine import LLM, PagedEngine, PagedEngineConfig
 from .worker import ModelInput, Worker
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PagedEngineConfig", "PagedEngine",
-           "ModelInput", "Worker", "load_model"]  # fmt: skip
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "Logprob",
+    "PagedEngineConfig",
+    "PagedEngine",
+    "ModelInput",
+    "Worker",
+    "load_model",
+]

@@ -88,8 +88,7 @@ def _gather_sequence_kv(k_cache, v_cache, table_row, seq_len: int):
     return k, v
 
 
-def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                        scale: float) -> torch.Tensor:
+def paged_attention_ref(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """The oracle: attention over the paged cache, one sequence at a time.
 
     Same contract as the module docstring; returns [T, Hq, D] in q.dtype.
@@ -168,8 +167,7 @@ def _prefill_attention(q, k, v, context_len: int, scale: float):
     return out.transpose(0, 1)
 
 
-def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                          scale: float) -> torch.Tensor:
+def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """The CPU default backend: same contract and result as paged_attention_ref.
 
     One pass per sequence: gather its blocks with one index_select (whole
@@ -202,8 +200,12 @@ def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_
             continue
         num_blocks = -(-seq_len // block_size)
         blocks = tables[i, :num_blocks]  # [nblk]; padding entries never read
-        k = cast(k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len])  # [L, Hkv, D]
-        v = cast(v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len])  # [L, Hkv, D]
+        k = cast(
+            k_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+        )  # [L, Hkv, D]
+        v = cast(
+            v_cache.index_select(0, blocks).view(num_blocks * block_size, num_kv_heads, head_dim)[:seq_len]
+        )  # [L, Hkv, D]
         if query_len == 1:
             pieces.append(_decode_attention(cast(q[q_start]), k, v, scale)[None])  # [1, Hq, D]
         else:

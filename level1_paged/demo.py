@@ -29,7 +29,17 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_float, positive_int, prompts_for, save_figure, spread_lengths, torch_threads
+from ladder.cli import (
+    demo_parser,
+    parse_demo_args,
+    plot_path,
+    positive_float,
+    positive_int,
+    prompts_for,
+    save_figure,
+    spread_lengths,
+    torch_threads,
+)
 from ladder.models import default_model
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.sampling import SamplingParams
@@ -59,10 +69,25 @@ class TracedStats(EngineStats):
 def parser():
     p = demo_parser(__doc__, "level1_paged.demo")
     p.add_argument("--requests", type=positive_int, default=24, help="how many requests (default 24)")
-    p.add_argument("--budget-requests", type=positive_float, default=4.0, help="KV budget, in worst-case requests (longest prompt + max tokens; default 4)")
+    p.add_argument(
+        "--budget-requests",
+        type=positive_float,
+        default=4.0,
+        help="KV budget, in worst-case requests (longest prompt + max tokens; default 4)",
+    )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block of level 1 (default 16)")
-    p.add_argument("--snapshot-step", type=positive_int, default=64, help="the step whose slabs and block tables are drawn (default 64)")
-    p.add_argument("--plot", type=Path, default=None, help="where to save the memory picture (default: level1_memory.png in a folder outside the repository)")
+    p.add_argument(
+        "--snapshot-step",
+        type=positive_int,
+        default=64,
+        help="the step whose slabs and block tables are drawn (default 64)",
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="where to save the memory picture (default: level1_memory.png in a folder outside the repository)",
+    )
     return p
 
 
@@ -84,20 +109,25 @@ def run(args, console: Console) -> dict:
     worst = max(len(probe.tokenizer(p)["input_ids"]) for p in prompts) + cap
     budget = int(args.budget_requests * worst * probe.bytes_per_token)
     del probe
-    console.print(f"[bold]level 0 vs level 1[/]: {args.requests} requests, output lengths {min(lengths)}..{max(lengths)} (exact), "
-                  f"KV budget {budget / 2**20:.2f} MiB = {args.budget_requests:g} worst-case requests of {worst} tokens, model {model}")  # fmt: skip
+    console.print(f"[bold]level 0 vs level 1[/]: {args.requests} requests, "
+                  f"output lengths {min(lengths)}..{max(lengths)} (exact), KV budget {budget / 2**20:.2f} MiB = "
+                  f"{args.budget_requests:g} worst-case requests of {worst} tokens, model {model}")  # fmt: skip
 
     engines, snaps = {}, {}
     for name, cls, extra in [("level 0", NaiveLLM, {}), ("level 1", PagedLLM, {"block_size": args.block_size})]:
         llm = cls(model, kv_cache_memory=budget, **common, **extra)
-        llm.llm_engine.stats = TracedStats(hook=snapshotter(llm.llm_engine, args.snapshot_step, snaps.setdefault(name, {})))
+        llm.llm_engine.stats = TracedStats(
+            hook=snapshotter(llm.llm_engine, args.snapshot_step, snaps.setdefault(name, {}))
+        )
         console.print(f"[bold]{name}[/]")
         llm.generate(prompts, params, progress=not args.no_progress)
         engines[name] = llm
 
     s0, s1 = engines["level 0"].stats, engines["level 1"].stats
     print_table(console, s0, s1, budget)
-    draw_snapshot(console, snaps["level 0"], snaps["level 1"], engines["level 1"].llm_engine.num_blocks, args.block_size)
+    draw_snapshot(
+        console, snaps["level 0"], snaps["level 1"], engines["level 1"].llm_engine.num_blocks, args.block_size
+    )
     plot(args.plot, s0, s1, budget)
     console.print(f"[bold]KV waste[/] {100 * s0.kv_waste:.1f} % -> [green]{100 * s1.kv_waste:.1f} %[/];  "
                   f"[bold]peak requests in memory[/] {s0.peak_running} -> [green]{s1.peak_running}[/] "
@@ -159,7 +189,9 @@ def draw_snapshot(console: Console, snap0: dict, snap1: dict, num_blocks: int, b
         line.append(f"  {used}/{reserved} slots used")
         console.print(line)
     r0, u0 = sum(r for r, _ in layout0.values()), sum(u for _, u in layout0.values())
-    console.print(f"  {len(layout0)} requests, {r0} slots reserved, {u0} used: [red]{100 * (1 - u0 / max(r0, 1)):.0f} % empty[/]")
+    console.print(
+        f"  {len(layout0)} requests, {r0} slots reserved, {u0} used: [red]{100 * (1 - u0 / max(r0, 1)):.0f} % empty[/]"
+    )
 
     layout1 = snap1["layout"]
     owner = {b: sid for sid, (table, _) in layout1.items() for b in table}

@@ -61,7 +61,10 @@ class PagedEngine(NaiveEngine):
     def check_fits(self, seq: Sequence, i: int) -> None:
         need = blocks_for(seq.max_total_tokens, self.config.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) but the pool has {self.num_blocks}")
+            raise ValueError(
+                f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) "
+                f"but the pool has {self.num_blocks}"
+            )
 
     def _admit_one(self, seq: Sequence) -> bool:
         """Admit if the pool holds the request's tokens *now* (its prefill)."""
@@ -74,7 +77,9 @@ class PagedEngine(NaiveEngine):
     def _make_room(self, running: list[Sequence], chunks: list[Chunk]) -> tuple[list[Sequence], list[Chunk]]:
         # Every sequence needs room for its new tokens; evict the youngest until all fit.
         while True:
-            short = sum(self.blocks.missing_blocks(s.seq_id, pos + len(toks)) for s, (toks, pos) in zip(running, chunks))
+            short = sum(
+                self.blocks.missing_blocks(s.seq_id, pos + len(toks)) for s, (toks, pos) in zip(running, chunks)
+            )
             if short <= self.blocks.allocator.num_free:
                 break
             victim = running.pop()  # the last admitted

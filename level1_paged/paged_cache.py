@@ -54,7 +54,10 @@ def num_blocks_for_budget(kv_budget: int, block_size: int, bytes_per_token: int)
     """How many whole blocks a KV budget in bytes holds (at least one, or a ValueError)."""
     num_blocks = kv_budget // (block_size * bytes_per_token)
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory={kv_budget} bytes holds no block of {block_size} tokens ({block_size * bytes_per_token} bytes)")
+        raise ValueError(
+            f"kv_cache_memory={kv_budget} bytes holds no block of {block_size} tokens "
+            f"({block_size * bytes_per_token} bytes)"
+        )
     return num_blocks
 
 
@@ -118,5 +121,12 @@ class PagedAttention:
         return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
 
 
-
-__all__ = ["blocks_for", "num_blocks_for_budget", "PagedKVCache", "BlockTables", "PagedAttention", "OutOfBlocks", "attention_impl"]
+__all__ = [
+    "blocks_for",
+    "num_blocks_for_budget",
+    "PagedKVCache",
+    "BlockTables",
+    "PagedAttention",
+    "OutOfBlocks",
+    "attention_impl",
+]

@@ -92,7 +92,8 @@ def _check_can_run(t: torch.Tensor) -> None:
             "paged_attention_triton got CPU tensors but triton was imported without "
             "TRITON_INTERPRET=1 (something imported triton before level1_paged."
             "triton_attention could switch the interpreter on). Run with "
-            "TRITON_INTERPRET=1 in the environment, or use the 'torch' backend.")
+            "TRITON_INTERPRET=1 in the environment, or use the 'torch' backend."
+        )
 
 
 @triton.jit
@@ -127,10 +128,16 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B+1] int32
     scale_ptr,  # [1] in the accumulation dtype (a float arg would be fp32)
     num_seqs,
-    stride_q_tok, stride_q_head,
-    stride_o_tok, stride_o_head,
-    stride_k_blk, stride_k_slot, stride_k_head,
-    stride_v_blk, stride_v_slot, stride_v_head,
+    stride_q_tok,
+    stride_q_head,
+    stride_o_tok,
+    stride_o_head,
+    stride_k_blk,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_blk,
+    stride_v_slot,
+    stride_v_head,
     stride_bt_seq,
     QUERIES_PER_KV: tl.constexpr,  # G = Hq // Hkv
     BLOCK_SIZE: tl.constexpr,  # keys per cache block
@@ -188,15 +195,18 @@ def _paged_attention_kernel(
         # Per-key table lookup: a tile may span several blocks (bs < TILE) or
         # part of one (bs > TILE). Masked lanes never read the table, so padding
         # entries, whatever they hold, are never used as keys.
-        phys = tl.load(block_tables_ptr + seq * stride_bt_seq + k_pos // BLOCK_SIZE,
-                       mask=k_ok, other=0).to(tl.int64)  # [TILE]; int64: big caches overflow int32
+        phys = tl.load(block_tables_ptr + seq * stride_bt_seq + k_pos // BLOCK_SIZE, mask=k_ok, other=0).to(
+            tl.int64
+        )  # [TILE]; int64: big caches overflow int32
         slot = k_pos % BLOCK_SIZE  # [TILE]
-        k_offs = (phys[None, :] * stride_k_blk + slot[None, :] * stride_k_slot
-                  + kv_head * stride_k_head + offs_d[:, None])  # [D_PAD, TILE]
+        k_offs = (
+            phys[None, :] * stride_k_blk + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None]
+        )  # [D_PAD, TILE]
         K = tl.load(k_cache_ptr + k_offs, mask=dim_ok[:, None] & k_ok[None, :], other=0.0)
         K = K.to(ACC_DTYPE)  # [D_PAD, TILE], already transposed for Q @ K
-        v_offs = (phys[:, None] * stride_v_blk + slot[:, None] * stride_v_slot
-                  + kv_head * stride_v_head + offs_d[None, :])  # [TILE, D_PAD]
+        v_offs = (
+            phys[:, None] * stride_v_blk + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :]
+        )  # [TILE, D_PAD]
         V = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
         V = V.to(ACC_DTYPE)  # [TILE, D_PAD]
 
@@ -219,16 +229,16 @@ def _paged_attention_kernel(
     l = tl.where(l == 0.0, 1.0, l)  # padding rows only; they are not stored
     out = acc / l[:, None]  # [BLOCK_M, D_PAD]
     o_offs = q_tok[:, None] * stride_o_tok + q_head[:, None] * stride_o_head + offs_d[None, :]
-    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty),
-             mask=row_ok[:, None] & dim_ok[None, :])
+    tl.store(out_ptr + o_offs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float,
-            tile_size: int = 32) -> torch.Tensor:
+def _launch(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, tile_size: int = 32
+) -> torch.Tensor:
     """paged_attention_triton with the tile size exposed (the tests vary it)."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -247,16 +257,28 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
     block_m = max(16, _next_pow2(group))
     block_q = block_m // group  # query tokens per program
     fp64 = q.dtype == torch.float64
-    scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32,
-                         device=q.device)
+    scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     _paged_attention_kernel[grid](
-        out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale_t,
+        out,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        query_start_loc,
+        scale_t,
         num_seqs,
-        q.stride(0), q.stride(1),
-        out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
         block_tables.stride(0),
         QUERIES_PER_KV=group,
         BLOCK_SIZE=block_size,
@@ -273,8 +295,7 @@ def _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale:
     return out
 
 
-def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables,
-                           scale: float) -> torch.Tensor:
+def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """Paged attention over a flattened batch; returns [T, Hq, D] in q.dtype.
 
     Same contract and result as level1_paged.attention_ref.paged_attention_ref:
@@ -288,10 +309,13 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
 
 @triton.jit
 def _write_kv_kernel(
-    k_ptr, v_ptr,  # [T, Hkv, D]
-    k_cache_ptr, v_cache_ptr,  # [N, bs, Hkv, D], contiguous: slot s starts at s * Hkv * D
+    k_ptr,
+    v_ptr,  # [T, Hkv, D]
+    k_cache_ptr,
+    v_cache_ptr,  # [N, bs, Hkv, D], contiguous: slot s starts at s * Hkv * D
     slot_mapping_ptr,  # [T] int64
-    stride_k_tok, stride_v_tok,
+    stride_k_tok,
+    stride_v_tok,
     ROW: tl.constexpr,  # Hkv * D: one token's K (or V), contiguous in the cache
     ROW_PADDED: tl.constexpr,  # next power of two
 ):
@@ -327,6 +351,13 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         return
     _check_can_run(k)
     _write_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), v.stride(0),
-        ROW=row, ROW_PADDED=_next_pow2(row),
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        v.stride(0),
+        ROW=row,
+        ROW_PADDED=_next_pow2(row),
     )

@@ -6,5 +6,19 @@ from .engine import LLM, ContinuousEngineConfig, LLMEngine, SamplerOutput
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .request import Request, RequestStatus
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "ContinuousEngineConfig",
-           "KVCacheManager", "SimpleKVCacheManager", "SamplerOutput", "Request", "RequestStatus", "load_model"]  # fmt: skip
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "Logprob",
+    "ContinuousEngineConfig",
+    "KVCacheManager",
+    "SimpleKVCacheManager",
+    "SamplerOutput",
+    "Request",
+    "RequestStatus",
+    "load_model",
+]

@@ -29,7 +29,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ladder.cli import demo_parser, fraction, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
+from ladder.cli import (
+    demo_parser,
+    fraction,
+    parse_demo_args,
+    plot_path,
+    positive_int,
+    prompts_for,
+    save_figure,
+    torch_threads,
+)
 from ladder.models import default_model
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.sampling import SamplingParams
@@ -49,8 +58,15 @@ def parser():
     p = demo_parser(__doc__, "level2_continuous.demo")
     p.add_argument("--requests", type=positive_int, default=32, help="how many requests (default 32)")
     p.add_argument("--batch-size", type=positive_int, default=8, help="max_num_seqs of both engines (default 8)")
-    p.add_argument("--long-fraction", type=fraction, default=0.2, help="share of long requests, in [0, 1] (default 0.2)")
-    p.add_argument("--plot", type=Path, default=None, help="where to save the timeline (default: level2_timeline.png in a folder outside the repository)")
+    p.add_argument(
+        "--long-fraction", type=fraction, default=0.2, help="share of long requests, in [0, 1] (default 0.2)"
+    )
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="where to save the timeline (default: level2_timeline.png in a folder outside the repository)",
+    )
     return p
 
 
@@ -92,7 +108,8 @@ def run(args, console: Console) -> dict:
     f1, f2 = figures["level 1"], figures["level 2"]
     console.print(f"[bold]tokens/s[/] {f1['tps']:.0f} -> [green]{f2['tps']:.0f}[/] ({f2['tps'] / f1['tps']:.2f}x);  "
                   f"[bold]mean latency[/] {f1['mean']:.2f} s -> [green]{f2['mean']:.2f} s[/];  "
-                  f"[bold]p99[/] {f1['p99']:.2f} s -> [green]{f2['p99']:.2f} s[/];  timeline saved to {args.plot}")  # fmt: skip
+                  f"[bold]p99[/] {f1['p99']:.2f} s -> [green]{f2['p99']:.2f} s[/];  "
+                  f"timeline saved to {args.plot}")  # fmt: skip
     return {"level1": f1, "level2": f2, "scheduler_share": share["share"], "plot": args.plot}
 
 
@@ -134,11 +151,16 @@ def scheduler_share(llm, batch_size: int) -> dict:
     the mean from the engine's counters, the median from its ring buffer of recent steps."""
     s = llm.stats
     sched, total, steps = s.schedule_seconds, s.step_seconds, s.steps
-    full = [r.schedule_seconds / r.step_seconds for r in llm.llm_engine.step_log if r.running == batch_size and r.num_prefill_tokens == 0]
+    full = [
+        r.schedule_seconds / r.step_seconds
+        for r in llm.llm_engine.step_log
+        if r.running == batch_size and r.num_prefill_tokens == 0
+    ]
     text = (f"[bold]level 2 scheduler + bookkeeping[/]: {1e3 * sched / steps:.2f} ms of a {1e3 * total / steps:.2f} ms step "
             f"on average = [bold]{100 * sched / total:.1f} %[/] of step time over {steps} steps")  # fmt: skip
     if full:
-        text += f"; {100 * statistics.median(full):.1f} % (median) in the {len(full)} pure-decode steps with all {batch_size} seats busy"
+        median = 100 * statistics.median(full)
+        text += f"; {median:.1f} % (median) in the {len(full)} pure-decode steps with all {batch_size} seats busy"
     return {"share": sched / total, "text": text}
 
 
@@ -168,8 +190,9 @@ def plot(path: Path, results: dict, lengths: list[int]) -> None:
         ax.set_ylim(n - 0.5, -0.5)
         ax.set_yticks(range(0, n, max(1, n // 8)))
     axes[-1].set_xlabel("seconds since the requests arrived")
-    axes[0].legend(handles=[Patch(color="0.85", label="queued"), Patch(color="tab:blue", label="running, short request"),
-                            Patch(color="tab:orange", label="running, long request")], loc="upper right", fontsize=8)  # fmt: skip
+    legend = [Patch(color="0.85", label="queued"), Patch(color="tab:blue", label="running, short request"),
+              Patch(color="tab:orange", label="running, long request")]  # fmt: skip
+    axes[0].legend(handles=legend, loc="upper right", fontsize=8)
     save_figure(fig, path)
 
 

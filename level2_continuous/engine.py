@@ -98,7 +98,9 @@ class LLMEngine(EngineBase):
         self.num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
         self.worker = self.make_worker()
         self.kv: KVCacheManager = self.make_kv_manager()
-        self.scheduler = Scheduler(self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.policy)
+        self.scheduler = Scheduler(
+            self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.policy
+        )
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
         self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
@@ -113,7 +115,10 @@ class LLMEngine(EngineBase):
     def check_fits(self, seq: Request, i: int) -> None:
         need = blocks_for(seq.max_total_tokens, self.config.block_size)
         if need > self.num_blocks:
-            raise ValueError(f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) but the pool has {self.num_blocks}")
+            raise ValueError(
+                f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) "
+                f"but the pool has {self.num_blocks}"
+            )
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
@@ -229,15 +234,20 @@ class LLMEngine(EngineBase):
         s.schedule_seconds += sched_s
         used_blocks, stored = self.kv.usage()
         running = len(self.scheduler.running)
-        s.record_step(running, used_blocks * self.config.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s)
-        self.step_log.append(StepRecord(time.perf_counter(), running, len(self.scheduler.waiting), sched.num_batched_tokens,
+        s.record_step(
+            running, used_blocks * self.config.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s
+        )
+        waiting, ids = len(self.scheduler.waiting), [r.request_id for r, _ in sched.scheduled]
+        self.step_log.append(StepRecord(time.perf_counter(), running, waiting, sched.num_batched_tokens,
                                         sched.num_prefill_tokens, len(sched.preempted), used_blocks, sched_s, step_s,
-                                        [r.request_id for r, _ in sched.scheduled]))  # fmt: skip
+                                        ids))  # fmt: skip
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
     def run(self, seqs: list[Request], bar: GenerateProgress) -> None:
         if self.has_unfinished_requests():
-            raise RuntimeError("generate() needs an idle engine: finish or abort the requests added with add_request first")
+            raise RuntimeError(
+                "generate() needs an idle engine: finish or abort the requests added with add_request first"
+            )
         for req in seqs:
             self.scheduler.add(req)
         while self.scheduler.has_unfinished():

@@ -39,7 +39,9 @@ class KVCacheManager(Protocol):
         """(cached blocks of the request's prefix, how many tokens they hold)."""
         ...
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
+    ) -> bool:
         """Room up to num_computed + num_new + lookahead, or False and nothing changed.
         `computed_blocks` is given (possibly empty) only when the request is admitted."""
         ...
@@ -74,7 +76,9 @@ class SimpleKVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list, int]:
         return [], 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
+    ) -> bool:
         total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
         if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free:
             return False

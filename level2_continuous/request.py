@@ -46,10 +46,19 @@ class RequestStatus(enum.Enum):
 
 ALLOWED = {
     RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED},
-    RequestStatus.RUNNING: {RequestStatus.PREEMPTED, RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED},
+    RequestStatus.RUNNING: {
+        RequestStatus.PREEMPTED,
+        RequestStatus.FINISHED_STOPPED,
+        RequestStatus.FINISHED_LENGTH,
+        RequestStatus.FINISHED_ABORTED,
+    },
     RequestStatus.PREEMPTED: {RequestStatus.WAITING},
 }
-FINISH_STATUS = {"stop": RequestStatus.FINISHED_STOPPED, "length": RequestStatus.FINISHED_LENGTH, "abort": RequestStatus.FINISHED_ABORTED}
+FINISH_STATUS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
 
 
 @dataclass
@@ -63,7 +72,9 @@ class Request(Sequence):
     def to(self, new: RequestStatus) -> None:
         """Move along the state machine; an illegal move is a bug, so it raises."""
         if new not in ALLOWED.get(self.status, set()):
-            raise RuntimeError(f"request {self.request_id}#{self.index}: illegal transition {self.status.name} -> {new.name}")
+            raise RuntimeError(
+                f"request {self.request_id}#{self.index}: illegal transition {self.status.name} -> {new.name}"
+            )
         self.status = new
 
     @property

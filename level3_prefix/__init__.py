@@ -5,5 +5,16 @@ from level2_continuous import Request, RequestStatus
 
 from .engine import LLM, LLMEngine, PrefixEngineConfig
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob", "PrefixEngineConfig", "Request", "RequestStatus",
-           "load_model"]  # fmt: skip
+__all__ = [
+    "LLM",
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "RequestOutputKind",
+    "CompletionOutput",
+    "Logprob",
+    "PrefixEngineConfig",
+    "Request",
+    "RequestStatus",
+    "load_model",
+]

@@ -67,7 +67,9 @@ def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
         engine.add_request(f"q{i}", p, SamplingParams(max_tokens=SHOWN + 2, temperature=0, ignore_eos=True))
         engine.step()  # one at a time, so each finds the blocks of those before it
     running = engine.scheduler.running
-    pic = Text(f"after {SHOWN} steps, one new question admitted per step; all {len(running)} are running:\n", style="italic")
+    pic = Text(
+        f"after {SHOWN} steps, one new question admitted per step; all {len(running)} are running:\n", style="italic"
+    )
     for req in running:
         pic.append(f"{req.request_id:>4}  ")
         refs = [b.ref_cnt for b in engine.kv.req_blocks[req.seq_id]]
@@ -76,14 +78,20 @@ def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
             pic.append(" ")
         pic.append(f" {QUESTIONS[int(req.request_id[1:])]!r}\n")
     pic.append(f"a cell 'r xN' is N consecutive KV blocks of {args.block_size} tokens, each used by r running requests.\n"
-               "Green: the system prompt's blocks, shared by all; grey: each question's own tail and answer.", style="italic")  # fmt: skip
+               "Green: the system prompt's blocks, shared by all; grey: each question's own tail and answer.",
+               style="italic")  # fmt: skip
     return pic
 
 
 def main(argv=None) -> dict:
     parser = demo_parser(__doc__, "level3_prefix.demo")
     parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument("--plot", type=Path, default=None, help="where to save the TTFT plot (default: level3_ttft.png in a folder outside the repository)")
+    parser.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="where to save the TTFT plot (default: level3_ttft.png in a folder outside the repository)",
+    )
     parser.set_defaults(max_tokens=16, temperature=0.8)
     args = parse_demo_args(parser, argv)
     args.plot = plot_path(args.plot, "level3_ttft.png")
@@ -96,8 +104,18 @@ def run_demo(args, console: Console) -> dict:
 
     results = {}
     for caching in (False, True):
-        llm = LLM(model, dtype=args.dtype, device=args.device, block_size=args.block_size, enable_prefix_caching=caching, seed=args.seed)
-        prompts = [llm.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]) for q in QUESTIONS]
+        llm = LLM(
+            model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            enable_prefix_caching=caching,
+            seed=args.seed,
+        )
+        prompts = [
+            llm.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])
+            for q in QUESTIONS
+        ]
         outs, seconds = run(llm, prompts, args.max_tokens, args.temperature)
         results[caching] = (llm, outs, seconds)
     share = sum(len(SYSTEM.encode()) / len(p) for p in prompts) / len(prompts)  # the byte tokenizer: 1 token a byte
@@ -107,7 +125,13 @@ def run_demo(args, console: Console) -> dict:
 
     llm_on, outs_on, _ = results[True]
     for out in outs_on[:2]:
-        console.print(Panel(QUESTIONS[int(out.request_id)] + "\n" + out.outputs[0].text, title=f"request {out.request_id}", expand=False))
+        console.print(
+            Panel(
+                QUESTIONS[int(out.request_id)] + "\n" + out.outputs[0].text,
+                title=f"request {out.request_id}",
+                expand=False,
+            )
+        )
     console.print("[dim](the built-in model was trained on 256-byte windows, so after a ~650-token prompt its prose "
                   "degrades; this demo measures time, and checks that caching never changes a token)[/]")  # fmt: skip
 
@@ -121,16 +145,27 @@ def run_demo(args, console: Console) -> dict:
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         hit = llm.prefix_stats()["prefix_cache_hit_rate"] if caching else 0.0
         p99 = ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))]
-        table.add_row("on" if caching else "off", f"{statistics.mean(ttft):.0f} ms", f"{statistics.median(ttft):.0f} ms", f"{p99:.0f} ms",
-                      f"{tokens / seconds:.0f}", f"{llm.stats.prompt_tokens}", f"{100 * hit:.0f} %")  # fmt: skip
+        table.add_row("on" if caching else "off", f"{statistics.mean(ttft):.0f} ms", f"{statistics.median(ttft):.0f} ms",
+                      f"{p99:.0f} ms", f"{tokens / seconds:.0f}", f"{llm.stats.prompt_tokens}", f"{100 * hit:.0f} %")  # fmt: skip
     cut = 1 - statistics.mean(ttfts[True]) / statistics.mean(ttfts[False])
     same = [o.outputs[0].token_ids for o in outs_on] == [o.outputs[0].token_ids for o in results[False][1]]
     console.print(table)
     console.print(f"mean TTFT cut by caching: [bold green]{100 * cut:.0f} %[/]; identical outputs: {same}")
-    console.print(Panel(shared_blocks_picture(model, prompts, args), title=f"blocks shared between {SHOWN} running requests (ref counts)", expand=False))
+    console.print(
+        Panel(
+            shared_blocks_picture(model, prompts, args),
+            title=f"blocks shared between {SHOWN} running requests (ref counts)",
+            expand=False,
+        )
+    )
     plot(ttfts, args.plot)
     console.print(f"plot: {args.plot}")
-    return {"ttft_cut": cut, "identical": same, "ttft_ms": ttfts, "hit_rate": llm_on.prefix_stats()["prefix_cache_hit_rate"]}
+    return {
+        "ttft_cut": cut,
+        "identical": same,
+        "ttft_ms": ttfts,
+        "hit_rate": llm_on.prefix_stats()["prefix_cache_hit_rate"],
+    }
 
 
 def plot(ttfts: dict[bool, list[float]], path: Path) -> None:
@@ -142,7 +177,13 @@ def plot(ttfts: dict[bool, list[float]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for caching, color in ((False, "tab:red"), (True, "tab:green")):
         ys = ttfts[caching]
-        ax.plot(range(1, len(ys) + 1), ys, marker="o", color=color, label=f"prefix caching {'on' if caching else 'off'} (mean {statistics.mean(ys):.0f} ms)")
+        ax.plot(
+            range(1, len(ys) + 1),
+            ys,
+            marker="o",
+            color=color,
+            label=f"prefix caching {'on' if caching else 'off'} (mean {statistics.mean(ys):.0f} ms)",
+        )
     ax.set_xlabel("requests, sorted by TTFT")
     ax.set_ylabel("time to first token (ms)")
     ax.set_title("A shared system prompt: TTFT with and without prefix caching")

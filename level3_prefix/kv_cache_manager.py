@@ -70,7 +70,9 @@ class PrefixCachingKVCacheManager:
             hit.append(b)
         return hit, len(hit) * bs
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0) -> bool:
+    def allocate_slots(
+        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
+    ) -> bool:
         blocks = self.req_blocks.setdefault(req.seq_id, [])
         computed = computed_blocks or []
         total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens

@@ -72,9 +72,7 @@ def bytes_to_unicode() -> dict[int, str]:
     character for byte b the token id b.
     """
     printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     )
     chars = printable[:]
     n = 0
@@ -178,19 +176,42 @@ PRESETS = {
     # the built-in model. Tied embeddings: the 259-row table is tiny either
     # way, and it exercises the tied-weight loading path.
     "target": Preset(
-        hidden_size=256, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-        intermediate_size=1024, head_dim=64, tie_word_embeddings=True,
-        steps=1000, batch_size=32, block_size=256, lr=2e-3, min_lr=1e-4, warmup=100,
-        weight_decay=0.1, eval_every=200,
+        hidden_size=256,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=1024,
+        head_dim=64,
+        tie_word_embeddings=True,
+        steps=1000,
+        batch_size=32,
+        block_size=256,
+        lr=2e-3,
+        min_lr=1e-4,
+        warmup=100,
+        weight_decay=0.1,
+        eval_every=200,
     ),
     # ~0.5 M parameters, under 1/8 of the target's matmul FLOPs per token at
     # every context length up to 2048 (see the README for the arithmetic).
     # Untied embeddings, so the other loading path is exercised too.
     "draft": Preset(
-        hidden_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-        intermediate_size=448, head_dim=64, tie_word_embeddings=False,
-        steps=1000, batch_size=32, block_size=256, lr=3e-3, min_lr=1e-4, warmup=100,
-        weight_decay=0.1, eval_every=200, distill_alpha=0.8,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=448,
+        head_dim=64,
+        tie_word_embeddings=False,
+        steps=1000,
+        batch_size=32,
+        block_size=256,
+        lr=3e-3,
+        min_lr=1e-4,
+        warmup=100,
+        weight_decay=0.1,
+        eval_every=200,
+        distill_alpha=0.8,
     ),
 }
 
@@ -301,7 +322,14 @@ def load_hf(path: str | Path, dtype=torch.float32):
 
 def train(args) -> None:
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+        TimeRemainingColumn,
+    )
     from transformers import GenerationConfig, LlamaForCausalLM
 
     console = Console()
@@ -324,9 +352,11 @@ def train(args) -> None:
     if teacher is not None:
         assert teacher.config.vocab_size == VOCAB_SIZE
     flops = matmul_flops_per_token(cfg, p.block_size)
-    console.log(f"preset={args.preset} params={n_params:,} flops/token@{p.block_size}={flops['total']:,} "
-                f"train={len(train_ids):,} val={len(val_ids):,} bytes distill={args.distill_from} "
-                f"alpha={p.distill_alpha if teacher else 0} bf16={not args.fp32} threads={args.threads}")
+    console.log(
+        f"preset={args.preset} params={n_params:,} flops/token@{p.block_size}={flops['total']:,} "
+        f"train={len(train_ids):,} val={len(val_ids):,} bytes distill={args.distill_from} "
+        f"alpha={p.distill_alpha if teacher else 0} bf16={not args.fp32} threads={args.threads}"
+    )
     console.log(json.dumps(asdict(p)))
 
     # Decay matrices only; norms' gains stay free (nanoGPT's split).
@@ -334,16 +364,23 @@ def train(args) -> None:
     no_decay = [t for t in model.parameters() if t.dim() < 2]
     opt = torch.optim.AdamW(
         [{"params": decay, "weight_decay": p.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=p.lr, betas=(0.9, 0.99),
+        lr=p.lr,
+        betas=(0.9, 0.99),
     )
     autocast = not args.fp32
     history = []
     t0 = time.time()
     tokens_seen = 0
     ema_loss = None
-    columns = [TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s  val {task.fields[val]}"),
-               TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn()]
+    columns = [
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]:.3f}  {task.fields[tps]:,.0f} tok/s  val {task.fields[val]}"),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+    ]
     with Progress(*columns, console=console) as progress:
         task = progress.add_task(args.preset, total=p.steps, loss=float("nan"), tps=0.0, val="-")
         for step in range(p.steps):
@@ -359,8 +396,12 @@ def train(args) -> None:
                         t_logits = teacher(input_ids=x, use_cache=False).logits.float()  # [B, T, V]
                     # KL(target || draft): pulls the draft's whole distribution,
                     # and so its argmax, toward the target's.
-                    kl = F.kl_div(F.log_softmax(logits, -1).flatten(0, 1), F.log_softmax(t_logits, -1).flatten(0, 1),
-                                  log_target=True, reduction="batchmean")
+                    kl = F.kl_div(
+                        F.log_softmax(logits, -1).flatten(0, 1),
+                        F.log_softmax(t_logits, -1).flatten(0, 1),
+                        log_target=True,
+                        reduction="batchmean",
+                    )
                     loss = p.distill_alpha * kl + (1 - p.distill_alpha) * ce
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -374,10 +415,17 @@ def train(args) -> None:
             if (step + 1) % p.eval_every == 0 or last:
                 # 64 windows x 256 = 16 k bytes: cheap enough to run often.
                 v = evaluate(model, val_ids, p.block_size, limit=64, autocast=autocast)
-                history.append({"step": step + 1, "train_ce_ema": round(ema_loss, 4), "val": round(v, 4),
-                                "elapsed_s": round(time.time() - t0, 1)})
-                progress.console.log(f"step {step + 1}: train ce {ema_loss:.4f}  val {v:.4f}  "
-                                     f"{tps:,.0f} tok/s  {time.time() - t0:.0f}s")
+                history.append(
+                    {
+                        "step": step + 1,
+                        "train_ce_ema": round(ema_loss, 4),
+                        "val": round(v, 4),
+                        "elapsed_s": round(time.time() - t0, 1),
+                    }
+                )
+                progress.console.log(
+                    f"step {step + 1}: train ce {ema_loss:.4f}  val {v:.4f}  {tps:,.0f} tok/s  {time.time() - t0:.0f}s"
+                )
                 progress.update(task, val=f"{v:.3f}")
             progress.update(task, advance=1, loss=ema_loss, tps=tps)
     train_s = time.time() - t0
@@ -392,16 +440,26 @@ def train(args) -> None:
     saved = load_hf(out, dtype=torch.float32)
     val_full = evaluate(saved, val_ids, p.block_size, limit=None, autocast=False)
     report = {
-        "preset": args.preset, "params": n_params, "flops_per_token": flops, "distill_from": args.distill_from,
-        "recipe": asdict(p), "seed": args.seed, "threads": args.threads, "bf16_autocast": autocast,
-        "train_wall_s": round(train_s, 1), "tokens_seen": tokens_seen,
-        "val_loss_saved_fp32_full_split": round(val_full, 4), "history": history,
+        "preset": args.preset,
+        "params": n_params,
+        "flops_per_token": flops,
+        "distill_from": args.distill_from,
+        "recipe": asdict(p),
+        "seed": args.seed,
+        "threads": args.threads,
+        "bf16_autocast": autocast,
+        "train_wall_s": round(train_s, 1),
+        "tokens_seen": tokens_seen,
+        "val_loss_saved_fp32_full_split": round(val_full, 4),
+        "history": history,
     }
     # Kept beside the script, not in the checkpoint directory, so the model
     # folder holds only what a Hugging Face loader expects.
     (out.parent / f"{out.name}.train_log.json").write_text(json.dumps(report, indent=2) + "\n")
-    console.log(f"saved {out}: val loss (bf16 weights, fp32 eval, whole val split) = {val_full:.4f} nats/byte; "
-                f"train {train_s / 60:.1f} min")
+    console.log(
+        f"saved {out}: val loss (bf16 weights, fp32 eval, whole val split) = {val_full:.4f} nats/byte; "
+        f"train {train_s / 60:.1f} min"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -410,8 +468,16 @@ def train(args) -> None:
 
 
 @torch.no_grad()
-def agreement(target, draft, val_ids: torch.Tensor, block: int = 256, windows: int = 64,
-              prompts: int = 16, prompt_len: int = 64, gen_len: int = 192) -> dict[str, float]:
+def agreement(
+    target,
+    draft,
+    val_ids: torch.Tensor,
+    block: int = 256,
+    windows: int = 64,
+    prompts: int = 16,
+    prompt_len: int = 64,
+    gen_len: int = 192,
+) -> dict[str, float]:
     """Greedy agreement of draft with target, measured two ways.
 
     teacher_forced: over `windows` non-overlapping validation windows of
@@ -438,13 +504,18 @@ def agreement(target, draft, val_ids: torch.Tensor, block: int = 256, windows: i
     stride = (len(val_ids) - prompt_len) // prompts
     starts = torch.arange(prompts) * stride
     seq = val_ids[starts[:, None] + torch.arange(prompt_len)]  # [P, prompt_len]
-    out = target.generate(seq, attention_mask=torch.ones_like(seq), max_new_tokens=gen_len, do_sample=False,
-                          pad_token_id=PAD_ID)  # [P, prompt_len + gen_len]
+    out = target.generate(
+        seq, attention_mask=torch.ones_like(seq), max_new_tokens=gen_len, do_sample=False, pad_token_id=PAD_ID
+    )  # [P, prompt_len + gen_len]
     t_next = out[:, prompt_len:]  # [P, gen_len] the target's greedy tokens
     d_next = draft(input_ids=out[:, :-1]).logits.argmax(-1)[:, prompt_len - 1 :]  # [P, gen_len]
     og = (d_next == t_next).float().mean().item()
-    return {"teacher_forced": tf, "teacher_forced_positions": total,
-            "on_target_greedy": og, "on_target_greedy_positions": t_next.numel()}
+    return {
+        "teacher_forced": tf,
+        "teacher_forced_positions": total,
+        "on_target_greedy": og,
+        "on_target_greedy_positions": t_next.numel(),
+    }
 
 
 def run_agreement(args) -> None:
@@ -463,8 +534,14 @@ def run_sample(args) -> None:
     model = load_hf(args.model)
     prompt = args.prompt.replace("\\n", "\n")  # lets the shell pass a two-character "\n"
     x = torch.tensor([tok.encode(prompt)])
-    kw = {"do_sample": False} if args.temperature == 0 else {"do_sample": True, "temperature": args.temperature, "top_k": 0}
-    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens, pad_token_id=PAD_ID, **kw)
+    kw = (
+        {"do_sample": False}
+        if args.temperature == 0
+        else {"do_sample": True, "temperature": args.temperature, "top_k": 0}
+    )
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=args.max_tokens, pad_token_id=PAD_ID, **kw
+    )
     print(tok.decode(out[0]))
 
 

@@ -41,7 +41,21 @@ VOCAB = 97  # deliberately not a power of two
 ARCHS = {
     # name: (transformers config class name, model class name, config overrides)
     "llama": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 2}),
-    "llama3": ("LlamaConfig", "LlamaForCausalLM", {"num_key_value_heads": 1, "rope_theta": 500000.0, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}}),
+    "llama3": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "num_key_value_heads": 1,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        },
+    ),
     "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2}),

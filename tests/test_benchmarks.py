@@ -47,7 +47,9 @@ def test_flops_match_the_training_script(checkpoint_factory):
     ref = train_tiny_module().matmul_flops_per_token(AutoConfig.from_pretrained(path), 100)
     assert dims.flops_per_token(100) == ref["total"]
     # One request, prompt 3, output 2: fed tokens at positions 0, 1, 2, 3; two lm_head rows.
-    assert roofline.useful_flops(dims, [(3, 2)]) == 4 * dims.body_flops + 2 * dims.lm_head_flops + dims.attention_flops(1 + 2 + 3 + 4)
+    assert roofline.useful_flops(dims, [(3, 2)]) == 4 * dims.body_flops + 2 * dims.lm_head_flops + dims.attention_flops(
+        1 + 2 + 3 + 4
+    )
 
 
 def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys):
@@ -78,7 +80,14 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
         for engine, f in wl["results"].items():
             assert f["num_requests"] == want.num_requests, engine
             assert f["output_tokens"] == sum(n for rnd in want.rounds() for _, n in rnd), engine  # exact lengths
-            for key in ("duration_s", "requests_per_s", "output_tokens_per_s", "total_tokens_per_s", "mfu", "decode_roofline_fraction"):
+            for key in (
+                "duration_s",
+                "requests_per_s",
+                "output_tokens_per_s",
+                "total_tokens_per_s",
+                "mfu",
+                "decode_roofline_fraction",
+            ):
                 assert isinstance(f[key], float) and f[key] > 0 and math.isfinite(f[key]), (engine, key)
             for key in ("ttft_s", "tpot_s", "e2e_s"):
                 assert set(f[key]) == {"mean", "p50", "p99"} and all(v >= 0 for v in f[key].values()), (engine, key)
@@ -88,7 +97,12 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
             assert len(f["samples"]["e2e"]) == want.num_requests
             assert f["vs_hf"] > 0 and f["vs_level0"] > 0
     assert all({"goal", "measured", "target", "met"} <= g.keys() for g in data["goals"])
-    assert {p.name for p in img.glob("bench_*.png")} >= {"bench_throughput.png", "bench_latency_cdf.png", "bench_kv_waste.png", "bench_roofline.png"}
+    assert {p.name for p in img.glob("bench_*.png")} >= {
+        "bench_throughput.png",
+        "bench_latency_cdf.png",
+        "bench_kv_waste.png",
+        "bench_roofline.png",
+    }
 
     capsys.readouterr()
     throughput.main(["--markdown", str(out)])

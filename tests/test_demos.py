@@ -66,11 +66,19 @@ def test_level2_demo(tiny, tmp_path):
 def test_level3_demo(checkpoint_factory, tmp_path, capsys):
     from level3_prefix import demo
 
-    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=1024)  # the system prompt is ~650 tokens
+    model = checkpoint_factory(
+        "llama", tokenizer=True, max_position_embeddings=1024
+    )  # the system prompt is ~650 tokens
     plot = tmp_path / "level3_ttft.png"
-    res = demo.main(["--model", str(model), "--max-tokens", "4", "--block-size", "8", "--plot", str(plot), "--no-progress"])
+    res = demo.main(
+        ["--model", str(model), "--max-tokens", "4", "--block-size", "8", "--plot", str(plot), "--no-progress"]
+    )
     out = capsys.readouterr().out
-    assert plot.stat().st_size > 10_000 and "blocks shared between 5 running requests" in out and "all 5 are running" in out
+    assert (
+        plot.stat().st_size > 10_000
+        and "blocks shared between 5 running requests" in out
+        and "all 5 are running" in out
+    )
     assert res["identical"]  # caching changes the time, never the tokens
     assert res["hit_rate"] > 0.85  # the system prompt came from the cache (the TTFT cut is measured, not asserted)
 

@@ -24,6 +24,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from test_equivalence import kv_bytes
 
 import level2_continuous
 import level3_prefix
@@ -31,7 +32,6 @@ from ladder.models import REPO, builtin_path
 from level0_naive import RequestOutputKind, SamplingParams
 from level0_naive.detokenizer import IncrementalDetokenizer, find_stop
 from level0_naive.outputs import Sequence
-from test_equivalence import kv_bytes
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,9 @@ def test_incremental_deltas_concatenate_to_the_one_shot_decode(tokenizer, tokens
     for t in tokens:
         out.append(t)
         text += detok.update()
-        assert whole.startswith(text), "a delta ended inside a character (or emitted text the final decode does not have)"
+        assert whole.startswith(text), (
+            "a delta ended inside a character (or emitted text the final decode does not have)"
+        )
     text += detok.finish()
     assert text == whole == detok.text
 
@@ -105,7 +107,10 @@ def test_stop_strings_straddling_tokens_cut_as_the_one_shot_path(tokenizer, toke
 
 
 # --- the engine's outputs ------------------------------------------------------------------------
-ENGINES = [pytest.param(level2_continuous, marks=pytest.mark.level2, id="level2"), pytest.param(level3_prefix, marks=pytest.mark.level3, id="level3")]
+ENGINES = [
+    pytest.param(level2_continuous, marks=pytest.mark.level2, id="level2"),
+    pytest.param(level3_prefix, marks=pytest.mark.level3, id="level3"),
+]
 
 
 def stream(engine, prompts, params) -> dict[str, dict]:
@@ -145,7 +150,11 @@ def test_a_streamed_run_concatenates_to_the_offline_generate(level, checkpoint_f
         g = got[str(i)]
         assert g["finals"] == 1
         for c in off.outputs:
-            assert g["text"][c.index] == c.text and g["tokens"][c.index] == c.token_ids and g["reasons"][c.index] == c.finish_reason
+            assert (
+                g["text"][c.index] == c.text
+                and g["tokens"][c.index] == c.token_ids
+                and g["reasons"][c.index] == c.finish_reason
+            )
     assert any("\ufffd" in c.text for o in offline for c in o.outputs), "the workload should exercise invalid UTF-8"
 
 
@@ -153,7 +162,9 @@ def test_a_streamed_run_concatenates_to_the_offline_generate(level, checkpoint_f
 def test_output_kinds(level, llama_dir):
     engine = level.LLMEngine(llama_dir, dtype="float64")
     engine.add_request("cum", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0))
-    engine.add_request("final", [4, 5], SamplingParams(max_tokens=4, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY))
+    engine.add_request(
+        "final", [4, 5], SamplingParams(max_tokens=4, temperature=0, output_kind=RequestOutputKind.FINAL_ONLY)
+    )
     seen = {"cum": [], "final": []}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -193,7 +204,9 @@ def container_sizes(root, skip_types) -> dict[str, int]:
     sizes, seen, todo = {}, set(), [(root, "root", True)]
     while todo:  # iterative: the block pool's free queue is a linked list as long as the pool
         obj, path, held_by_attribute = todo.pop()
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, torch.Tensor, torch.nn.Module, torch.Generator, *skip_types)):
+        if id(obj) in seen or isinstance(
+            obj, (str, bytes, int, float, torch.Tensor, torch.nn.Module, torch.Generator, *skip_types)
+        ):
             continue
         seen.add(id(obj))
         if isinstance(obj, (list, tuple, set, frozenset, dict)) or type(obj).__name__ == "deque":
@@ -212,7 +225,9 @@ def container_sizes(root, skip_types) -> dict[str, int]:
 
 @pytest.mark.parametrize("level", ENGINES)
 def test_ten_thousand_steps_grow_no_container(level, llama_dir):
-    engine = level.LLMEngine(llama_dir, dtype="float64", block_size=4, max_num_seqs=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 400))
+    engine = level.LLMEngine(
+        llama_dir, dtype="float64", block_size=4, max_num_seqs=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 400)
+    )
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True, stop_token_ids=[3]) for n in (150, 220, 310)]
     submitted, snapshots = 0, {}
     for step in range(1, 10_001):
@@ -223,12 +238,22 @@ def test_ten_thousand_steps_grow_no_container(level, llama_dir):
         if step in (5_000, 10_000):
             snapshots[step] = container_sizes(engine, (Sequence, type(engine.tokenizer)))
     assert engine.stats.steps == 10_000 and submitted > 60
-    grew = {p: (snapshots[5_000].get(p, 0), n) for p, n in snapshots[10_000].items() if n > snapshots[5_000].get(p, 0) + 4}
+    grew = {
+        p: (snapshots[5_000].get(p, 0), n) for p, n in snapshots[10_000].items() if n > snapshots[5_000].get(p, 0) + 4
+    }
     assert not grew, f"containers that grew between step 5,000 and 10,000: {grew}"
 
 
 # --- the shape of the code -------------------------------------------------------------------------
-LEVELS = ["level0_naive", "level1_paged", "level2_continuous", "level3_prefix", "level4_speculative", "level5_multigpu", "level6_serving"]
+LEVELS = [
+    "level0_naive",
+    "level1_paged",
+    "level2_continuous",
+    "level3_prefix",
+    "level4_speculative",
+    "level5_multigpu",
+    "level6_serving",
+]
 
 
 def imports_of(path) -> set[str]:
@@ -248,7 +273,9 @@ def test_no_level_imports_a_level_above_it():
             above = imports_of(path) & set(LEVELS[rank + 1 :])
             assert not above, f"{path.relative_to(REPO)} imports {sorted(above)}, a level above it"
     for path in sorted((REPO / "ladder").glob("*.py")):
-        assert not imports_of(path) & set(LEVELS), f"{path.relative_to(REPO)} imports a level: ladder/ sits below them all"
+        assert not imports_of(path) & set(LEVELS), (
+            f"{path.relative_to(REPO)} imports a level: ladder/ sits below them all"
+        )
 
 
 def test_no_engine_inherits_a_method_nobody_calls():
@@ -258,10 +285,23 @@ def test_no_engine_inherits_a_method_nobody_calls():
     import level0_naive.engine
     import level1_paged.engine
 
-    engines = [level0_naive.engine.NaiveEngine, level1_paged.engine.PagedEngine, level2_continuous.LLMEngine, level3_prefix.LLMEngine]
+    engines = [
+        level0_naive.engine.NaiveEngine,
+        level1_paged.engine.PagedEngine,
+        level2_continuous.LLMEngine,
+        level3_prefix.LLMEngine,
+    ]
     for cls in engines[2:]:
-        assert level0_naive.engine.NaiveEngine not in cls.__mro__, f"{cls.__module__}.{cls.__name__} inherits static batching"
-    files = [p for d in [*LEVELS, "benchmarks", "tests"] if (REPO / d).is_dir() for p in (REPO / d).glob("*.py") if p.name != "test_engine_core.py"]
+        assert level0_naive.engine.NaiveEngine not in cls.__mro__, (
+            f"{cls.__module__}.{cls.__name__} inherits static batching"
+        )
+    files = [
+        p
+        for d in [*LEVELS, "benchmarks", "tests"]
+        if (REPO / d).is_dir()
+        for p in (REPO / d).glob("*.py")
+        if p.name != "test_engine_core.py"
+    ]
     source = "\n".join(p.read_text() for p in [*files, *(REPO / "docs").glob("*.md"), REPO / "README.md"])
     for cls in engines:
         for klass in cls.__mro__[1:]:
@@ -270,4 +310,6 @@ def test_no_engine_inherits_a_method_nobody_calls():
             for name, member in vars(klass).items():
                 if not callable(member) or name.startswith("__"):
                     continue
-                assert re.search(rf"\.{name}\b(?!\s*=)", source), f"{cls.__name__} inherits {klass.__name__}.{name}, which nothing calls"
+                assert re.search(rf"\.{name}\b(?!\s*=)", source), (
+                    f"{cls.__name__} inherits {klass.__name__}.{name}, which nothing calls"
+                )

@@ -46,8 +46,12 @@ def kv_bytes(path: Path, tokens: int, dtype_bytes: int = 8) -> int:
 
 
 def make_level0(path, need_tokens, data):
-    budget = kv_bytes(path, need_tokens * data.draw(st.sampled_from([1, 2, 5, 100]), label="kv budget (x largest request)"))
-    return level0_naive.LLM(path, dtype="float64", max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), kv_cache_memory=budget)
+    budget = kv_bytes(
+        path, need_tokens * data.draw(st.sampled_from([1, 2, 5, 100]), label="kv budget (x largest request)")
+    )
+    return level0_naive.LLM(
+        path, dtype="float64", max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"), kv_cache_memory=budget
+    )
 
 
 def make_level1(path, need_tokens, data, backend="torch"):
@@ -142,7 +146,9 @@ def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_
 @given(workload=workloads(), data=st.data())
 def test_triton_backend_equals_the_oracle(workload, data, checkpoint_factory, oracle):
     """The Triton kernel (under TRITON_INTERPRET=1 on a CPU: slow, so a few examples)."""
-    check_against_oracle(functools.partial(make_level1, backend="triton"), workload, "llama", data, checkpoint_factory, oracle)
+    check_against_oracle(
+        functools.partial(make_level1, backend="triton"), workload, "llama", data, checkpoint_factory, oracle
+    )
 
 
 def check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle):

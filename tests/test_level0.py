@@ -46,13 +46,17 @@ def test_greedy_generate_matches_hf_generate(arch, checkpoint_factory, oracle):
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (3, 11, 25)]
     llm = LLM(path, dtype="float64")
-    ours = [o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), progress=False)]
+    ours = [
+        o.outputs[0].token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=12, **GREEDY), progress=False)
+    ]
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     batched = hf.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)[:, width:]
     assert ours == batched.tolist()
-    single = hf.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False, pad_token_id=0)[0, len(prompts[1]) :]
+    single = hf.generate(torch.tensor([prompts[1]]), max_new_tokens=12, do_sample=False, pad_token_id=0)[
+        0, len(prompts[1]) :
+    ]
     assert ours[1] == single.tolist()
 
 
@@ -60,7 +64,10 @@ def test_causal_attention_offset_against_full_recompute():
     """Attending with a cached prefix equals the matching rows of attention over everything."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(9, 4, 8, generator=g, dtype=torch.float64)
-    k, v = torch.randn(9, 2, 8, generator=g, dtype=torch.float64), torch.randn(9, 2, 8, generator=g, dtype=torch.float64)
+    k, v = (
+        torch.randn(9, 2, 8, generator=g, dtype=torch.float64),
+        torch.randn(9, 2, 8, generator=g, dtype=torch.float64),
+    )
     full = causal_attention(q, k, v, 0)
     torch.testing.assert_close(causal_attention(q[6:], k, v, 6), full[6:])
     assert not torch.allclose(causal_attention(q[6:], k, v, 5)[:2], full[6:8])  # a wrong offset shows
@@ -81,7 +88,9 @@ def test_kv_waste_is_measured_exactly(llama_dir):
 def test_static_batching_holds_later_requests_back(llama_dir):
     """With room for two at a time, the third request starts only after the first batch ends."""
     llm = LLM(llama_dir, dtype="float64", max_num_seqs=2)
-    outs = llm.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 9, 2)], progress=False)
+    outs = llm.generate(
+        [[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 9, 2)], progress=False
+    )
     first_batch_end = max(o.metrics.finished_time for o in outs[:2])
     assert outs[2].metrics.first_scheduled_time >= first_batch_end
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 9, 2]
@@ -104,18 +113,28 @@ def test_finish_reasons_and_stop_tokens(llama_dir):
     assert greedy.finish_reason == "length" and len(greedy.token_ids) == 10
     stop_tok = greedy.token_ids[4]
     first = greedy.token_ids.index(stop_tok)
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, stop_token_ids=[stop_tok], **GREEDY), progress=False)[0].outputs[0]
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, stop_token_ids=[stop_tok], **GREEDY), progress=False)[
+        0
+    ].outputs[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop_tok
     assert out.token_ids == greedy.token_ids[: first + 1]
     # min_tokens suppresses the stop token until enough tokens exist
-    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop_tok], **GREEDY), progress=False)[0].outputs[0]
+    out = llm.generate(
+        [[1, 2, 3]],
+        SamplingParams(max_tokens=10, min_tokens=first + 2, stop_token_ids=[stop_tok], **GREEDY),
+        progress=False,
+    )[0].outputs[0]
     assert stop_tok not in out.token_ids[: first + 2]
 
 
 def test_eos_stops_unless_ignored(checkpoint_factory):
     # The same seed gives the same weights; only the EOS id differs. Pick as EOS a token
     # the model really emits greedily, so the stop is sure to be exercised.
-    free = LLM(checkpoint_factory("llama"), dtype="float64").generate([[7, 7, 7]], SamplingParams(max_tokens=20, **GREEDY), progress=False)[0].outputs[0]
+    free = (
+        LLM(checkpoint_factory("llama"), dtype="float64")
+        .generate([[7, 7, 7]], SamplingParams(max_tokens=20, **GREEDY), progress=False)[0]
+        .outputs[0]
+    )
     eos = free.token_ids[5]
     llm = LLM(checkpoint_factory("llama", eos_token_id=eos), dtype="float64")
     out = llm.generate([[7, 7, 7]], SamplingParams(max_tokens=20, temperature=0), progress=False)[0].outputs[0]
@@ -133,11 +152,17 @@ def test_stop_strings_are_honoured_and_removed(checkpoint_factory):
     spots = [i for i in range(3, len(free.text)) if free.text[i] != "\ufffd"]
     assert spots, free.text
     stop = free.text[spots[0]]
-    out = llm.generate(["Once upon"], SamplingParams(max_tokens=40, stop=[stop], **GREEDY), progress=False)[0].outputs[0]
+    out = llm.generate(["Once upon"], SamplingParams(max_tokens=40, stop=[stop], **GREEDY), progress=False)[0].outputs[
+        0
+    ]
     at = free.text.find(stop)
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == free.text[:at]
-    kept = llm.generate(["Once upon"], SamplingParams(max_tokens=40, stop=stop, include_stop_str_in_output=True, **GREEDY), progress=False)[0].outputs[0]
+    kept = llm.generate(
+        ["Once upon"],
+        SamplingParams(max_tokens=40, stop=stop, include_stop_str_in_output=True, **GREEDY),
+        progress=False,
+    )[0].outputs[0]
     assert kept.text == free.text[: at + len(stop)]
 
 
@@ -176,8 +201,14 @@ def test_seeded_sampling_is_reproducible_and_n_samples_differ(llama_dir):
     assert len({tuple(o.token_ids) for o in a.outputs}) > 1
     # unseeded requests differ from each other but repeat with the engine seed
     q = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
-    r1 = [o.outputs[0].token_ids for o in LLM(llama_dir, dtype="float64", seed=5).generate([[1, 2, 3]] * 2, q, progress=False)]
-    r2 = [o.outputs[0].token_ids for o in LLM(llama_dir, dtype="float64", seed=5).generate([[1, 2, 3]] * 2, q, progress=False)]
+    r1 = [
+        o.outputs[0].token_ids
+        for o in LLM(llama_dir, dtype="float64", seed=5).generate([[1, 2, 3]] * 2, q, progress=False)
+    ]
+    r2 = [
+        o.outputs[0].token_ids
+        for o in LLM(llama_dir, dtype="float64", seed=5).generate([[1, 2, 3]] * 2, q, progress=False)
+    ]
     assert r1 == r2 and r1[0] != r1[1]
 
 
@@ -251,9 +282,18 @@ def test_sharded_checkpoint_loads(tmp_path, checkpoint_factory):
 def test_sliding_window_caps_the_context_instead_of_being_ignored():
     from level0_naive.loader import model_config_from_hf
 
-    base = dict(vocab_size=10, hidden_size=8, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, max_position_embeddings=512)
+    base = dict(
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=512,
+    )
     assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": 64}).max_position_embeddings == 64
-    assert model_config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings == 512
+    assert (
+        model_config_from_hf({**base, "model_type": "mistral", "sliding_window": None}).max_position_embeddings == 512
+    )
     qwen2 = {**base, "model_type": "qwen2", "sliding_window": 64}
     assert model_config_from_hf({**qwen2, "use_sliding_window": False}).max_position_embeddings == 512
     assert model_config_from_hf({**qwen2, "use_sliding_window": True}).max_position_embeddings == 64

@@ -109,7 +109,10 @@ def test_slots_follow_the_block_table():
 
 
 def run(llm, prompts, lengths):
-    return [o.outputs[0].token_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)]
+    return [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)
+    ]
 
 
 def test_running_out_of_blocks_mid_batch_evicts_and_recomputes(llama_dir):

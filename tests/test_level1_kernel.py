@@ -79,6 +79,7 @@ TOLERANCE = {
 # Workloads                                                                    #
 # --------------------------------------------------------------------------- #
 
+
 @dataclass
 class Workload:
     q: torch.Tensor  # [T, Hq, D]
@@ -93,18 +94,25 @@ class Workload:
     dense_v: list  # per sequence [L, Hkv, D]
 
     def args(self):
-        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens,
-                self.block_tables, self.scale)
+        return (self.q, self.k_cache, self.v_cache, self.query_start_loc, self.seq_lens, self.block_tables, self.scale)
 
     def to(self, device):
-        moved = [t.to(device) for t in (self.q, self.k_cache, self.v_cache,
-                                        self.query_start_loc, self.seq_lens,
-                                        self.block_tables, self.slot_mapping)]
+        moved = [
+            t.to(device)
+            for t in (
+                self.q,
+                self.k_cache,
+                self.v_cache,
+                self.query_start_loc,
+                self.seq_lens,
+                self.block_tables,
+                self.slot_mapping,
+            )
+        ]
         return Workload(*moved, self.scale, self.dense_k, self.dense_v)
 
 
-def make_workload(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim,
-                  block_size, dtype, seed) -> Workload:
+def make_workload(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed) -> Workload:
     """A paged batch whose keys are known contiguously too.
 
     Sequence i has context_lens[i] cached keys plus query_lens[i] new tokens
@@ -117,15 +125,16 @@ def make_workload(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim,
     num_blocks = sum(blocks_per_seq) + 2
     max_blocks = max(blocks_per_seq) + 1  # at least one padding column
     perm = torch.randperm(num_blocks, generator=gen)  # physical blocks, shuffled
-    tables = torch.randint(0, num_blocks, (len(seq_lens), max_blocks), generator=gen,
-                           dtype=torch.int32)  # garbage, but in range
+    tables = torch.randint(
+        0, num_blocks, (len(seq_lens), max_blocks), generator=gen, dtype=torch.int32
+    )  # garbage, but in range
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
     k_cache = torch.full(shape, float("nan"), dtype=dtype)  # [N, bs, Hkv, D]
     v_cache = torch.full(shape, float("nan"), dtype=dtype)  # [N, bs, Hkv, D]
     dense_k, dense_v, new_slots = [], [], []
     used = 0
     for i, (seq_len, nblk) in enumerate(zip(seq_lens, blocks_per_seq)):
-        tables[i, :nblk] = perm[used:used + nblk].to(torch.int32)
+        tables[i, :nblk] = perm[used : used + nblk].to(torch.int32)
         used += nblk
         pos = torch.arange(seq_len)
         slots = tables[i, pos // block_size].long() * block_size + pos % block_size  # [L]
@@ -135,34 +144,41 @@ def make_workload(query_lens, context_lens, num_q_heads, num_kv_heads, head_dim,
         v_cache.view(-1, num_kv_heads, head_dim)[slots] = v
         dense_k.append(k)
         dense_v.append(v)
-        new_slots.append(slots[context_lens[i]:])
+        new_slots.append(slots[context_lens[i] :])
     total = sum(query_lens)
     q = torch.randn(total, num_q_heads, head_dim, generator=gen).to(dtype)  # [T, Hq, D]
-    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)),
-                                   dtype=torch.int32)  # [B+1]
-    return Workload(q, k_cache, v_cache, query_start_loc,
-                    torch.tensor(seq_lens, dtype=torch.int32), tables,
-                    torch.cat(new_slots), head_dim ** -0.5, dense_k, dense_v)
+    query_start_loc = torch.tensor([0] + list(torch.tensor(query_lens).cumsum(0)), dtype=torch.int32)  # [B+1]
+    return Workload(
+        q,
+        k_cache,
+        v_cache,
+        query_start_loc,
+        torch.tensor(seq_lens, dtype=torch.int32),
+        tables,
+        torch.cat(new_slots),
+        head_dim**-0.5,
+        dense_k,
+        dense_v,
+    )
 
 
 def _kernel_steps(query_lens, context_lens, num_q_heads, num_kv_heads, tile):
     """Inner-loop iterations the Triton kernel runs (what the interpreter pays for)."""
     group = num_q_heads // num_kv_heads
     block_q = max(16, 1 << (group - 1).bit_length()) // group
-    return num_kv_heads * sum(math.ceil(n / block_q) * math.ceil((c + n) / tile)
-                              for n, c in zip(query_lens, context_lens))
+    return num_kv_heads * sum(
+        math.ceil(n / block_q) * math.ceil((c + n) / tile) for n, c in zip(query_lens, context_lens)
+    )
 
 
 @st.composite
-def workloads(draw, dtypes, max_seqs=4, max_query=130, max_context=300,
-              tile=None, max_steps=None):
+def workloads(draw, dtypes, max_seqs=4, max_query=130, max_context=300, tile=None, max_steps=None):
     """Batches of decodes (query 1), short queries (speculative verification)
     and prefill chunks (long queries over a cached context)."""
     num_seqs = draw(st.integers(1, max_seqs))
     query = st.one_of(st.just(1), st.integers(2, 8), st.integers(9, max_query))
     query_lens = draw(st.lists(query, min_size=num_seqs, max_size=num_seqs))
-    context_lens = draw(st.lists(st.integers(0, max_context), min_size=num_seqs,
-                                 max_size=num_seqs))
+    context_lens = draw(st.lists(st.integers(0, max_context), min_size=num_seqs, max_size=num_seqs))
     hq, hkv = draw(st.sampled_from(HEAD_PAIRS))
     if max_steps is not None:
         # Keep the interpreter's work bounded: halve the longest query or
@@ -174,16 +190,22 @@ def workloads(draw, dtypes, max_seqs=4, max_query=130, max_context=300,
                 query_lens[i] = max(1, query_lens[i] // 2)
             else:
                 context_lens[i] //= 2
-    return make_workload(query_lens, context_lens, hq, hkv,
-                         draw(st.sampled_from(HEAD_DIMS)),
-                         draw(st.sampled_from(BLOCK_SIZES)),
-                         draw(st.sampled_from(dtypes)),
-                         draw(st.integers(0, 2**31 - 1)))
+    return make_workload(
+        query_lens,
+        context_lens,
+        hq,
+        hkv,
+        draw(st.sampled_from(HEAD_DIMS)),
+        draw(st.sampled_from(BLOCK_SIZES)),
+        draw(st.sampled_from(dtypes)),
+        draw(st.integers(0, 2**31 - 1)),
+    )
 
 
 # --------------------------------------------------------------------------- #
 # The truth: dense causal attention on contiguous K/V                          #
 # --------------------------------------------------------------------------- #
+
 
 def dense_attention(w: Workload, causal_shift: int = 0, top_left: bool = False) -> torch.Tensor:
     """Float64 attention per sequence on the contiguous keys, no paging.
@@ -199,7 +221,7 @@ def dense_attention(w: Workload, causal_shift: int = 0, top_left: bool = False) 
     out = torch.empty(w.q.shape, dtype=torch.float64)  # [T, Hq, D]
     starts = w.query_start_loc.tolist()
     for i, (k, v) in enumerate(zip(w.dense_k, w.dense_v)):
-        q = w.q[starts[i]:starts[i + 1]].double()  # [Lq, Hq, D]
+        q = w.q[starts[i] : starts[i + 1]].double()  # [Lq, Hq, D]
         query_len, seq_len = q.shape[0], k.shape[0]
         context_len = seq_len - query_len
         diagonal = (0 if top_left else context_len) + causal_shift
@@ -209,8 +231,10 @@ def dense_attention(w: Workload, causal_shift: int = 0, top_left: bool = False) 
             q.transpose(0, 1),  # [Hq, Lq, D]
             k.double()[:, kv_of_head].transpose(0, 1),  # [Hq, L, D]
             v.double()[:, kv_of_head].transpose(0, 1),  # [Hq, L, D]
-            attn_mask=mask, scale=w.scale)  # [Hq, Lq, D]
-        out[starts[i]:starts[i + 1]] = o.transpose(0, 1)
+            attn_mask=mask,
+            scale=w.scale,
+        )  # [Hq, Lq, D]
+        out[starts[i] : starts[i + 1]] = o.transpose(0, 1)
     return out
 
 
@@ -218,8 +242,7 @@ def assert_close(actual, expected, dtype):
     atol, rtol = TOLERANCE[dtype]
     assert actual.shape == expected.shape
     assert torch.isfinite(actual).all(), "NaN/inf: a padding key or unowned slot was read"
-    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(),
-                               atol=atol, rtol=rtol)
+    torch.testing.assert_close(actual.double().cpu(), expected.double().cpu(), atol=atol, rtol=rtol)
 
 
 # --------------------------------------------------------------------------- #
@@ -262,8 +285,7 @@ def test_mutants_are_caught():
     with pytest.raises(AssertionError):
         assert_close(ref, dense_attention(w, top_left=True), torch.float64)
     # A kernel told a context one shorter than the truth must be caught too.
-    wrong = paged_attention_torch(w.q, w.k_cache, w.v_cache, w.query_start_loc,
-                                  w.seq_lens - 1, w.block_tables, w.scale)
+    wrong = paged_attention_torch(w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens - 1, w.block_tables, w.scale)
     with pytest.raises(AssertionError):
         assert_close(wrong, ref, torch.float64)
 
@@ -271,6 +293,7 @@ def test_mutants_are_caught():
 # --------------------------------------------------------------------------- #
 # The Triton kernel (interpreter on CPU)                                       #
 # --------------------------------------------------------------------------- #
+
 
 @pytest.mark.parametrize("tile", [16, 64])
 @settings(max_examples=20, deadline=None)
@@ -280,8 +303,9 @@ def test_triton_matches_ref(tile, data):
     prefill, any tile size / block size combination (the tile is decoupled
     from the block: bs 1 and 8 put several blocks in a tile, bs 32 with tile
     16 splits one block over two tiles)."""
-    w = data.draw(workloads([torch.float32, torch.float16, torch.float64], max_seqs=3,
-                            max_context=200, tile=tile, max_steps=320))
+    w = data.draw(
+        workloads([torch.float32, torch.float16, torch.float64], max_seqs=3, max_context=200, tile=tile, max_steps=320)
+    )
     out = _launch(*w.args(), tile_size=tile)
     assert out.dtype == w.q.dtype
     assert_close(out, paged_attention_ref(*w.args()), w.q.dtype)
@@ -298,14 +322,14 @@ def test_triton_default_entry_point_and_bf16():
 
 def test_triton_empty_batch():
     w = make_workload([1], [3], 4, 4, 16, 8, torch.float32, seed=0)
-    empty = _launch(w.q[:0], w.k_cache, w.v_cache, w.query_start_loc[:1], w.seq_lens[:0],
-                    w.block_tables[:0], w.scale)
+    empty = _launch(w.q[:0], w.k_cache, w.v_cache, w.query_start_loc[:1], w.seq_lens[:0], w.block_tables[:0], w.scale)
     assert empty.shape == (0, 4, 16)
 
 
 # --------------------------------------------------------------------------- #
 # Cache writes                                                                 #
 # --------------------------------------------------------------------------- #
+
 
 @pytest.mark.parametrize("write", [write_kv_cache, write_kv_cache_triton])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
@@ -344,30 +368,37 @@ def test_write_then_attend_matches_dense():
 # GPU only: the kernel compiled for real, in the engine's dtypes               #
 # --------------------------------------------------------------------------- #
 
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_triton_native_gpu(dtype, block_size):
-    w = make_workload([1, 1, 130, 7, 1, 64], [500, 3, 0, 250, 1023, 90], 8, 2, 128,
-                      block_size, dtype, seed=11).to("cuda")
+    w = make_workload([1, 1, 130, 7, 1, 64], [500, 3, 0, 250, 1023, 90], 8, 2, 128, block_size, dtype, seed=11).to(
+        "cuda"
+    )
     out = paged_attention_triton(*w.args())
     torch.cuda.synchronize()
     assert_close(out, paged_attention_ref(*w.args()), dtype)
 
 
-def time_kernel_vs_torch(num_seqs=64, context=1024, num_q_heads=8, num_kv_heads=4,
-                         head_dim=64, block_size=16, dtype=None, repeats=20):
+def time_kernel_vs_torch(
+    num_seqs=64, context=1024, num_q_heads=8, num_kv_heads=4, head_dim=64, block_size=16, dtype=None, repeats=20
+):
     """Milliseconds per call for a batch of decodes: Triton kernel vs the
     torch backend vs the oracle. Not a test; run
     ``python tests/test_level1_kernel.py`` on a machine with a GPU.
     (On a CPU it times the interpreter, which is not meant to be fast.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     dtype = dtype or (torch.float16 if device == "cuda" else torch.float32)
-    w = make_workload([1] * num_seqs, [context - 1] * num_seqs, num_q_heads, num_kv_heads,
-                      head_dim, block_size, dtype, seed=0).to(device)
+    w = make_workload(
+        [1] * num_seqs, [context - 1] * num_seqs, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0
+    ).to(device)
     results = {}
-    for name, fn in (("triton", paged_attention_triton), ("torch", paged_attention_torch),
-                     ("ref", paged_attention_ref)):
+    for name, fn in (
+        ("triton", paged_attention_triton),
+        ("torch", paged_attention_torch),
+        ("ref", paged_attention_ref),
+    ):
         n = repeats if (name != "triton" or device == "cuda") else 1
         fn(*w.args())  # warm-up (and compilation)
         if device == "cuda":

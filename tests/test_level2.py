@@ -32,7 +32,11 @@ class EngineMachine(RuleBasedStateMachine):
         self.abort_pending: set[str] = set()  # aborted; their final output comes with the next step
         self.count = 0
 
-    @rule(prompt=st.lists(st.integers(1, 90), min_size=1, max_size=14), max_tokens=st.integers(1, 12), stop_id=st.none() | st.integers(1, 90))
+    @rule(
+        prompt=st.lists(st.integers(1, 90), min_size=1, max_size=14),
+        max_tokens=st.integers(1, 12),
+        stop_id=st.none() | st.integers(1, 90),
+    )
     def add(self, prompt, max_tokens, stop_id):
         rid = f"r{self.count}"
         self.count += 1
@@ -56,7 +60,9 @@ class EngineMachine(RuleBasedStateMachine):
             o = out.outputs[0]
             assert len(o.token_ids) <= self.live[out.request_id]
             if out.finished:
-                expected = "length" if len(o.token_ids) == self.live[out.request_id] and o.stop_reason is None else "stop"
+                expected = (
+                    "length" if len(o.token_ids) == self.live[out.request_id] and o.stop_reason is None else "stop"
+                )
                 assert o.finish_reason == expected
                 self.ended[out.request_id] = o.finish_reason
                 del self.live[out.request_id]
@@ -128,10 +134,12 @@ def test_preemption_by_recompute_keeps_answers(llama_dir):
 
 
 def test_priority_policy_preempts_the_lowest_priority(llama_dir):
-    """"low" is admitted first and runs ahead; "high" arrives later. When memory runs out,
+    """ "low" is admitted first and runs ahead; "high" arrives later. When memory runs out,
     the victim is "low" even though it was admitted first (FCFS would take "high"),
     including when "low" was already scheduled earlier in the same step."""
-    engine = LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10), policy="priority")
+    engine = LLMEngine(
+        llama_dir, dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 10), policy="priority"
+    )
     engine.add_request("low", [1, 2, 3], SamplingParams(max_tokens=30, **GREEDY), priority=5)
     engine.step()
     engine.add_request("high", [4, 5, 6], SamplingParams(max_tokens=30, **GREEDY), priority=0)
@@ -153,7 +161,9 @@ def test_generate_refuses_a_busy_engine_and_abort_takes_several_ids(llama_dir):
     engine.abort_request(["a", "b"])
     assert engine.kv.num_free_blocks == engine.kv.num_blocks  # freed before abort_request returned
     finals = engine.step()  # the aborts' final outputs
-    assert sorted(o.request_id for o in finals) == ["a", "b"] and all(o.outputs[0].finish_reason == "abort" for o in finals)
+    assert sorted(o.request_id for o in finals) == ["a", "b"] and all(
+        o.outputs[0].finish_reason == "abort" for o in finals
+    )
     assert not engine.has_unfinished_requests()
 
 
@@ -185,5 +195,7 @@ def test_step_outputs_stream_cumulatively(llama_dir):
 def test_continuous_batching_admits_into_freed_seats(llama_dir):
     """With two seats, the third request starts as soon as the short one ends, not after the long one."""
     llm = LLM(llama_dir, dtype="float64", max_num_seqs=2)
-    outs = llm.generate([[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False)
+    outs = llm.generate(
+        [[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False
+    )
     assert outs[2].metrics.first_scheduled_time < outs[1].metrics.finished_time

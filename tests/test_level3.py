@@ -39,7 +39,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.freed_order: list[int] = []  # block ids in the order they became idle
         self.next_id = 0
 
-    @rule(base=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5]]), cut=st.integers(1, 9), extra=st.lists(st.integers(1, 3), max_size=4))
+    @rule(
+        base=st.sampled_from([[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 9, 9, 9, 9], [5, 5, 5, 5, 5]]),
+        cut=st.integers(1, 9),
+        extra=st.lists(st.integers(1, 3), max_size=4),
+    )
     def admit(self, base, cut, extra):
         req = fake_request(self.next_id, base[:cut] + extra)
         self.next_id += 1
@@ -126,7 +130,9 @@ def test_a_colliding_hash_never_returns_another_prefixs_kv(llama_dir, oracle):
 
     class Colliding(LLMEngine):
         def make_kv_manager(self):
-            return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, hash_fn=lambda parent, tokens, extra=(): b"x" * 32)
+            return PrefixCachingKVCacheManager(
+                self.num_blocks, self.config.block_size, hash_fn=lambda parent, tokens, extra=(): b"x" * 32
+            )
 
     class CollidingLLM(LLM):
         engine_class = Colliding
@@ -208,8 +214,12 @@ def test_conversation_turns_hit_the_previous_answer(llama_dir):
 def test_caching_off_gives_the_same_answers_and_no_hits(llama_dir):
     prompts = [[1, 2, 3, 4, 5, 6, 7, 8, 9]] * 3
     on = LLM(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40))
-    off = LLM(llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40), enable_prefix_caching=False)
+    off = LLM(
+        llama_dir, dtype="float64", block_size=2, kv_cache_memory=kv_bytes(llama_dir, 40), enable_prefix_caching=False
+    )
     naive = level0_naive.LLM(llama_dir, dtype="float64")
-    run = lambda e: [o.outputs[0].token_ids for o in e.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), progress=False)]  # noqa: E731
+    run = lambda e: [
+        o.outputs[0].token_ids for o in e.generate(prompts, SamplingParams(max_tokens=5, **GREEDY), progress=False)
+    ]  # noqa: E731
     assert run(on) == run(off) == run(naive)
     assert off.prefix_stats()["prefix_cache_hits"] == 0 < on.prefix_stats()["prefix_cache_hits"]

@@ -50,7 +50,8 @@ HELD_OUT = (
 
 # The corpus's 500 most frequent words: the fallback word list when the corpus
 # itself is not beside the clone. They cover ~75 % of the corpus's words.
-COMMON_WORDS = set("""
+COMMON_WORDS = set(
+    """
 a about after again against ah alas all am an and angelo anne another answer any are arms art as
 at aufidius aumerle autolycus away ay back baptista be bear because bed been before being
 believe benvolio beseech best better bianca bid biondello blood bloody body bolingbroke born
@@ -82,7 +83,8 @@ times tis to together told tongue too tranio true truth turn twas two tybalt unc
 upon us use very vi villain vincentio volumnia war warwick was way we we'll welcome well were
 what what's when where which while who whom whose why wife will wilt wish with within without
 woe woman word words world worthy would wrong years yet york you young your yours yourself
-""".split())
+""".split()
+)
 
 WORD = re.compile(r"[a-z]+(?:'[a-z]+)?")
 SPEAKER_LINE = re.compile(r"^[A-Z][A-Z' ]*[A-Z]:$", re.MULTILINE)  # "ROMEO:", "KING RICHARD III:"
@@ -131,8 +133,14 @@ def held_out_ids(tokenizer) -> torch.Tensor:
 
 @pytest.mark.parametrize("path", [TARGET, DRAFT], ids=["target", "draft"])
 def test_checkpoint_files_and_config(path):
-    for name in ("config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+    ):
         assert (path / name).is_file(), f"{path.name} lacks {name}"
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["model_type"] == "llama" and cfg["vocab_size"] == 259
@@ -195,8 +203,13 @@ def romeo(tokenizer, target):
     """The target's greedy 200 bytes after "ROMEO:\n": (prompt length, ids [1, P + 200])."""
     ids = torch.tensor([tokenizer.encode("ROMEO:\n")])  # [1, P]
     with torch.no_grad():
-        out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False,
-                              pad_token_id=tokenizer.pad_token_id)
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=200,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     return ids.shape[1], out
 
 

@@ -11,7 +11,9 @@ from level0_naive.sampling import SamplingParams, SamplingState, apply_penalties
 
 pytestmark = pytest.mark.level0
 
-logit_rows = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=40).map(lambda xs: torch.tensor(xs, dtype=torch.float64))
+logit_rows = st.lists(st.floats(-20, 20, allow_nan=False, width=32), min_size=2, max_size=40).map(
+    lambda xs: torch.tensor(xs, dtype=torch.float64)
+)
 
 
 def allowed_set(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> set[int]:
@@ -60,7 +62,9 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
 
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([2.0, -1.0, 0.5, 0.0], dtype=torch.float64)
-    st_ = SamplingState(SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_token_ids=[3], output_token_ids=[0, 0, 2])
+    st_ = SamplingState(
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25), prompt_token_ids=[3], output_token_ids=[0, 0, 2]
+    )
     # token 0 seen twice: -0.5 - 2*0.25; token 2 once: -0.5 - 0.25; the prompt token is not output
     assert apply_penalties(logits, st_).tolist() == [2.0 - 1.0, -1.0, 0.5 - 0.75, 0.0]
     rep = SamplingState(SamplingParams(repetition_penalty=2.0), prompt_token_ids=[1], output_token_ids=[0])
