@@ -20,7 +20,7 @@ from ladder.models import REPO
 
 pytestmark = pytest.mark.docs
 
-DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md"]
+DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md"]
 
 
 @pytest.fixture(scope="module")
