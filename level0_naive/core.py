@@ -46,7 +46,7 @@ class EngineBase:
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.kv_budget = resolve_kv_budget(self.config, self.device)
-        self.bytes_per_token = kv_bytes_per_token(self.model_config, self.dtype)
+        self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()
         self.inputs = InputProcessor(
             self.loaded, self.max_model_len, self.config.seed, self.device, self.sequence_class, self.check_fits
@@ -56,6 +56,10 @@ class EngineBase:
     def load_model(self) -> LoadedModel:
         """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
         return load_model(self.config.model, self.dtype, self.device)
+
+    def kv_bytes_per_token(self) -> int:
+        """What one cached token costs in every KV cache the engine keeps (level 4 adds its draft's)."""
+        return kv_bytes_per_token(self.model_config, self.dtype)
 
     # --- what an engine must say ---------------------------------------------------------------
     def check_fits(self, seq: Sequence, i: int) -> None:

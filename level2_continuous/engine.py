@@ -98,9 +98,7 @@ class LLMEngine(EngineBase):
         self.num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
         self.worker = self.make_worker()
         self.kv: KVCacheManager = self.make_kv_manager()
-        self.scheduler = Scheduler(
-            self.kv, self.config.max_num_batched_tokens, self.config.max_num_seqs, self.config.policy
-        )
+        self.scheduler = self.make_scheduler()
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
         self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
@@ -111,6 +109,10 @@ class LLMEngine(EngineBase):
     def make_kv_manager(self) -> KVCacheManager:
         """The part level 3 replaces with its prefix-caching manager."""
         return SimpleKVCacheManager(self.num_blocks, self.config.block_size)
+
+    def make_scheduler(self) -> Scheduler:
+        c = self.config
+        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy)
 
     def check_fits(self, seq: Request, i: int) -> None:
         need = blocks_for(seq.max_total_tokens, self.config.block_size)
@@ -216,7 +218,7 @@ class LLMEngine(EngineBase):
         requests; whoever stopped leaves, and its blocks are free when this returns."""
         for req, n in sched.scheduled:
             req.num_computed_tokens += n - out.num_rejected.get(req.seq_id, 0)
-            self.kv.cache_blocks(req)  # level 3: name the blocks that became full
+            self.kv.cache_blocks(req, self.num_shareable_tokens(req))  # level 3: name the blocks that became full
         for req, tokens, logprobs in zip(out.requests, out.token_ids, out.logprobs):
             for tok, lp in zip(tokens, logprobs):
                 self.append_token(req, tok, lp)
@@ -226,6 +228,10 @@ class LLMEngine(EngineBase):
             if req.is_finished:
                 self.scheduler.finish(req)
         return out.requests
+
+    def num_shareable_tokens(self, req: Request) -> int:
+        """Tokens whose K/V is complete in every cache the engine keeps (level 4: target and draft)."""
+        return req.num_computed_tokens
 
     def _record(self, sched: SchedulerOutput, sched_s: float, step_s: float) -> None:
         s = self.stats

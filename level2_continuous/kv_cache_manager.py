@@ -10,9 +10,10 @@ over a hash-named block pool; neither inherits from the other.
   - `allocate_slots(req, n, computed_blocks, num_lookahead_tokens)`: all-or-nothing
     room for positions up to `num_computed + n + num_lookahead_tokens`, with the
     computed blocks as the head of the table (lookahead slots: level 4's draft tokens);
-  - `cache_blocks(req)`: after a step, the request's first `num_computed_tokens`
-    tokens are in its blocks: name the newly full ones (level 3) and count them as
-    stored, so `usage()` is a counter, not a walk over every table;
+  - `cache_blocks(req, num_tokens)`: after a step, the request's first `num_tokens`
+    tokens (default: `num_computed_tokens`) are in its blocks, verified in every cache:
+    name the newly full ones (level 3) and count them as stored, so `usage()` is a
+    counter, not a walk over every table;
   - `free(req)`, `block_table(req)`, `num_free_blocks`, `usage()`.
 
 What it is not: a policy. It never picks a victim; when `allocate_slots` says no, the
@@ -46,8 +47,8 @@ class KVCacheManager(Protocol):
         `computed_blocks` is given (possibly empty) only when the request is admitted."""
         ...
 
-    def cache_blocks(self, req: Request) -> None:
-        """After a step: the first `req.num_computed_tokens` tokens are stored (and verified)."""
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        """After a step: the first `num_tokens` (default `req.num_computed_tokens`) are stored and verified."""
         ...
 
     def free(self, req: Request) -> None: ...
@@ -85,9 +86,10 @@ class SimpleKVCacheManager:
         self.tables.grow(req.seq_id, total)
         return True
 
-    def cache_blocks(self, req: Request) -> None:
-        self.num_stored += req.num_computed_tokens - self.stored.get(req.seq_id, 0)
-        self.stored[req.seq_id] = req.num_computed_tokens
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        self.num_stored += n - self.stored.get(req.seq_id, 0)
+        self.stored[req.seq_id] = n
 
     def free(self, req: Request) -> None:
         self.tables.free(req.seq_id)

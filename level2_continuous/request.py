@@ -81,6 +81,11 @@ class Request(Sequence):
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
+    def set_computed(self, n: int) -> None:
+        """The cache holds exactly this request's first n tokens: a prefix hit at admission, or 0
+        after a preemption (level 4 also resets its draft model's progress here)."""
+        self.num_computed_tokens = n
+
     def finish(self, reason: str) -> None:
         super().finish(reason)
         self.to(FINISH_STATUS[reason])

@@ -37,26 +37,36 @@ from .request import FINISH_STATUS, Request, RequestStatus
 
 @dataclass
 class SchedulerOutput:
-    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, new tokens), batch order
+    scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step), batch order
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0  # prompt tokens, or prompt + output again after a preemption
+    num_spec: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens among its tokens (level 4)
 
-    def add(self, req: Request, n: int) -> None:
-        self.scheduled.append((req, n))
-        if not (req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1):  # not a decode
+    def add(self, req: Request, n: int, num_spec: int = 0) -> None:
+        """n new tokens, plus num_spec speculative ones to verify (level 4)."""
+        self.scheduled.append((req, n + num_spec))
+        if num_spec:
+            self.num_spec[req.seq_id] = num_spec
+        if not _is_decode(req):
             self.num_prefill_tokens += n
 
     def remove(self, req: Request) -> int:
         """Take a request back out (it was preempted later in the same step); its tokens."""
         k = next(j for j, (r, _) in enumerate(self.scheduled) if r is req)
         n = self.scheduled.pop(k)[1]
-        if not (req.output_token_ids and req.num_computed_tokens == req.num_tokens - 1):
-            self.num_prefill_tokens -= n
+        spec = self.num_spec.pop(req.seq_id, 0)
+        if not _is_decode(req):
+            self.num_prefill_tokens -= n - spec
         return n
 
     @property
     def num_batched_tokens(self) -> int:
         return sum(n for _, n in self.scheduled)
+
+
+def _is_decode(req: Request) -> bool:
+    """Feeding the token sampled last step (not a prompt, nor a recomputation after preemption)."""
+    return bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
 
 
 class Scheduler:
@@ -81,7 +91,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
-            while not self.kv.allocate_slots(req, n):
+            k = self.num_lookahead_tokens(req, n, budget - n)  # level 4's draft tokens; 0 here
+            while not self.kv.allocate_slots(req, n, num_lookahead_tokens=k):
+                if k:  # speculation is optional: drop it before preempting anyone
+                    k = 0
+                    continue
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # (priority policy) already scheduled this step:
                     budget += out.remove(victim)  # take its tokens back
@@ -90,8 +104,8 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.add(req, n)
-                budget -= n
+                out.add(req, n, k)
+                budget -= n + k
                 i += 1
         if not out.preempted:
             self._admit(out, budget)
@@ -101,16 +115,20 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self._next_waiting()
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
-            req.num_computed_tokens = num_computed
+            req.set_computed(num_computed)
             n = min(req.num_uncomputed_tokens, budget)
             if not self.kv.allocate_slots(req, n, computed_blocks):
-                req.num_computed_tokens = 0
+                req.set_computed(0)
                 break  # head-of-line: later requests wait too, so nobody jumps the queue
             self.waiting.remove(req)
             req.to(RequestStatus.RUNNING)
             self.running.append(req)
             out.add(req, n)
             budget -= n
+
+    def num_lookahead_tokens(self, req: Request, n: int, budget_left: int) -> int:
+        """Speculative tokens to verify with this request's n new tokens: none at level 2."""
+        return 0
 
     def _next_waiting(self) -> Request:
         if self.policy == "priority":
@@ -125,7 +143,7 @@ class Scheduler:
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
         self.kv.free(req)
-        req.num_computed_tokens = 0  # recompute: prompt + output are prefilled again later
+        req.set_computed(0)  # recompute: prompt + output are prefilled again later
         req.num_preemptions += 1
         req.to(RequestStatus.PREEMPTED)
         req.to(RequestStatus.WAITING)

@@ -9,10 +9,11 @@ Protocol (it inherits nothing from level 2's simple manager):
     tokens with 16-token blocks can reuse one block, not two.
   - `allocate_slots(req, n, computed, lookahead)`: touch the hit blocks (ref +1, out of
     the free queue), then allocate the rest; all or nothing.
-  - `cache_blocks(req)`: after a step, record how full the request's blocks are and name
-    every block that became full. Generated tokens count too, so a conversation's next
-    turn hits its previous answer. Only tokens counted in `num_computed_tokens` are
-    named: level 4's rejected draft tokens never are.
+  - `cache_blocks(req, num_tokens)`: after a step, record how full the request's blocks
+    are and name every block that became full. Generated tokens count too, so a
+    conversation's next turn hits its previous answer. Only the first `num_tokens` are
+    named (default `num_computed_tokens`): level 4 passes the tokens verified in both
+    its caches, and its rejected draft tokens never are.
 
     request tokens:  [ t0 .. t15 | t16 .. t31 | t32 .. t37 ]
     block hashes:      h1=H(-,t0..15)  h2=H(h1,t16..31)   (partial: not cached)
@@ -92,11 +93,12 @@ class PrefixCachingKVCacheManager:
             self.num_filled[req.seq_id] = len(computed) * self.block_size  # hit blocks are full already
         return True
 
-    def cache_blocks(self, req: Request) -> None:
-        self._record_fill(req)
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        self._record_fill(req, n)
         if not self.enable_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        full = n // self.block_size
         done = self.num_named.get(req.seq_id, 0)
         if full <= done:
             return
@@ -107,10 +109,10 @@ class PrefixCachingKVCacheManager:
             self.pool.register(blocks[i], hashes[i], parent, tuple(req.token_slice(i * bs, bs)))
         self.num_named[req.seq_id] = full
 
-    def _record_fill(self, req: Request) -> None:
-        """Update the fill of the blocks between the last recorded and the current computed count."""
+    def _record_fill(self, req: Request, now: int) -> None:
+        """Update the fill of the blocks between the last recorded and the current stored count."""
         blocks, bs = self.req_blocks[req.seq_id], self.block_size
-        before, now = self.num_filled.get(req.seq_id, 0), req.num_computed_tokens
+        before = self.num_filled.get(req.seq_id, 0)
         lo, hi = min(before, now), max(before, now)
         for i in range(lo // bs, min(len(blocks), blocks_for(hi, bs))):
             self.pool.fill(blocks[i], min(bs, max(0, now - i * bs)))

@@ -16,8 +16,10 @@ import functools
 import json
 from pathlib import Path
 
+import tempfile
+
 import pytest
-from conftest import VOCAB
+from conftest import VOCAB, build_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -25,6 +27,7 @@ import level0_naive
 import level1_paged
 import level2_continuous
 import level3_prefix
+import level4_speculative
 from level0_naive import SamplingParams
 
 LEVELS: list = []
@@ -87,10 +90,12 @@ class Staggered:
         return [finals[str(i)] for i in range(n)]
 
 
-def make_level2(path, need_tokens, data, engine_class=level2_continuous.LLMEngine, **extra):
+def make_level2(path, need_tokens, data, engine_class=level2_continuous.LLMEngine, kv_models=(), **extra):
+    """`kv_models`: more checkpoints whose KV caches share the budget (level 4's draft)."""
     bs = data.draw(st.sampled_from([1, 2, 4, 16]), label="block_size")
     blocks = -(-need_tokens // bs) * data.draw(st.sampled_from([1, 2, 4, 100]), label="kv budget (x largest request)")
-    engine = engine_class(path, dtype="float64", block_size=bs, kv_cache_memory=kv_bytes(path, blocks * bs),
+    budget = sum(kv_bytes(p, blocks * bs) for p in (path, *kv_models))
+    engine = engine_class(path, dtype="float64", block_size=bs, kv_cache_memory=budget,
                           max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"),
                           max_num_batched_tokens=data.draw(st.sampled_from([1, 3, 8, 64, 2048]), label="token budget"),
                           policy=data.draw(st.sampled_from(["fcfs", "priority"]), label="policy"), **extra)  # fmt: skip
@@ -116,10 +121,32 @@ def make_level3(path, need_tokens, data):
     return WarmCache(make_level2(path, need_tokens, data, level3_prefix.LLMEngine, enable_prefix_caching=caching), data)
 
 
+@functools.cache
+def draft_checkpoint() -> Path:
+    """A smaller random llama with the suite's vocabulary: a draft that agrees with no target."""
+    return build_checkpoint(Path(tempfile.mkdtemp(prefix="draft-")), "llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
+
+
+def make_level4(path, need_tokens, data):
+    """Level 3's workloads plus speculation: k from 1 to 5, a draft model (a random one, or the
+    target itself, which must then be accepted every time) or the n-gram proposer."""
+    k = data.draw(st.integers(1, 5), label="num_speculative_tokens")
+    method = data.draw(st.sampled_from(["random draft", "target as draft", "ngram"]), label="proposer")
+    draft = draft_checkpoint() if method == "random draft" else path
+    spec = {"num_speculative_tokens": k, "model": str(draft)}
+    if method == "ngram":
+        draft, spec = None, {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    caching = data.draw(st.booleans(), label="enable_prefix_caching")
+    engine = make_level2(path, need_tokens, data, level4_speculative.LLMEngine, kv_models=[draft] if draft else [],
+                         enable_prefix_caching=caching, speculative_config=spec)  # fmt: skip
+    return WarmCache(engine, data)
+
+
 register("level0", make_level0)
 register("level1", make_level1)
 register("level2", make_level2)
 register("level3", make_level3)
+register("level4", make_level4)
 
 
 @st.composite

@@ -1,0 +1,11 @@
+"""Level 4: speculative decoding. Level 3's engine with a proposer and a rejection sampler."""
+
+from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
+from level2_continuous import RequestStatus
+
+from .config import SpeculativeConfig
+from .engine import LLM, LLMEngine, SpecDecodeStats
+from .request import SpecRequest as Request
+
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
+           "SpeculativeConfig", "SpecDecodeStats", "Request", "RequestStatus", "load_model"]  # fmt: skip
