@@ -33,7 +33,9 @@ class SpeculativeConfig:
         if self.method is None:
             self.method = "draft_model" if self.model is not None else None
         if self.method not in METHODS:
-            raise ValueError(f"speculative_config.method={self.method!r} must be one of {', '.join(METHODS)} (or give a 'model')")
+            raise ValueError(
+                f"speculative_config.method={self.method!r} must be one of {', '.join(METHODS)} (or give a 'model')"
+            )
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
@@ -43,7 +45,9 @@ class SpeculativeConfig:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)
             if not (isinstance(lo, int) and isinstance(hi, int) and 1 <= lo <= hi):
-                raise ValueError(f"speculative_config.prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be integers with 1 <= min <= max")
+                raise ValueError(
+                    f"speculative_config.prompt_lookup_min={lo!r} and prompt_lookup_max={hi!r} must be integers with 1 <= min <= max"
+                )
             self.prompt_lookup_min, self.prompt_lookup_max = lo, hi
 
     @classmethod

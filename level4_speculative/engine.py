@@ -121,8 +121,12 @@ class LLMEngine(PrefixEngine):
             if self.draft.config.max_position_embeddings < self.max_model_len:
                 raise ValueError(f"speculative_config.model {self.spec.model!r} handles "
                                  f"{self.draft.config.max_position_embeddings} positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
-            draft_worker = Worker(self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
-            self.proposer = DraftModelProposer(draft_worker, lambda req: self.kv.block_table(req), self.config.block_size)
+            draft_worker = Worker(
+                self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend
+            )
+            self.proposer = DraftModelProposer(
+                draft_worker, lambda req: self.kv.block_table(req), self.config.block_size
+            )
         elif self.spec is not None:
             self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return worker
@@ -131,7 +135,13 @@ class LLMEngine(PrefixEngine):
         if self.spec is None:
             return super().make_scheduler()
         c = self.config
-        return SpecScheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, num_speculative_tokens=self.spec.num_speculative_tokens)
+        return SpecScheduler(
+            self.kv,
+            c.max_num_batched_tokens,
+            c.max_num_seqs,
+            c.policy,
+            num_speculative_tokens=self.spec.num_speculative_tokens,
+        )
 
     # --- the step ------------------------------------------------------------------------------
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
@@ -193,7 +203,9 @@ class LLMEngine(PrefixEngine):
             out.num_rejected[req.seq_id] = k - (len(emitted[req.seq_id][0]) - 1)
         return out
 
-    def _verify(self, spec: list[tuple[SpecRequest, int, int]], logits: torch.Tensor) -> dict[int, tuple[list[int], list]]:
+    def _verify(
+        self, spec: list[tuple[SpecRequest, int, int]], logits: torch.Tensor
+    ) -> dict[int, tuple[list[int], list]]:
         """Rejection sampling for every speculating request; greedy ones take the exact-match path."""
         K, V = max(k for _, k, _ in spec), logits.shape[-1]
         draft = torch.zeros(len(spec), K, dtype=torch.long)
@@ -217,7 +229,9 @@ class LLMEngine(PrefixEngine):
         results = dict(zip(range(len(spec)), zip(*greedy_verify(draft, num_draft, target_argmax))))
         if sampled:
             q = torch.stack([self._draft_probs(spec[i][0], spec[i][1], K, V, logits.dtype) for i in sampled])
-            toks, accepted = rejection_sample(draft[sampled], num_draft[sampled], q, p[sampled], [spec[i][0].generator for i in sampled])
+            toks, accepted = rejection_sample(
+                draft[sampled], num_draft[sampled], q, p[sampled], [spec[i][0].generator for i in sampled]
+            )
             results.update(zip(sampled, zip(toks, accepted)))
         emitted = {}
         for i, (req, k, _) in enumerate(spec):

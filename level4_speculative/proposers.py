@@ -63,7 +63,9 @@ class Proposer(Protocol):
 def draft_state(req: SpecRequest, drafts: list[int]) -> SamplingState:
     """The sampling state of the position after `drafts`: penalties and min-tokens see the
     drafts as if they were output already, for the draft's q and the target's p alike."""
-    return SamplingState(req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids)
+    return SamplingState(
+        req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids
+    )
 
 
 class DraftModelProposer:
@@ -100,7 +102,9 @@ class DraftModelProposer:
                 break
             # one more token each: the draft just sampled, at the next position
             step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
-            logits = self.worker.execute(ModelInput.build(step, [self.block_table(r) for r, _ in active], self.block_size, [1] * len(active)))
+            logits = self.worker.execute(
+                ModelInput.build(step, [self.block_table(r) for r, _ in active], self.block_size, [1] * len(active))
+            )
             for req, _ in active:
                 req.draft_num_computed += 1
         return {sid: Proposal(d, torch.stack(probs[sid]) if probs[sid] else None) for sid, d in drafts.items()}

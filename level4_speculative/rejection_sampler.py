@@ -44,7 +44,9 @@ def _final_distribution(p_row: torch.Tensor, q_row: torch.Tensor | None) -> torc
     return residual / total if total > 0 else p_row
 
 
-def rejection_sample_ref(draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None) -> list[int]:
+def rejection_sample_ref(
+    draft: list[int], q: torch.Tensor, p: torch.Tensor, generator: torch.Generator | None
+) -> list[int]:
     """One request. draft [k] token ids; q [k, V] the draft's distributions; p [k+1, V] the
     target's. Returns the emitted tokens: the accepted drafts and one more."""
     k = len(draft)
@@ -80,7 +82,9 @@ def rejection_sample(draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tens
     return emitted, counts
 
 
-def greedy_verify(draft: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor) -> tuple[list[list[int]], list[int]]:
+def greedy_verify(
+    draft: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
+) -> tuple[list[list[int]], list[int]]:
     """Temperature 0. draft [B, K], num_draft [B], target_argmax [B, K+1] (of the processed
     target logits). Accept while the draft matches the target's argmax; then the argmax."""
     B, K = draft.shape

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import functools
 import json
-from pathlib import Path
-
 import tempfile
+from pathlib import Path
 
 import pytest
 from conftest import VOCAB, build_checkpoint

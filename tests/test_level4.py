@@ -99,7 +99,9 @@ def test_vectorised_sampler_equals_the_loop(seed, K, B, V):
     fast, accepted = rs.rejection_sample(draft, num, q, p, [torch.Generator().manual_seed(seed + i) for i in range(B)])
     for i in range(B):
         k = int(num[i])
-        ref = rs.rejection_sample_ref(draft[i, :k].tolist(), q[i, :k], p[i, : k + 1], torch.Generator().manual_seed(seed + i))
+        ref = rs.rejection_sample_ref(
+            draft[i, :k].tolist(), q[i, :k], p[i, : k + 1], torch.Generator().manual_seed(seed + i)
+        )
         assert fast[i] == ref and accepted[i] == len(ref) - 1
 
 
@@ -174,13 +176,17 @@ def test_draft_equal_to_target_is_accepted_every_time(checkpoint_factory):
     out = llm.generate([[7, 7, 7], [1, 2]], SamplingParams(max_tokens=10, **GREEDY), progress=False)
     s = llm.spec_decode_stats()
     assert s.num_draft_tokens > 0 and s.acceptance_rate == 1.0 and s.per_position() == [1.0, 1.0, 1.0]
-    assert [len(o.outputs[0].token_ids) for o in out] == [10, 10] and out[0].outputs[0].token_ids == free.outputs[0].token_ids[:10]
+    assert [len(o.outputs[0].token_ids) for o in out] == [10, 10] and out[0].outputs[0].token_ids == free.outputs[
+        0
+    ].token_ids[:10]
     # EOS inside an accepted run: the run is cut at the EOS, and nothing after it is kept
     eos = free.outputs[0].token_ids[5]
     first = free.outputs[0].token_ids.index(eos)
     target = checkpoint_factory("llama", eos_token_id=eos)  # same weights, EOS id set
     llm = LLM(target, dtype="float64", speculative_config=spec(target, k=4))
-    o = llm.generate([[7, 7, 7]], SamplingParams(max_tokens=20, temperature=0, logprobs=1), progress=False)[0].outputs[0]
+    o = llm.generate([[7, 7, 7]], SamplingParams(max_tokens=20, temperature=0, logprobs=1), progress=False)[0].outputs[
+        0
+    ]
     assert o.finish_reason == "stop" and o.token_ids == free.outputs[0].token_ids[: first + 1]
     assert len(o.logprobs) == len(o.token_ids) and llm.stats.generated_tokens == len(o.token_ids)
 
@@ -192,10 +198,17 @@ def test_stop_strings_cut_inside_an_accepted_run(checkpoint_factory):
     ref = plain.generate(["ROMEO:"], SamplingParams(max_tokens=30, **GREEDY), progress=False)[0].outputs[0]
     stop = ref.text[7:9]  # two characters that appear after a few tokens
     for include in (False, True):
-        p = SamplingParams(max_tokens=30, stop=[stop], include_stop_str_in_output=include, logprobs=0, min_tokens=2, **GREEDY)
+        p = SamplingParams(
+            max_tokens=30, stop=[stop], include_stop_str_in_output=include, logprobs=0, min_tokens=2, **GREEDY
+        )
         a = plain.generate(["ROMEO:"], p, progress=False)[0].outputs[0]
         b = llm.generate(["ROMEO:"], p, progress=False)[0].outputs[0]
-        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (a.text, a.token_ids, a.finish_reason, a.stop_reason)
+        assert (b.text, b.token_ids, b.finish_reason, b.stop_reason) == (
+            a.text,
+            a.token_ids,
+            a.finish_reason,
+            a.stop_reason,
+        )
         assert len(b.logprobs) == len(b.token_ids) < 30
     assert llm.spec_decode_stats().acceptance_rate == 1.0
 
@@ -242,7 +255,9 @@ def test_blocks_are_named_only_when_verified_in_both_caches(checkpoint_factory):
         engine.step()
         (req,) = engine.scheduler.running
         named = engine.kv.num_named[req.seq_id]
-        assert named * 2 <= min(req.num_computed_tokens, req.draft_num_computed), "a block named before both caches hold it"
+        assert named * 2 <= min(req.num_computed_tokens, req.draft_num_computed), (
+            "a block named before both caches hold it"
+        )
         assert named == min(req.num_computed_tokens, req.draft_num_computed) // 2
     # preemption resets both models' progress: the request is recomputed from scratch
     engine.scheduler._preempt(req, type("Out", (), {"preempted": []})())
@@ -253,10 +268,23 @@ def test_preemption_and_a_tight_budget_keep_outputs_exact(checkpoint_factory):
     target, draft = checkpoint_factory("llama"), checkpoint_factory("llama", seed=5)
     prompts, lengths = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]], [20, 25, 18, 30]
     ref = level3_prefix.LLM(target, dtype="float64")
-    want = [o.outputs[0].token_ids for o in ref.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)]
+    want = [
+        o.outputs[0].token_ids
+        for o in ref.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)
+    ]
     budget = kv_bytes(target, 4 * 12) + kv_bytes(draft, 4 * 12)
-    llm = LLM(target, dtype="float64", block_size=4, kv_cache_memory=budget, max_num_batched_tokens=6, speculative_config=spec(draft, k=4))
-    got = [o.outputs[0].token_ids for o in llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)]
+    llm = LLM(
+        target,
+        dtype="float64",
+        block_size=4,
+        kv_cache_memory=budget,
+        max_num_batched_tokens=6,
+        speculative_config=spec(draft, k=4),
+    )
+    got = [
+        o.outputs[0].token_ids
+        for o in llm.generate(prompts, [SamplingParams(max_tokens=n, **GREEDY) for n in lengths], progress=False)
+    ]
     assert got == want and llm.stats.preemptions > 0 and llm.spec_decode_stats().num_draft_tokens > 0
     assert llm.llm_engine.kv.num_free_blocks == llm.llm_engine.num_blocks
 
@@ -264,7 +292,9 @@ def test_preemption_and_a_tight_budget_keep_outputs_exact(checkpoint_factory):
 def test_a_seeded_request_gives_the_same_tokens_whatever_the_batch(checkpoint_factory):
     target, draft = checkpoint_factory("llama"), checkpoint_factory("llama", seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.9, top_p=0.9, presence_penalty=0.5, seed=42)
-    alone = LLM(target, dtype="float64", speculative_config=spec(draft, k=3)).generate([[5, 6, 7]], params, progress=False)[0]
+    alone = LLM(target, dtype="float64", speculative_config=spec(draft, k=3)).generate(
+        [[5, 6, 7]], params, progress=False
+    )[0]
     others = [SamplingParams(max_tokens=n, temperature=1.0, seed=n) for n in (9, 30, 17)]
     crowd = LLM(target, dtype="float64", speculative_config=spec(draft, k=3)).generate(
         [[1, 2], [5, 6, 7], [3, 3, 3, 3], [8]], [others[0], params, others[1], others[2]], progress=False
