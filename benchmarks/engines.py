@@ -41,7 +41,10 @@ LABELS = {
     "level2_continuous": "L2 continuous",
     "level3_prefix": "L3 prefix",
     "level3_prefix:nocache": "L3 (cache off)",
+    "level4_speculative": "L4 speculative",
+    "level4_speculative:ngram": "L4 (n-gram)",
 }
+NUM_SPECULATIVE_TOKENS = 4  # level 4's k in the harness
 
 
 def label(name: str) -> str:
@@ -81,6 +84,7 @@ class LevelEngine:
         max_num_seqs: int,
         seed: int,
         progress: bool,
+        draft_model: str | None = None,
     ):
         module, _, variant = name.partition(":")
         self.name, self.module = name, importlib.import_module(module)
@@ -89,6 +93,13 @@ class LevelEngine:
         )
         if variant == "nocache":
             self.kwargs["enable_prefix_caching"] = False
+        if module == "level4_speculative":  # a draft model when there is one with the same vocabulary, else n-grams
+            spec = {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
+            if variant == "ngram" or draft_model is None:
+                spec.update(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
+            else:
+                spec.update(model=str(draft_model))
+            self.kwargs["speculative_config"] = spec
         self.model, self.progress = model, progress
 
     def new_llm(self, **overrides):
@@ -135,6 +146,16 @@ class LevelEngine:
             res.schedule_seconds = s.schedule_seconds
         if hasattr(llm, "prefix_stats"):
             res.stats["prefix"] = llm.prefix_stats()
+        if hasattr(llm, "spec_decode_stats"):
+            sp = llm.spec_decode_stats()
+            res.stats["spec"] = {
+                "method": self.kwargs["speculative_config"].get("method", "draft_model"),
+                "k": NUM_SPECULATIVE_TOKENS,
+                "acceptance_rate": sp.acceptance_rate,  # vLLM's: accepted / proposed
+                "per_token_acceptance": sp.per_token_acceptance,  # Leviathan's alpha
+                "mean_acceptance_length": sp.mean_acceptance_length,
+                "per_position": sp.per_position(),
+            }
         return res
 
 
@@ -263,16 +284,17 @@ def make_engine(
     hf_batch_size: int,
     seed: int,
     progress: bool,
+    draft_model: str | None = None,
 ):
     if name == "hf":
         return HFEngine(model, dtype, device, hf_batch_size, progress)
-    return LevelEngine(name, model, dtype, device, kv_cache_memory, max_num_seqs, seed, progress)
+    return LevelEngine(name, model, dtype, device, kv_cache_memory, max_num_seqs, seed, progress, draft_model)
 
 
 def available_levels() -> list[str]:
-    """The level packages that import (level 3 joins once it lands)."""
+    """The level packages that import (a level joins once it lands)."""
     found = []
-    for module in ("level0_naive", "level1_paged", "level2_continuous", "level3_prefix"):
+    for module in ("level0_naive", "level1_paged", "level2_continuous", "level3_prefix", "level4_speculative"):
         if importlib.util.find_spec(module) is None:  # a level not written yet
             continue
         importlib.import_module(module)  # a level that exists but fails to import is an error, not a skip

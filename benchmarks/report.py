@@ -20,7 +20,7 @@ import numpy as np
 from .engines import RunResult, label
 from .roofline import Dims, mean_decode_context, useful_flops
 
-LEVEL0, HF, L3, L3_OFF = "level0_naive", "hf", "level3_prefix", "level3_prefix:nocache"
+LEVEL0, HF, L3, L3_OFF, L4 = "level0_naive", "hf", "level3_prefix", "level3_prefix:nocache", "level4_speculative"
 
 
 def _dist(xs: list[float]) -> dict:
@@ -68,8 +68,9 @@ def summarise(res: RunResult, dims: Dims, peak_flops: float) -> dict:
         "schedule_share": None if res.schedule_seconds is None else res.schedule_seconds / dur,
         "samples": {k: [round(x, 6) for x in v] for k, v in (("ttft", ttft), ("tpot", tpot), ("e2e", e2e))},
     }
-    if "prefix" in s:
-        fig["prefix"] = s["prefix"]
+    for key in ("prefix", "spec"):
+        if key in s:
+            fig[key] = s[key]
     return fig
 
 
@@ -85,7 +86,7 @@ def add_ratios(results: dict[str, dict]) -> None:
 
 
 def goals(workloads: dict) -> list[dict]:
-    """The issue's performance targets, each with what was measured (None: not run)."""
+    """The project's performance targets, each with what was measured (None: not run)."""
     out = []
 
     def goal(name: str, value, target: str, ok) -> None:
@@ -111,6 +112,13 @@ def goals(workloads: dict) -> list[dict]:
         if LEVEL0 in spread:
             r = tps["level2_continuous"] / tps[LEVEL0]
             goal("spread: L2 / L0 output tok/s", r, ">= 3x", r >= 3)
+    latency = workloads.get("latency", {}).get("results", {})
+    if L4 in latency and L3 in latency:
+        r = latency[L4]["output_tokens_per_s"] / latency[L3]["output_tokens_per_s"]
+        goal("latency (batch 1): L4 / L3 output tok/s", r, ">= 1.5x", r >= 1.5)
+    if L4 in spread and L3 in spread:
+        r = spread[L4]["output_tokens_per_s"] / spread[L3]["output_tokens_per_s"]
+        goal("spread (a large batch): L4 / L3 output tok/s", r, ">= 0.9x", r >= 0.9)
     shared = workloads.get("shared-prefix", {}).get("results", {})
     if L3 in shared and L3_OFF in shared:
         cut = shared[L3].get("ttft_cut_vs_cache_off")

@@ -2,8 +2,10 @@
 
 What it is: the one command behind the committed results and plots.
 
-    python -m benchmarks.throughput --all --plots          # the committed run (minutes)
-    python -m benchmarks.throughput --quick                # every workload, tiny, < 1 minute
+    python -m benchmarks.throughput --quick                # every workload, tiny: a smoke run (about a minute)
+    python -m benchmarks.throughput --workload latency     # one workload, full size (minutes)
+    python -m benchmarks.throughput --all --repeats 2 --plots --readme --out benchmarks/results/latest.json
+                                                           # the committed results, plots and README tables
     python -m benchmarks.throughput --markdown benchmarks/results/latest.json
 
 Per workload it picks a KV budget that holds `--kv-requests` (16) requests at the
@@ -13,6 +15,10 @@ matmul roofline for the model's shapes, warms every engine up, and runs each eng
 on the same requests in this one process, in alternating order across `--repeats`
 (a shared machine drifts; ratios from one process drift much less than absolutes),
 keeping each engine's fastest run.
+
+By default it runs with one torch thread (the most stable figures on a shared machine,
+and what a tiny model runs fastest with) and writes its JSON outside the repository, so
+a run never modifies a tracked file unless asked to (`--out`, `--plots`, `--readme`).
 
 What it is not: a speed test that can fail. It reports; `goals` says which targets were
 met, and nothing exits non-zero because of a number.
@@ -35,9 +41,13 @@ from pathlib import Path
 import torch
 from rich.console import Console
 
+from ladder.cli import LadderParser, check_device_and_models, nonneg_int, output_dir, positive_int
+
 from . import report, roofline
-from .engines import available_levels, label, make_engine
+from .engines import LABELS, available_levels, label, make_engine
 from .workloads import NAMES, make_workload
+
+LABELS_KNOWN = [n for n in LABELS if n != "hf" and ":" not in n]
 
 HERE = Path(__file__).resolve().parent
 IMG = HERE.parent / "docs" / "img"
@@ -45,48 +55,103 @@ README = HERE.parent / "README.md"
 PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its cache off
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="checkpoint directory (default: the built-in tiny Shakespeare model)")
+VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"}
+RESULTS = HERE / "results" / "latest.json"  # the committed results: written only when asked (--out)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = LadderParser(
+        prog="python -m benchmarks.throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint directory or built-in name (default: the built-in tiny Shakespeare model)",
+    )
+    p.add_argument("--draft-model", default=None,
+                   help="level 4's draft (default: the built-in draft with the built-in model; otherwise level 4 uses n-grams)")  # fmt: skip
     p.add_argument("--workload", action="append", choices=NAMES, help="repeatable; default: spread (--quick: all)")
     p.add_argument("--all", action="store_true", help="every workload")
+    p.add_argument("--engines", default=None, type=engine_list,
+                   help="comma list, e.g. hf,level0_naive,level3_prefix:nocache (default: hf + every level that imports)")  # fmt: skip
     p.add_argument(
-        "--engines",
-        default=None,
-        help="comma list, e.g. hf,level0_naive,level3_prefix:nocache (default: hf + every level that imports)",
+        "--num-requests", type=positive_int, default=None, help="requests per workload (default 128; --quick 8)"
     )
-    p.add_argument("--num-requests", type=int, default=None, help="requests per workload (default 128; --quick 8)")
-    p.add_argument("--quick", action="store_true", help="tiny lengths and counts: finishes in under a minute")
-    p.add_argument("--kv-requests", type=int, default=16, help="KV budget = this many worst-case requests (default 16)")
-    p.add_argument("--hf-batch-size", type=int, default=None, help="HF generate batch size (default: --kv-requests)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
+    p.add_argument(
+        "--quick", action="store_true", help="tiny lengths and counts, every workload: a smoke run, about a minute"
+    )
+    p.add_argument(
+        "--kv-requests", type=positive_int, default=16, help="KV budget = this many worst-case requests (default 16)"
+    )
+    p.add_argument(
+        "--hf-batch-size", type=positive_int, default=None, help="HF generate batch size (default: --kv-requests)"
+    )
+    p.add_argument("--max-num-seqs", type=positive_int, default=256, help="the levels' batch limit (default 256)")
+    p.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"], help="default auto"
+    )
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument(
         "--repeats",
-        type=int,
+        type=positive_int,
         default=1,
         help="run every engine this many times, alternating order; keep the fastest run",
     )
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument(
-        "--threads", type=int, default=None, help="torch CPU threads (default: torch's; use 1 on a busy shared machine)"
-    )
-    p.add_argument(
-        "--out", default=None, help="results JSON (default benchmarks/results/latest.json; --quick: quick.json)"
-    )
-    p.add_argument("--plots", action="store_true", help="also draw docs/img/bench_*.png")
-    p.add_argument("--img-dir", default=str(IMG))
+    p.add_argument("--seed", type=nonneg_int, default=0, help="seeds every workload (default 0)")
+    p.add_argument("--threads", type=positive_int, default=1,
+                   help="torch CPU threads (default 1: the most stable figures on a shared machine; a tiny model gains nothing from more)")  # fmt: skip
+    p.add_argument("--out", type=Path, default=None,
+                   help="results JSON (default: throughput.json or quick.json in a folder outside the repository; "
+                        "the committed results are benchmarks/results/latest.json)")  # fmt: skip
+    p.add_argument("--plots", action="store_true", help="also draw the bench_*.png pictures (into --img-dir)")
+    p.add_argument("--img-dir", type=Path, default=IMG, help="where --plots and --plots-from draw (default docs/img)")
     p.add_argument("--img-prefix", default="bench_", help="file name prefix of the PNGs (default bench_)")
-    p.add_argument("--plots-from", metavar="JSON", help="only redraw the plots from a results JSON")
-    p.add_argument("--markdown", metavar="JSON", help="only print the markdown results tables of a results JSON")
+    p.add_argument("--plots-from", metavar="JSON", type=existing_file, help="only redraw the plots from a results JSON")
+    p.add_argument(
+        "--markdown",
+        metavar="JSON",
+        type=existing_file,
+        help="only print the markdown results tables of a results JSON",
+    )
     p.add_argument(
         "--readme",
         action="store_true",
         help="also write the README's results tables (with a run, or with --markdown JSON)",
     )
-    p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--no-progress", action="store_true", help="draw no progress bars")
+    return p
+
+
+def engine_list(text: str) -> list[str]:
+    """`--engines`: every name must be an engine this harness knows (checked before anything runs)."""
+    known = ["hf", *LABELS_KNOWN, *VARIANTS]
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown engine {', '.join(bad) or repr(text)}; known: {', '.join(known)}")
+    return names
+
+
+def existing_file(text: str) -> Path:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file")
+    return Path(text)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    if not (args.markdown or args.plots_from):
+        check_device_and_models(p, args, ("model", "draft_model"))
+        levels = set(available_levels())
+        missing = [n for n in (args.engines or []) if n != "hf" and VARIANTS.get(n, n) not in levels]
+        if missing:
+            p.error(
+                f"argument --engines: {', '.join(missing)} cannot run here (importable levels: {', '.join(sorted(levels))})"
+            )
+    return args
 
 
 def machine_info(device: torch.device) -> dict:
@@ -119,7 +184,7 @@ def machine_info(device: torch.device) -> dict:
 
 
 def engine_names(args, workload: str, levels: list[str]) -> list[str]:
-    names = args.engines.split(",") if args.engines else ["hf", *levels]
+    names = list(args.engines) if args.engines else ["hf", *levels]
     if not args.engines and "level3_prefix" in names and workload in PREFIX_WORKLOADS:
         names.append("level3_prefix:nocache")
     return names
@@ -131,12 +196,12 @@ def make_console() -> Console:
 
 
 def run(args, console: Console) -> dict:
-    from ladder.models import default_model
+    from ladder.models import BUILTIN, BUILTIN_DRAFT, default_model
     from level0_naive.config import resolve_device, resolve_dtype
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     model = str(args.model or default_model())
+    draft = args.draft_model or (str(BUILTIN_DRAFT) if Path(model).resolve() == BUILTIN.resolve() else None)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     workloads = list(NAMES) if (args.all or (args.quick and not args.workload)) else (args.workload or ["spread"])
@@ -147,7 +212,8 @@ def run(args, console: Console) -> dict:
     bytes_per_token = 2 * dims.layers * dims.kv_width * dtype.itemsize
 
     console.print(
-        f"[bold]model[/] {model}  ({dims.params / 1e6:.1f}M matmul params, {dtype}, {device}); levels: {', '.join(levels)}"
+        f"[bold]model[/] {model}  ({dims.params / 1e6:.1f}M matmul params, {dtype}, {device}); levels: {', '.join(levels)}; "
+        f"{args.threads} torch thread(s); level 4 drafts with {draft or 'n-grams (no draft model with this vocabulary)'}"
     )
     with console.status("measuring the matmul roofline"):
         batches = [1, 16] if args.quick else [1, 4, 16, 64, 256, 1024]  # 1024: prefill chunks are that wide
@@ -161,18 +227,14 @@ def run(args, console: Console) -> dict:
     )
 
     common = dict(
-        dtype=args.dtype,
-        device=args.device,
-        max_num_seqs=args.max_num_seqs,
-        hf_batch_size=hf_batch,
-        seed=args.seed,
-        progress=not args.no_progress,
+        dtype=args.dtype, device=args.device, seed=args.seed, progress=not args.no_progress, draft_model=draft
     )
     data = {"schema": 1, "machine": machine_info(device), "roofline": roof, "workloads": {}}
     data["config"] = {
         "model": model, "model_name": Path(model).name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
         "quick": args.quick, "seed": args.seed, "num_requests": num_requests, "kv_requests": args.kv_requests,
         "hf_batch_size": hf_batch, "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "bytes_per_token": bytes_per_token,
+        "threads": args.threads, "draft_model": draft,
         "command": " ".join(["python -m benchmarks.throughput", *args.argv]),
     }  # fmt: skip
     warmed: dict[str, object] = {}
@@ -186,7 +248,9 @@ def run(args, console: Console) -> dict:
         runs: dict[str, list] = {n: [] for n in names}
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else reversed(names):
-                engine = make_engine(name, model, kv_cache_memory=kv_budget, **common)
+                seqs = wl.max_num_seqs or args.max_num_seqs  # latency: everyone at batch 1
+                engine = make_engine(name, model, kv_cache_memory=kv_budget, max_num_seqs=seqs,
+                                     hf_batch_size=wl.max_num_seqs or hf_batch, **common)  # fmt: skip
                 if name not in warmed:
                     engine.warmup()
                     warmed[name] = True
@@ -209,10 +273,15 @@ def run(args, console: Console) -> dict:
     return data
 
 
-def print_goals(console: Console, goals: list[dict]) -> None:
+def print_goals(console: Console, goals: list[dict], quick: bool) -> None:
     from rich.table import Table
 
-    t = Table(title="the issue's performance goals")
+    title = (
+        "performance goals (a --quick smoke run: tiny workloads, so these figures say nothing)"
+        if quick
+        else "performance goals"
+    )
+    t = Table(title=title)
     for col in ("goal", "measured", "target", "met"):
         t.add_column(col)
     for g in goals:
@@ -241,8 +310,8 @@ def main(argv=None) -> dict | None:
         return None
     console = make_console()
     data = run(args, console)
-    print_goals(console, data["goals"])
-    out = Path(args.out or HERE / "results" / ("quick.json" if args.quick else "latest.json"))
+    print_goals(console, data["goals"], args.quick)
+    out = Path(args.out or output_dir() / ("quick.json" if args.quick else "throughput.json"))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     console.print(f"wrote {out}")

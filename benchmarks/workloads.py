@@ -11,6 +11,8 @@ What it is: four request mixes, each a function of (number of requests, seed, vo
   chat           conversations replayed turn by turn; turn k's prompt is turn k-1's prompt
                  + its answer + new user text, so each turn's prompt starts with the whole
                  previous exchange (level 3's case again, across calls)
+  latency        one request at a time (every engine runs it at batch 1), outputs 128-256:
+                 a decode step leaves the hardware idle, level 4's case
 
 Prompts are seeded random token ids in the printable-ASCII range (a readable text is
 not needed: the work depends on lengths, not on which tokens). Every output length is
@@ -28,7 +30,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable
 
-NAMES = ("uniform", "spread", "shared-prefix", "chat")
+NAMES = ("uniform", "spread", "shared-prefix", "chat", "latency")
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Workload:
     first: list[Request]
     # For chat: one list per later turn, one (user tokens, answer length) per conversation.
     follow_ups: list[list[tuple[list[int], int]]] = field(default_factory=list)
+    max_num_seqs: int | None = None  # a batch limit every engine must use (latency: 1)
 
     def play(self, run_round: Callable[[list[Request]], list[list[int]]]) -> None:
         """Run every round; `run_round(requests) -> output token ids per request`."""
@@ -98,6 +101,12 @@ def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick
             for _ in range(num_requests)
         ]
         return Workload(name, f"shared prefix {prefix_len} + suffix {slo}-{shi}, output {olo}-{ohi} tokens", reqs)
+    if name == "latency":
+        (plo, phi), (olo, ohi), n = (
+            ((8, 16), (16, 32), min(num_requests, 4)) if q else ((16, 64), (128, 256), min(num_requests, 16))
+        )
+        reqs = [Request(_tokens(rng, rng.randint(plo, phi), vocab), rng.randint(olo, ohi)) for _ in range(n)]
+        return Workload(name, f"one at a time: prompt {plo}-{phi}, output {olo}-{ohi} tokens", reqs, max_num_seqs=1)
     if name == "chat":
         turns = 2 if q else 4
         system, (ulo, uhi), (alo, ahi) = (16, (4, 8), (4, 8)) if q else (32, (16, 48), (32, 128))

@@ -5,7 +5,9 @@
 
 What it is: the parsed, validated form, with vLLM's names and defaults: a "model" without
 a "method" means a draft model; "ngram" without lookup sizes uses 5 and 5, and one size
-given sets the other. A bad value is a `ValueError` that names the key.
+given sets the other; `disable_by_batch_size` (vLLM V0's knob) turns drafting off in
+steps whose running batch is larger, where the target is busy enough on its own. A bad
+value is a `ValueError` that names the key.
 
 What it is not: EAGLE, Medusa or MTP (vLLM's other methods).
 
@@ -28,6 +30,7 @@ class SpeculativeConfig:
     model: str | None = None  # the draft checkpoint (a directory, a built-in name, a cached hub id)
     prompt_lookup_min: int | None = None  # ngram: the shortest suffix to look up
     prompt_lookup_max: int | None = None  # ngram: the longest
+    disable_by_batch_size: int | None = None  # no drafts in a step with more running requests than this
 
     def __post_init__(self):
         if self.method is None:
@@ -39,6 +42,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or k < 1:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r} must be an integer >= 1")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or d < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size={d!r} must be an integer >= 1 (or absent)")
         if self.method == "draft_model" and not self.model:
             raise ValueError("speculative_config.model is required for method 'draft_model' (the draft checkpoint)")
         if self.method == "ngram":

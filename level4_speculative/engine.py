@@ -59,6 +59,7 @@ class SpecDecodeStats:
     num_drafts: int = 0  # request-steps that verified at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_rejections: int = 0  # drafts that ended in a rejection (the others were accepted whole)
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # time in the proposer
@@ -67,6 +68,7 @@ class SpecDecodeStats:
         self.num_drafts += 1
         self.num_draft_tokens += k
         self.num_accepted_tokens += accepted
+        self.num_rejections += accepted < k
         for i in range(k):
             self.drafted_per_pos[i] += 1
             self.accepted_per_pos[i] += i < accepted
@@ -75,6 +77,13 @@ class SpecDecodeStats:
     def acceptance_rate(self) -> float:
         """alpha: accepted draft tokens / proposed draft tokens."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def per_token_acceptance(self) -> float:
+        """Leviathan's alpha: accepted / draft tokens actually judged (judging stops at a rejection).
+        Under i.i.d. acceptance, P(first i drafts accepted) = alpha**i."""
+        judged = self.num_accepted_tokens + self.num_rejections
+        return self.num_accepted_tokens / judged if judged else 0.0
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -141,6 +150,7 @@ class LLMEngine(PrefixEngine):
             c.max_num_seqs,
             c.policy,
             num_speculative_tokens=self.spec.num_speculative_tokens,
+            disable_by_batch_size=self.spec.disable_by_batch_size,
         )
 
     # --- the step ------------------------------------------------------------------------------

@@ -20,6 +20,6 @@ def test_readme_block_runs(index, monkeypatch, capsys):
     exec(compile(python_blocks(REPO / "README.md")[index], f"README.md block {index}", "exec"), {})
     printed = capsys.readouterr().out
     assert printed.strip(), "every README block shows its reader something"
-    if index == 0:  # the four levels print the same text
+    if index == 0:  # every level prints the same text
         texts = [line.split(" ", 1)[1] for line in printed.strip().splitlines()]
-        assert len(texts) == 4 and len(set(texts)) == 1
+        assert len(texts) == 5 and len(set(texts)) == 1

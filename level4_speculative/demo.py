@@ -1,0 +1,240 @@
+"""`python -m level4_speculative.demo`: the built-in draft proposes, the target verifies.
+
+What it is: the same prompts, greedy, through level 3 and level 4 (the built-in pair:
+a 6M-parameter target and its 0.5M distilled draft) at batch 1 and at a larger batch.
+It prints
+
+  - the generated text, each token colored by where it came from: an accepted draft
+    token (green), a recovered token after a rejection (yellow), a bonus token after a
+    fully accepted draft (cyan); and whether level 3 and level 4 wrote the same text;
+  - the acceptance per draft position against Leviathan's alpha**i, where alpha is the
+    measured per-token acceptance probability;
+  - the costs measured on this machine, c_draft (one draft forward, per token) and
+    c_verify(k) (a verifying step without its drafting), both as fractions of a level-3
+    step, and the measured speedup against Leviathan's prediction
+        S = E[N] / (k * c_draft + c_verify(k)),   E[N] = (1 - alpha**(k+1)) / (1 - alpha);
+  - a plot of tokens/s against k, measured and predicted (to a folder outside the
+    repository, printed at the end; `--plot PATH` to choose; `python -m ladder.figures`
+    regenerates the committed `docs/img/level4_speedup.png`).
+
+What it is not: a benchmark across workloads (`benchmarks/` is). On a CPU a tiny model's
+step is mostly per-call overhead, so the draft costs far more than its 8 % of the FLOPs:
+the demo measures that instead of assuming it.
+
+Reference: Leviathan, Kalman, Matias (ICML 2023), section 3.3 and figure 2.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
+from ladder.models import BUILTIN_DRAFT, default_model
+from level0_naive.sampling import SamplingParams
+from level3_prefix.engine import LLM as PrefixLLM
+
+from .engine import LLM
+
+PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "KING RICHARD III:\nNow is the winter", "First Citizen:\n"]
+COLORS = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": "default"}
+
+
+def parser():
+    p = demo_parser(__doc__, "level4_speculative.demo")
+    p.add_argument(
+        "--draft-model", default=None, help="the draft checkpoint (default: the built-in tiny-shakespeare-draft)"
+    )
+    p.add_argument(
+        "-k", "--num-speculative-tokens", type=positive_int, default=4, help="draft tokens per step (default 4)"
+    )
+    p.add_argument("--max-k", type=positive_int, default=6, help="the largest k of the tokens/s sweep (default 6)")
+    p.add_argument("--batch-size", type=positive_int, default=16, help="the larger batch (default 16)")
+    p.add_argument(
+        "--plot",
+        type=Path,
+        default=None,
+        help="where to save the speedup plot (default: level4_speedup.png outside the repository)",
+    )
+    p.set_defaults(max_tokens=96, temperature=0.0)
+    return p
+
+
+def main(argv=None) -> dict:
+    p = parser()
+    args = parse_demo_args(p, argv)
+    args.plot = plot_path(args.plot, "level4_speedup.png")
+    with torch_threads(args.threads):
+        return run(args, Console())
+
+
+def timed_generate(llm, prompts, params) -> tuple[list, float]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, progress=False)
+    return outs, time.perf_counter() - t0
+
+
+def trace_kinds(llm) -> dict[str, list[str]]:
+    """Wrap the engine's update_from_output to note where each emitted token came from."""
+    engine, kinds = llm.llm_engine, {}
+    inner = engine.update_from_output
+
+    def traced(sched, out):
+        for req, tokens in zip(out.requests, out.token_ids):
+            k = sched.num_spec.get(req.seq_id, 0)
+            a = len(tokens) - 1
+            tags = ["accepted"] * a + (["recovered" if a < k else "bonus"] if k else ["plain"])
+            kinds.setdefault(req.request_id, []).extend(tags)
+        return inner(sched, out)
+
+    engine.update_from_output = traced
+    return kinds
+
+
+def leviathan(alpha: float, k: int, c_draft: float, c_verify: float) -> tuple[float, float]:
+    """(E[N], predicted speedup S) for i.i.d. acceptance with probability alpha."""
+    e_n = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
+    return e_n, e_n / (k * c_draft + c_verify)
+
+
+def run(args, console: Console) -> dict:
+    model = args.model or default_model()
+    draft = args.draft_model or BUILTIN_DRAFT
+    prompts = PROMPTS
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    common = dict(dtype=args.dtype, device=args.device, seed=args.seed)
+    console.print(f"[bold]level 4[/]: target {model}, draft {draft}; {len(prompts)} prompts, {args.max_tokens} tokens each, "
+                  f"temperature {args.temperature:g}")  # fmt: skip
+
+    # batch 1: one request at a time, level 3 against level 4 at every k (the first run warms up)
+    base = PrefixLLM(model, max_num_seqs=1, **common)
+    timed_generate(base, prompts[:1], SamplingParams(max_tokens=8))
+    ref, t3 = timed_generate(base, prompts, params)
+    tokens = sum(len(o.outputs[0].token_ids) for o in ref)
+    step3 = t3 / base.stats.steps  # seconds per level-3 step at batch 1
+    sweep = {}
+    for k in range(1, args.max_k + 1):
+        llm = LLM(
+            model, max_num_seqs=1, speculative_config={"model": str(draft), "num_speculative_tokens": k}, **common
+        )
+        kinds = trace_kinds(llm) if k == args.num_speculative_tokens else None
+        timed_generate(llm, prompts[:1], SamplingParams(max_tokens=8))
+        s = llm.spec_decode_stats()
+        steps0, draft0, drafted0 = llm.stats.steps, s.draft_seconds, s.num_draft_tokens
+        outs, t4 = timed_generate(llm, prompts, params)
+        steps, drafting = llm.stats.steps - steps0, s.draft_seconds - draft0
+        c_draft = drafting / max(s.num_draft_tokens - drafted0, 1) / step3  # one draft forward per draft token
+        c_verify = (t4 - drafting) / steps / step3  # a step without its drafting
+        sweep[k] = dict(
+            llm=llm, outs=outs, seconds=t4, speedup=t3 / t4, c_draft=c_draft, c_verify=c_verify, kinds=kinds
+        )
+    k = args.num_speculative_tokens
+    main_run = sweep[k]
+    s = main_run["llm"].spec_decode_stats()
+    alpha = s.per_token_acceptance  # Leviathan's alpha (vLLM's acceptance rate divides by all proposed tokens)
+    same = [o.outputs[0].token_ids for o in main_run["outs"]] == [o.outputs[0].token_ids for o in ref]
+
+    show_text(console, main_run, args, same)
+    show_positions(console, s, alpha)
+    table = Table(title=f"batch 1 on this machine: measured vs Leviathan's S (alpha = {alpha:.3f} per token)")
+    for col in (
+        "k",
+        "c_draft",
+        "c_verify(k)",
+        "E[N] predicted",
+        "tokens/step measured",
+        "S predicted",
+        "speedup measured",
+        "error",
+    ):
+        table.add_column(col, justify="right")
+    for kk, r in sweep.items():
+        e_n, pred = leviathan(alpha, kk, r["c_draft"], r["c_verify"])
+        st = r["llm"].spec_decode_stats()
+        measured_len = st.mean_acceptance_length
+        r.update(predicted=pred)
+        table.add_row(str(kk), f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}", f"{e_n:.2f}", f"{measured_len:.2f}", f"{pred:.2f}x",
+                      f"[bold]{r['speedup']:.2f}x[/]", f"{100 * (r['speedup'] / pred - 1):+.0f} %")  # fmt: skip
+    console.print(table)
+
+    # a larger batch: speculation helps less when the target is already busy
+    bs = args.batch_size
+    many = [prompts[i % len(prompts)] for i in range(bs)]
+    big3 = PrefixLLM(model, max_num_seqs=bs, **common)
+    timed_generate(big3, many[:2], SamplingParams(max_tokens=8))
+    _, tb3 = timed_generate(big3, many, params)
+    big4 = LLM(model, max_num_seqs=bs, speculative_config={"model": str(draft), "num_speculative_tokens": k}, **common)
+    timed_generate(big4, many[:2], SamplingParams(max_tokens=8))
+    _, tb4 = timed_generate(big4, many, params)
+    big_tokens = bs * args.max_tokens
+    console.print(f"[bold]batch 1[/]: level 3 {tokens / t3:.0f} tok/s, level 4 (k={k}) {tokens / main_run['seconds']:.0f} tok/s: "
+                  f"[bold green]{main_run['speedup']:.2f}x[/] (predicted {main_run['predicted']:.2f}x)")  # fmt: skip
+    console.print(f"[bold]batch {bs}[/]: level 3 {big_tokens / tb3:.0f} tok/s, level 4 (k={k}) {big_tokens / tb4:.0f} tok/s: "
+                  f"[bold]{tb3 / tb4:.2f}x[/] (on a CPU a step's cost grows with its tokens, so verifying k + 1 per request "
+                  f"costs more when the batch is already big)")  # fmt: skip
+    plot(args.plot, sweep, tokens / t3, alpha)
+    console.print(f"identical text at level 3 and level 4: {same};  plot: {args.plot}")
+    return {"speedup": main_run["speedup"], "predicted": main_run["predicted"], "alpha": alpha, "identical": same,
+            "batch_speedup": tb3 / tb4, "sweep": {kk: {x: r[x] for x in ("speedup", "predicted", "c_draft", "c_verify")} for kk, r in sweep.items()},
+            "per_position": s.per_position(), "plot": args.plot}  # fmt: skip
+
+
+def show_text(console: Console, run: dict, args, same: bool) -> None:
+    tok = run["llm"].get_tokenizer()
+    for out in run["outs"][:2]:
+        text = Text(out.prompt, style="dim")
+        for t, kind in zip(out.outputs[0].token_ids, run["kinds"][out.request_id]):
+            text.append(tok.decode([t]), style=COLORS[kind])
+        console.print(text)
+    legend = Text("  ")
+    for kind, color in COLORS.items():
+        if kind != "plain":
+            legend.append(f" {kind} ", style=f"black on {color}")
+            legend.append(" ")
+    legend.append(" (the first token of each request comes from its prefill)", style="italic")
+    console.print(legend)
+
+
+def show_positions(console: Console, s, alpha: float) -> None:
+    t = Table(title="acceptance by draft position: measured P(d_i accepted) vs alpha**i")
+    t.add_column("position i", justify="right")
+    t.add_column("measured", justify="right")
+    t.add_column("alpha**i", justify="right")
+    for i, rate in enumerate(s.per_position(), 1):
+        t.add_row(str(i), f"{rate:.3f}", f"{alpha**i:.3f}")
+    console.print(t)
+    console.print(f"vLLM's acceptance rate (accepted / proposed): {s.acceptance_rate:.3f};  "
+                  f"mean acceptance length (bonus included): {s.mean_acceptance_length:.2f}")  # fmt: skip
+
+
+def plot(path: Path, sweep: dict, base_tps: float, alpha: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted(sweep)
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(ks, [base_tps * sweep[k]["speedup"] for k in ks], "o-", color="tab:green", label="level 4, measured")
+    ax.plot(
+        ks,
+        [base_tps * sweep[k]["predicted"] for k in ks],
+        "s--",
+        color="tab:gray",
+        label=f"Leviathan's S x level 3 (alpha {alpha:.2f})",
+    )
+    ax.axhline(base_tps, color="tab:red", label="level 3 (no speculation)")
+    ax.set_xlabel("k (draft tokens per step)")
+    ax.set_ylabel("output tokens/s at batch 1")
+    ax.set_title("Speculative decoding with the built-in pair: measured and predicted")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

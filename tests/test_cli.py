@@ -1,0 +1,151 @@
+"""The first hour of a newcomer: flags that refuse nonsense, demos that leave the tree clean,
+the built-in models by name from anywhere.
+
+What it is:
+  - every command line answers a bad flag with exit code 2 and one line that names the
+    flag, before any weight is loaded (run as real subprocesses: what a user types);
+  - each demo, and the benchmark's quick mode, run with their default picture and
+    results paths leave `git status` exactly as it was;
+  - `LLM("tiny-shakespeare")` works from a directory that is not the repository;
+  - `--help` names the command as it is typed (`python -m ...`), and every flag has help.
+
+What it is not: a check of the demos' numbers (tests/test_demos.py runs them).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from ladder.models import REPO
+
+pytestmark = pytest.mark.docs
+
+DEMOS = [
+    "level0_naive.demo",
+    "level1_paged.demo",
+    "level2_continuous.demo",
+    "level3_prefix.demo",
+    "level4_speculative.demo",
+]
+
+BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
+    ("level0_naive.demo", ["--requests", "0"], "--requests"),
+    ("level0_naive.demo", ["--max-tokens", "0"], "--max-tokens"),
+    ("level0_naive.demo", ["--device", "cuda"], "--device"),
+    ("level0_naive.demo", ["--device", "tpu"], "--device"),
+    ("level0_naive.demo", ["--model", "no/such/model"], "--model"),
+    ("level0_naive.demo", ["--temperature", "-1"], "--temperature"),
+    ("level0_naive.demo", ["--threads", "zero"], "--threads"),
+    ("level1_paged.demo", ["--block-size", "0"], "--block-size"),
+    ("level1_paged.demo", ["--budget-requests", "-2"], "--budget-requests"),
+    ("level2_continuous.demo", ["--long-fraction", "1.5"], "--long-fraction"),
+    ("level2_continuous.demo", ["--batch-size", "0"], "--batch-size"),
+    ("level3_prefix.demo", ["--dtype", "int3"], "--dtype"),
+    ("level4_speculative.demo", ["-k", "0"], "--num-speculative-tokens"),
+    ("level4_speculative.demo", ["--draft-model", "nowhere"], "--draft-model"),
+    ("benchmarks.throughput", ["--engines", "hf,level0"], "--engines"),
+    ("benchmarks.throughput", ["--engines", "level3_prefix:nocahce"], "--engines"),
+    ("benchmarks.throughput", ["--num-requests", "0"], "--num-requests"),
+    ("benchmarks.throughput", ["--threads", "0"], "--threads"),
+    ("benchmarks.throughput", ["--workload", "nope"], "--workload"),
+    ("benchmarks.throughput", ["--model", "nope"], "--model"),
+    ("benchmarks.throughput", ["--markdown", "missing.json"], "--markdown"),
+    ("ladder.figures", ["--only", "level9"], "--only"),
+]
+
+
+def run(module: str, args: list[str], cwd=REPO, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.mark.parametrize("module,args,flag", BAD_FLAGS, ids=[f"{m} {' '.join(a)}" for m, a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_that_names_it(module, args, flag):
+    res = run(module, args)
+    assert res.returncode == 2, res.stderr[-2000:]
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line, got:\n{res.stderr}"
+    assert flag in lines[0] and "Traceback" not in res.stderr
+    assert res.stdout == "", "nothing ran before the flag was refused"
+
+
+@pytest.mark.parametrize("module", [*DEMOS, "benchmarks.throughput", "ladder.figures"])
+def test_help_shows_the_command_and_explains_every_flag(module):
+    import importlib
+
+    res = run(module, ["--help"], timeout=60)
+    assert res.returncode == 0 and res.stdout.startswith(f"usage: python -m {module}")
+    parser = importlib.import_module(module).parser()
+    undocumented = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
+    assert not undocumented, f"flags without help: {undocumented}"
+
+
+def git_status() -> str:
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"], cwd=REPO, capture_output=True, text=True
+    ).stdout
+
+
+SMALL = {  # the demos' own defaults for every path, with a tiny workload so the test is quick
+    "level0_naive.demo": ["--requests", "3", "--max-tokens", "8"],
+    "level1_paged.demo": ["--requests", "4", "--max-tokens", "24", "--snapshot-step", "4"],
+    "level2_continuous.demo": ["--requests", "4", "--max-tokens", "24", "--batch-size", "2"],
+    "level3_prefix.demo": ["--max-tokens", "2"],
+    "level4_speculative.demo": ["--max-tokens", "12", "--max-k", "2", "-k", "2", "--batch-size", "2"],
+}
+
+
+def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
+    """Each demo with its default picture path, and `benchmarks.throughput --quick` with its
+    default results path: nothing tracked (or untracked) in the repository changes."""
+    if subprocess.run(["git", "rev-parse"], cwd=REPO, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    before = git_status()
+    env_out = tmp_path / "out"
+    import os
+
+    env = {**os.environ, "INFERENCE_LADDER_OUT": str(env_out)}  # where the defaults go, for this test
+    for module, args in SMALL.items():
+        res = subprocess.run(
+            [sys.executable, "-m", module, "--no-progress", *args],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert res.returncode == 0, f"{module}: {res.stderr[-3000:]}"
+        assert str(env_out) in res.stdout.replace("\n", ""), f"{module} did not say where its picture went"
+    res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--workload", "spread", "--num-requests", "3",
+                          "--engines", "level0_naive,level2_continuous", "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "smoke run" in res.stdout and "the issue" not in res.stdout
+    assert "1 torch thread" in res.stdout  # it says what it chose
+    assert (env_out / "quick.json").is_file() and sorted(p.name for p in env_out.glob("*.png"))
+    assert git_status() == before, "a default run changed the repository"
+
+
+def test_builtin_models_resolve_by_name_from_any_directory(tmp_path):
+    code = (
+        "from level0_naive import LLM, SamplingParams\n"
+        "for name in ('tiny-shakespeare', 'models/tiny-shakespeare', 'tiny-shakespeare-draft'):\n"
+        "    out = LLM(name, max_model_len=64).generate(['ROMEO:\\n'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
+        "    print(name, len(out[0].outputs[0].token_ids))\n"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [
+        "tiny-shakespeare",
+        "4",
+        "models/tiny-shakespeare",
+        "4",
+        "tiny-shakespeare-draft",
+        "4",
+    ]
+    explicit = subprocess.run([sys.executable, "-c", code.replace("'tiny-shakespeare', ", f"{str(REPO / 'models' / 'tiny-shakespeare')!r}, ")],
+                              cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert explicit.returncode == 0 and explicit.stdout.count(" 4") == 3  # explicit paths keep working
