@@ -39,7 +39,7 @@ SUPPORTED = {
 
 @dataclass
 class LoadedModel:
-    model: Transformer
+    model: Transformer | None  # None: metadata only (`load_metadata`)
     config: ModelConfig
     tokenizer: object | None  # a transformers tokenizer, or None when the checkpoint has none
     eos_token_ids: list[int]
@@ -122,15 +122,21 @@ def eos_ids(hf: dict, gen: dict, tokenizer) -> list[int]:
     return []
 
 
-def load_model(
-    model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-) -> LoadedModel:
+def load_metadata(model: str | os.PathLike) -> LoadedModel:
+    """Everything but the weights: config, tokenizer, EOS ids (`model` is None). Level 5's driver
+    uses this: its ranks each load only their own slices of the weights."""
     path = resolve_path(model)
     hf = json.loads((path / "config.json").read_text())
     cfg = model_config_from_hf(hf)
     gen_file = path / "generation_config.json"
     gen = json.loads(gen_file.read_text()) if gen_file.is_file() else {}
+    tokenizer = load_tokenizer(path)
+    return LoadedModel(None, cfg, tokenizer, eos_ids(hf, gen, tokenizer), path, hf, gen)
 
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+    meta = load_metadata(model)
+    path, cfg, hf = meta.path, meta.config, meta.hf_config
     with torch.device("meta"):
         net = Transformer(cfg)  # no memory yet; weights arrive below
     state = load_state_dict(path)
@@ -151,5 +157,5 @@ def load_model(
         net.lm_head.weight = net.model.embed_tokens.weight
     net.inv_freq = rope_inv_freq(cfg).to(device)  # built on "meta" above, so it holds no values yet
     net.eval()
-    tokenizer = load_tokenizer(path)
-    return LoadedModel(net, cfg, tokenizer, eos_ids(hf, gen, tokenizer), path, hf, gen)
+    meta.model = net
+    return meta

@@ -123,11 +123,16 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [T, hidden] -> q [T, Hq*D], k, v [T, Hkv*D] (level 5 computes them as one sharded matmul)."""
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
         T = x.shape[0]  # x [T, hidden]
-        q = self.q_proj(x).view(T, self.nh, self.d)  # [T, Hq, D]
-        k = self.k_proj(x).view(T, self.nkv, self.d)  # [T, Hkv, D]
-        v = self.v_proj(x).view(T, self.nkv, self.d)  # [T, Hkv, D]
+        q, k, v = self.qkv(x)
+        q = q.view(T, self.nh, self.d)  # [T, Hq, D]
+        k = k.view(T, self.nkv, self.d)  # [T, Hkv, D]
+        v = v.view(T, self.nkv, self.d)  # [T, Hkv, D]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -72,7 +72,7 @@ class ModelRunner:
 
     def __init__(self, model: Transformer):
         self.model = model
-        self.device = model.lm_head.weight.device
+        self.device = next(model.parameters()).device
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, attn: AttentionBackend) -> torch.Tensor:

@@ -67,7 +67,7 @@ class Worker(ModelRunner):
         super().__init__(model)
         cfg = model.config
         self.block_size = block_size
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, model.lm_head.weight.dtype, self.device)
+        self.cache = PagedKVCache(cfg, num_blocks, block_size, next(model.parameters()).dtype, self.device)
         self.impl = attention_impl(attention_backend, self.device)  # (write_kv, attend)
         self.scale = cfg.head_dim**-0.5
 

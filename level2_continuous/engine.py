@@ -95,13 +95,17 @@ class LLMEngine(EngineBase):
 
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)
-        self.num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
+        self.num_blocks = self.determine_num_blocks()
         self.worker = self.make_worker()
         self.kv: KVCacheManager = self.make_kv_manager()
         self.scheduler = self.make_scheduler()
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
         self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
+
+    def determine_num_blocks(self) -> int:
+        """How many KV blocks the budget holds (level 5: the fewest any rank can hold)."""
+        return num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
 
     def make_worker(self) -> Worker:
         return Worker(self.loaded.model, self.num_blocks, self.config.block_size, self.config.attention_backend)

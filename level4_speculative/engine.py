@@ -102,19 +102,21 @@ class LLMEngine(PrefixEngine):
     # --- construction: the draft model, the KV split, the proposer, the scheduler -------------
     def load_model(self) -> LoadedModel:
         loaded = super().load_model()
+        self.load_draft(loaded)
+        return loaded
+
+    def load_draft(self, target: LoadedModel) -> None:
+        """The draft model (whole, on this process), checked against the target's vocabulary."""
         self.spec: SpeculativeConfig | None = self.config.speculative_config
         self.draft: LoadedModel | None = None
         if self.spec is not None and self.spec.method == "draft_model":
             self.draft = load_model(self.spec.model, self.dtype, self.device)
-            tv, dv = loaded.config.vocab_size, self.draft.config.vocab_size
+            tv, dv = target.config.vocab_size, self.draft.config.vocab_size
             if tv != dv:
                 raise ValueError(f"speculative_config.model {self.spec.model!r} has a vocabulary of {dv} tokens; "
                                  f"the target's has {tv}: a draft must share the target's vocabulary")  # fmt: skip
-        self.spec_stats = SpecDecodeStats([], [])
-        if self.spec is not None:
-            k = self.spec.num_speculative_tokens
-            self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
-        return loaded
+        k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
 
     def kv_bytes_per_token(self) -> int:
         """Target and draft caches have the same number of blocks, so the KV budget is split in
@@ -122,23 +124,22 @@ class LLMEngine(PrefixEngine):
         target = super().kv_bytes_per_token()
         return target + (kv_bytes_per_token(self.draft.config, self.dtype) if self.draft else 0)
 
-    def make_worker(self) -> Worker:
-        worker = super().make_worker()
-        self.proposer: Proposer | None = None
+    def __init__(self, model: str, **kwargs):
+        super().__init__(model, **kwargs)  # level 2: the target's worker, the KV manager, the scheduler
+        self.proposer: Proposer | None = self.make_proposer()
         self._proposals: dict[int, Proposal] = {}  # this step's drafts, from prepare_input to sample
-        if self.spec is not None and self.draft is not None:
-            if self.draft.config.max_position_embeddings < self.max_model_len:
-                raise ValueError(f"speculative_config.model {self.spec.model!r} handles "
-                                 f"{self.draft.config.max_position_embeddings} positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
-            draft_worker = Worker(
-                self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend
-            )
-            self.proposer = DraftModelProposer(
-                draft_worker, lambda req: self.kv.block_table(req), self.config.block_size
-            )
-        elif self.spec is not None:
-            self.proposer = NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return worker
+
+    def make_proposer(self) -> Proposer | None:
+        """The draft model's own Worker (same block count and block tables as the target), or n-grams."""
+        if self.spec is None:
+            return None
+        if self.draft is None:
+            return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        if self.draft.config.max_position_embeddings < self.max_model_len:
+            raise ValueError(f"speculative_config.model {self.spec.model!r} handles {self.draft.config.max_position_embeddings} "
+                             f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
+        draft_worker = Worker(self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
+        return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size)
 
     def make_scheduler(self) -> Scheduler:
         if self.spec is None:

@@ -1,0 +1,256 @@
+"""Level 5: level 4's engine whose target model is split across processes.
+
+What it is: `LLMEngine` and `LLM` of level 4 with vLLM's knobs
+
+    LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
+
+and one part replaced: the target's `Worker` becomes an `Executor` over tp x pp ranks
+(`executor.py`). The driver (this process, rank 0) keeps everything that is about
+requests: the scheduler, the KV manager and its block tables, the draft model and its
+cache (level 4), sampling and the per-request generators. Each step's `ModelInput` goes
+to every rank; the logits come back. With both sizes 1 this is level 4, step for step.
+
+With pipeline_parallel_size = p > 1 the engine keeps up to p micro-batches of *disjoint*
+requests in flight (vLLM's batch queue): a request in flight is invisible to the next
+`schedule()` (it can be neither scheduled again nor preempted), so while stage 1 runs
+micro-batch A, stage 0 runs B:
+
+    stage 0 |A0|B0|C0|  |D0|       time ->     (each box: one micro-batch's forward on that stage)
+    stage 1    |A1|B1|C1|  |D1|                the gaps are the bubble
+
+An abort that arrives while its request is in flight frees the request's blocks at
+once (every stage handles micro-batches in order, so a reused block is written later
+everywhere); when that micro-batch comes back, the aborted request is skipped.
+
+KV sizing: `kv_cache_memory` is per rank; each rank's cache holds its layers (1/pp) and
+its KV heads (1/tp, or one replicated head), and the engine uses the fewest blocks any
+rank can hold.
+
+What it is not: data parallelism, expert parallelism or disaggregated prefill. One
+multi-rank engine per process at a time (torch.distributed has one default group).
+
+Reference: vLLM `v1/executor/multiproc_executor.py`, `v1/engine/core.py`
+(`step_with_batch_queue`); Huang et al., "GPipe" (2019) for micro-batching.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+
+from level0_naive.loader import LoadedModel, load_metadata
+from level0_naive.stats import Timer
+from level2_continuous.engine import SamplerOutput
+from level2_continuous.request import Request
+from level2_continuous.scheduler import SchedulerOutput
+from level4_speculative.config import SpeculativeEngineConfig
+from level4_speculative.engine import LLM as SpeculativeLLM
+from level4_speculative.engine import LLMEngine as SpeculativeEngine
+
+from .executor import Executor, ParallelSpec, rank_main
+from .layers import kv_heads_of_rank
+from .model import kv_bytes_per_token_of_rank, partition_layers
+from .parallel_state import CommStats
+
+
+@dataclass
+class ParallelEngineConfig(SpeculativeEngineConfig):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = (
+        None  # "mp" (spawn the ranks here) | "torchrun" (they are started for us)
+    )
+    distributed_backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU | "gloo" | "nccl"
+    pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
+    distributed_timeout_s: float = 120.0  # a rank silent for this long is declared dead
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "torchrun"):
+            raise ValueError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be 'mp' or 'torchrun'"
+            )
+        if self.distributed_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"distributed_backend={self.distributed_backend!r} must be 'auto', 'gloo' or 'nccl'")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} must be > 0")
+
+
+class LLMEngine(SpeculativeEngine):
+    config_class = ParallelEngineConfig
+
+    def __init__(self, model: str, **kwargs):
+        self.in_flight: deque = deque()  # (SchedulerOutput, seconds to schedule it), oldest first
+        self.executor: Executor | None = None
+        try:
+            super().__init__(model, **kwargs)
+        except BaseException:
+            self.shutdown()  # ranks already started must not outlive a failed construction
+            raise
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.config.pipeline_parallel_size
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp * self.pp > 1
+
+    # --- construction: metadata on the driver, shards on the ranks -----------------------------
+    def load_model(self) -> LoadedModel:
+        if not self.parallel:
+            return super().load_model()  # level 4, whole model in this process
+        loaded = load_metadata(self.config.model)  # the ranks read their own slices of the weights
+        kv_heads_of_rank(loaded.config.num_kv_heads, self.tp, 0)  # fails now if the heads cannot be split
+        if loaded.config.num_heads % self.tp:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp} must divide num_attention_heads={loaded.config.num_heads}"
+            )
+        partition_layers(loaded.config.num_layers, self.pp, self.config.pipeline_partition)
+        self.load_draft(loaded)  # level 4: the draft lives with the driver, whole
+        return loaded
+
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V summed over every rank (replicated KV heads count on each rank)."""
+        if not self.parallel:
+            return super().kv_bytes_per_token()
+        cfg, draft = self.model_config, super().kv_bytes_per_token() - self.target_kv_bytes()
+        ranges = partition_layers(cfg.num_layers, self.pp, self.config.pipeline_partition)
+        return draft + sum(
+            kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype) for r in ranges for t in range(self.tp)
+        )
+
+    def target_kv_bytes(self) -> int:
+        from level0_naive.kv_cache import kv_bytes_per_token
+
+        return kv_bytes_per_token(self.model_config, self.dtype)
+
+    def determine_num_blocks(self) -> int:
+        if not self.parallel:
+            return super().determine_num_blocks()
+        c = self.config
+        backend = (
+            c.distributed_backend
+            if c.distributed_backend != "auto"
+            else ("nccl" if self.device.type == "cuda" else "gloo")
+        )
+        launcher = c.distributed_executor_backend or "mp"
+        if launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
+            self._serve_as_worker(backend)  # never returns: this process is a rank, not the driver
+        draft_bytes = super().kv_bytes_per_token() - self.target_kv_bytes()
+        spec = ParallelSpec(str(self.loaded.path), self.dtype, self.device.type, self.tp, self.pp, c.pipeline_partition,
+                            c.block_size, c.attention_backend, c.kv_cache_memory, c.gpu_memory_utilization, backend,
+                            c.distributed_timeout_s, draft_bytes, launcher)  # fmt: skip
+        self.executor = Executor(spec)
+        return self.executor.num_blocks
+
+    def _serve_as_worker(self, backend: str) -> None:
+        """Under torchrun every process runs the user's script: ranks other than 0 serve the driver, then exit."""
+        c = self.config
+        spec = ParallelSpec(str(self.loaded.path), self.dtype, self.device.type, self.tp, self.pp, c.pipeline_partition,
+                            c.block_size, c.attention_backend, c.kv_cache_memory, c.gpu_memory_utilization, backend,
+                            c.distributed_timeout_s, 0, "torchrun")  # fmt: skip
+        rank_main(int(os.environ["RANK"]), spec, "env://")
+        raise SystemExit(0)
+
+    def make_worker(self):
+        return self.executor if self.parallel else super().make_worker()
+
+    # --- the step: micro-batches in flight -------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Level 2's schedule over the requests that are not in flight."""
+        busy = {id(r) for sched, _ in self.in_flight for r, _ in sched.scheduled}
+        if not busy:
+            return super().schedule()
+        before = self.scheduler.running
+        self.scheduler.running = [r for r in before if id(r) not in busy]
+        try:
+            return super().schedule()
+        finally:
+            now = {id(r) for r in self.scheduler.running}  # the idle ones left (some preempted, some admitted)
+            kept = [r for r in before if id(r) in busy or id(r) in now]
+            self.scheduler.running = kept + [r for r in self.scheduler.running if id(r) not in {id(x) for x in kept}]
+
+    def _step(self) -> list[Request]:
+        if self.pp == 1:
+            return super()._step()
+        with Timer() as t_step:
+            while len(self.in_flight) < self.pp:  # fill the pipeline with disjoint micro-batches
+                with Timer() as t_sched:
+                    sched = self.schedule()
+                    if not sched.scheduled:
+                        break
+                    model_input = self.prepare_input(sched)
+                self.worker.submit(model_input)
+                self.in_flight.append((sched, t_sched.seconds))
+            if not self.in_flight:
+                if self.scheduler.has_unfinished():
+                    raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
+                return []
+            sched, sched_s = self.in_flight.popleft()
+            logits = self.worker.collect()
+            sampled = self.sample(sched, logits)
+            self._skip_aborted(sched, sampled)
+            moved = self.update_from_output(sched, sampled)
+        self._record(sched, sched_s, t_step.seconds)
+        return moved
+
+    @staticmethod
+    def _skip_aborted(sched: SchedulerOutput, out: SamplerOutput) -> None:
+        """Requests aborted while their micro-batch was in flight: their blocks are gone; drop them."""
+        keep = [i for i, r in enumerate(out.requests) if not r.is_finished]
+        out.requests = [out.requests[i] for i in keep]
+        out.token_ids = [out.token_ids[i] for i in keep]
+        out.logprobs = [out.logprobs[i] for i in keep]
+        sched.scheduled = [(r, n) for r, n in sched.scheduled if not r.is_finished]
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.in_flight)
+
+    # --- communication, and the end ------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Per rank: calls, bytes and seconds per kind of message, and the forward timeline."""
+        if not self.parallel:
+            return {0: (CommStats(), [])}
+        return self.executor.comm_stats()
+
+    def calibrate(self) -> dict:
+        """This machine's alpha (per-message latency) and beta (per-byte cost) for all-reduce and send."""
+        return self.executor.calibrate() if self.parallel else {}
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+class LLM(SpeculativeLLM):
+    """Level 4's front end over the parallel engine. `with LLM(...) as llm:` shuts the ranks down."""
+
+    engine_class = LLMEngine
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def comm_stats(self) -> dict:
+        return self.llm_engine.comm_stats()

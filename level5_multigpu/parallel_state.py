@@ -1,0 +1,183 @@
+"""Who is who among the ranks, their process groups, and every message they exchange, counted.
+
+What it is: `Topology` (rank r is pipeline stage r // tp, tensor-parallel rank r % tp) and
+`Comm`, one rank's view of torch.distributed: its TP group (the ranks of its stage) and
+the point-to-point neighbours of the pipeline, with the few collectives the model needs:
+
+    all_reduce(x)          sum over the TP group (RowParallelLinear, VocabParallelEmbedding)
+    gather_to_first(x)     vocabulary shards of the logits -> TP rank 0 of the last stage
+    broadcast_object(o)    the step's ModelInput, from TP rank 0 to its stage
+    send / recv            hidden states (and the ModelInput) to the next stage; logits to the driver
+
+    world 4, tp 2, pp 2:     stage 0: ranks 0 1  (TP group {0, 1})   rank 0 is the driver
+                             stage 1: ranks 2 3  (TP group {2, 3})   rank 2 sends the logits back
+                             pipeline pairs: 0 -> 2, 1 -> 3
+
+Every call goes through `CommStats`: calls, bytes and seconds per kind of message, so the
+engine can report what a token costs in communication, and `alpha_beta()` fits the
+latency-bandwidth model t = alpha + beta * bytes to this machine's all-reduce and send.
+
+What it is not: a general collective library (no reduce-scatter, no sequence parallelism,
+no overlap of communication with compute).
+
+Reference: Megatron-LM `parallel_state.py`; vLLM `distributed/parallel_state.py`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    tp: int
+    pp: int
+    rank: int
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tp
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp + tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+
+@dataclass
+class CommStats:
+    """kind -> [calls, bytes, seconds], a handful of keys whatever the run length."""
+
+    by_kind: dict[str, list[float]] = field(default_factory=dict)
+
+    def add(self, kind: str, nbytes: int, seconds: float) -> None:
+        entry = self.by_kind.setdefault(kind, [0, 0, 0.0])
+        entry[0] += 1
+        entry[1] += nbytes
+        entry[2] += seconds
+
+    def merged(self, other: CommStats) -> CommStats:
+        out = CommStats({k: list(v) for k, v in self.by_kind.items()})
+        for k, (c, b, s) in other.by_kind.items():
+            e = out.by_kind.setdefault(k, [0, 0, 0.0])
+            e[0], e[1], e[2] = e[0] + c, e[1] + b, e[2] + s
+        return out
+
+    @property
+    def calls(self) -> int:
+        return int(sum(v[0] for v in self.by_kind.values()))
+
+    @property
+    def bytes(self) -> int:
+        return int(sum(v[1] for v in self.by_kind.values()))
+
+    @property
+    def seconds(self) -> float:
+        return sum(v[2] for v in self.by_kind.values())
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class Comm:
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self.stats = CommStats()
+        # Every rank creates every group, in the same order (torch.distributed requires it).
+        self.tp_group = None
+        for stage in range(topo.pp):
+            ranks = [topo.rank_of(stage, t) for t in range(topo.tp)]
+            group = dist.new_group(ranks) if topo.world > 1 else None
+            if stage == topo.pp_rank:
+                self.tp_group, self.tp_src = group, ranks[0]
+
+    def _timed(self, kind: str, nbytes: int, fn):
+        t0 = time.perf_counter()
+        out = fn()
+        self.stats.add(kind, nbytes, time.perf_counter() - t0)
+        return out
+
+    # --- tensor parallelism: within a stage ----------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.topo.tp > 1:
+            self._timed("all_reduce", _nbytes(x), lambda: dist.all_reduce(x, group=self.tp_group))
+        return x
+
+    def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
+        """Concatenate every TP rank's x [N, d_i] along the last dim on TP rank 0; others get None."""
+        if self.topo.tp == 1:
+            return x
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.topo.tp)] if self.topo.tp_rank == 0 else None
+        self._timed("gather", _nbytes(x), lambda: dist.gather(x, parts, dst=self.tp_src, group=self.tp_group))
+        return torch.cat(parts, dim=-1) if parts is not None else None
+
+    def broadcast_object(self, obj=None):
+        """TP rank 0 of this stage sends obj (a pickled ModelInput) to the others of its stage."""
+        if self.topo.tp == 1:
+            return obj
+        box = [obj]
+        self._timed(
+            "broadcast_object", 0, lambda: dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
+        )
+        return box[0]
+
+    # --- pipeline parallelism: between stages -----------------------------------------------------
+    def send(self, x: torch.Tensor, dst: int) -> None:
+        self._timed("send", _nbytes(x), lambda: dist.send(x.contiguous(), dst=dst))
+
+    def recv(self, shape, dtype, src: int, device) -> torch.Tensor:
+        x = torch.empty(shape, dtype=dtype, device=device)
+        self._timed("recv", _nbytes(x), lambda: dist.recv(x, src=src))
+        return x
+
+    def send_object(self, obj, dst: int) -> None:
+        self._timed("send_object", 0, lambda: dist.send_object_list([obj], dst=dst))
+
+    def recv_object(self, src: int):
+        box = [None]
+        self._timed("recv_object", 0, lambda: dist.recv_object_list(box, src=src))
+        return box[0]
+
+
+def init_process_group(backend: str, init_method: str, topo: Topology, timeout_s: float) -> None:
+    dist.init_process_group(backend, init_method=init_method, rank=topo.rank, world_size=topo.world,
+                            timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+
+
+def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 20) -> dict[str, float]:
+    """Fit t = alpha + beta * bytes to this group's all-reduce, by least squares over a few sizes
+    (every rank of the TP group must call it together). Returns seconds and seconds per byte."""
+    xs, ts = [], []
+    for n in sizes:
+        x = torch.ones(n, dtype=torch.float32)
+        dist.all_reduce(x, group=comm.tp_group)  # warm up this size
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            dist.all_reduce(x, group=comm.tp_group)
+        xs.append(4.0 * n)
+        ts.append((time.perf_counter() - t0) / repeats)
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    beta = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
+    return {"alpha_s": max(mt - beta * mx, 0.0), "beta_s_per_byte": max(beta, 0.0), "sizes": list(sizes), "times_s": ts}
