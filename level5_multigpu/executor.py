@@ -263,7 +263,7 @@ class WorkerDiedError(RuntimeError):
 
 class Executor:
     def __init__(self, spec: ParallelSpec):
-        self.spec, self.closed = spec, False
+        self.spec, self.closed, self.owns_group = spec, False, False
         self.topo = Topology(spec.tp, spec.pp, 0)
         self.procs: list = []
         if self.topo.world > 1:
@@ -282,6 +282,7 @@ class Executor:
                     p.start()
             self._finalizer = weakref.finalize(self, _kill, self.procs)  # no orphan even if nobody calls shutdown()
             self._guard(lambda: init_process_group(spec.backend, init_method, self.topo, spec.timeout_s))
+            self.owns_group = True  # only this executor may destroy it (a stale one's __del__ must not)
         self.comm = Comm(self.topo)
         self.worker, self.num_blocks = self._guard(lambda: build_rank(spec, self.comm))
         self.device = self.worker.device
@@ -353,10 +354,8 @@ class Executor:
         return out
 
     def shutdown(self) -> None:
-        if self.closed:
-            return
-        self.closed = True
-        if self.topo.world > 1:
+        """Tell every rank to stop, wait for them, and free this process's process group."""
+        if self.topo.world > 1 and not self.closed:
             try:
                 for work, _ in self._send_down(("shutdown",)):
                     work.wait()
@@ -364,9 +363,15 @@ class Executor:
                 pass
             for p in self.procs:
                 p.join(timeout=10)
-            _kill(self.procs)
-            if dist.is_initialized():
-                dist.destroy_process_group()
+        self._abandon()
+
+    def _abandon(self) -> None:
+        """No more messages: kill whoever is left and release the process group (idempotent)."""
+        self.closed = True
+        _kill(self.procs)
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+        self.owns_group = False
 
     # --- plumbing ----------------------------------------------------------------------------------
     def _send_down(self, msg) -> list:
@@ -388,8 +393,7 @@ class Executor:
                     p.join(timeout=0.5)
             dead = self._dead()
             if dead or "closed" in str(e).lower() or "timed out" in str(e).lower():
-                self.closed = True
-                _kill(self.procs)
+                self._abandon()
                 raise WorkerDiedError(
                     f"a worker rank failed: {', '.join(dead) or str(e)[:200]}; the engine cannot continue"
                 ) from e

@@ -1,0 +1,168 @@
+"""`python -m benchmarks.parallel`: what tensor and pipeline parallelism buy on this machine.
+
+What it is: level 5 on a ~100M-parameter random Llama (`benchmarks/make_model.py`,
+built once into a cache folder), one torch thread per rank, gloo, decode-heavy requests
+(8-token prompts, `--max-tokens` outputs). In one process run it measures
+
+  - pipeline parallelism: one process (TP=1, PP=1) against PP=2 with two micro-batches
+    in flight, at `--pp-batch` requests (each micro-batch holds half): decode tokens/s;
+  - tensor parallelism: TP=2 against TP=1 at batches 1, 32 and 128 (`--tp-batches`);
+  - for every TP=2 run, rank 0's time inside all-reduces against the latency-bandwidth
+    model t = calls * alpha + bytes * beta, alpha and beta measured at start-up.
+
+It prints a table, writes JSON (outside the repository unless `--out`) and, with
+`--plot PATH`, a picture of tokens/s by layout and batch.
+
+What it is not: a GPU benchmark. On a CPU a gloo all-reduce costs about a millisecond,
+a thousand times what NVLink costs: docs/level5_multigpu.md says what changes there.
+
+Reference: vLLM `benchmarks/benchmark_throughput.py`; Narayanan et al., "Efficient
+Large-Scale Language Model Training on GPU Clusters Using Megatron-LM" (2021), section 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from ladder.cli import LadderParser, check_device_and_models, output_dir, positive_int
+
+HERE = Path(__file__).resolve().parent
+
+
+def parser() -> argparse.ArgumentParser:
+    p = LadderParser(
+        prog="python -m benchmarks.parallel", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--model", default=None, help="a checkpoint (default: a ~100M random Llama, built once into a cache folder)"
+    )
+    p.add_argument("--max-tokens", type=positive_int, default=24, help="output tokens per request (default 24)")
+    p.add_argument(
+        "--pp-batch", type=positive_int, default=64, help="requests for the pipeline comparison (default 64)"
+    )
+    p.add_argument("--tp-batches", default="1,32,128", help="batch sizes for the TP comparison (default 1,32,128)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
+    p.add_argument(
+        "--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float64"], help="default float32"
+    )
+    p.add_argument(
+        "--out", type=Path, default=None, help="results JSON (default: parallel.json outside the repository)"
+    )
+    p.add_argument("--plot", type=Path, default=None, help="also draw tokens/s by layout and batch here")
+    return p
+
+
+def model_path(args) -> str:
+    if args.model:
+        return args.model
+    from .make_model import build
+
+    path = output_dir() / "llama-100m"
+    if not (path / "config.json").is_file():
+        print(f"building a ~100M-parameter random Llama in {path} (once)", flush=True)
+        build(path)
+    return str(path)
+
+
+def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
+    from level0_naive import SamplingParams
+    from level5_multigpu import LLM
+
+    prompts = [[40 + (i % 50)] * 8 for i in range(batch)]
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0)
+    per_mb = -(-batch // pp)  # the requests of one micro-batch
+    with LLM(model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp, pipeline_parallel_size=pp,
+             max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192) as llm:  # fmt: skip
+        fit = llm.llm_engine.calibrate()
+        llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
+        stats0 = llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0])
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, progress=False)
+        seconds = time.perf_counter() - t0
+        ar = llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0])
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    res = {"tp": tp, "pp": pp, "batch": batch, "tokens_per_s": tokens / seconds, "seconds": seconds}
+    if tp > 1:
+        calls, nbytes, secs = (a - b for a, b in zip(ar, stats0))
+        m = fit["all_reduce"]
+        res.update(all_reduce_calls=calls, all_reduce_bytes=nbytes, all_reduce_s=secs, alpha_s=m["alpha_s"],
+                   beta_s_per_byte=m["beta_s_per_byte"], predicted_all_reduce_s=calls * m["alpha_s"] + nbytes * m["beta_s_per_byte"])  # fmt: skip
+    return res
+
+
+def main(argv=None) -> dict:
+    p = parser()
+    args = p.parse_args(argv)
+    check_device_and_models(p, args)
+    try:
+        tp_batches = [int(b) for b in args.tp_batches.split(",")]
+        assert tp_batches and min(tp_batches) >= 1
+    except (ValueError, AssertionError):
+        p.error(f"argument --tp-batches: {args.tp_batches!r} is not a comma list of integers >= 1")
+    model = model_path(args)
+    runs = []
+    for tp, pp, batch in [
+        (1, 1, args.pp_batch),
+        (1, 2, args.pp_batch),
+        *[(t, 1, b) for b in tp_batches for t in (1, 2)],
+    ]:
+        print(f"TP={tp} PP={pp} batch {batch} ...", flush=True)
+        runs.append(run_layout(model, tp, pp, batch, args))
+        print(f"  {runs[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    base = {r["batch"]: r["tokens_per_s"] for r in runs if r["tp"] == 1 and r["pp"] == 1}
+    for r in runs:
+        r["vs_one_process"] = r["tokens_per_s"] / base[r["batch"]]
+    show(runs)
+    data = {"model": model, "max_tokens": args.max_tokens, "runs": runs}
+    out = args.out or output_dir() / "parallel.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1))
+    print(f"wrote {out}")
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"wrote {args.plot}")
+    return data
+
+
+def show(runs: list[dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="level 5 on this CPU: tokens/s against one process with one thread")
+    for col in ("layout", "batch", "tokens/s", "x one process", "rank 0 all-reduce", "alpha-beta model", "model error"):
+        t.add_column(col, justify="right")
+    for r in runs:
+        meas, pred = r.get("all_reduce_s"), r.get("predicted_all_reduce_s")
+        err = "-" if meas is None else f"{100 * (meas / pred - 1):+.0f} %"
+        t.add_row(f"TP={r['tp']} PP={r['pp']}", str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['vs_one_process']:.2f}x",
+                  "-" if meas is None else f"{meas:.2f} s", "-" if pred is None else f"{pred:.2f} s", err)  # fmt: skip
+    Console(width=120).print(t)
+
+
+def plot(runs: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from ladder.cli import save_figure
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for (tp, pp), color in (((1, 1), "tab:gray"), ((2, 1), "tab:blue"), ((1, 2), "tab:orange")):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in runs if (r["tp"], r["pp"]) == (tp, pp))
+        if pts:
+            ax.plot(*zip(*pts), "o-", color=color, label=f"TP={tp} PP={pp}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("requests decoding together")
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("100M-parameter model on a CPU, one thread per rank, gloo")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(fig, path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()

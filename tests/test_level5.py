@@ -1,0 +1,176 @@
+"""Level 5: the shards, the pipeline's micro-batches, a dying rank, and what the messages cost.
+
+What it is (the equivalence suite in test_equivalence.py runs the layouts against the oracle):
+  - sharding round trip: gathering every rank's shards gives back the checkpoint's tensors
+    exactly (QKV by heads with KV heads replicated, gate/up per segment, a padded vocabulary);
+  - micro-batches: no request is ever in two micro-batches in flight; an abort while its
+    request is in flight frees its blocks at once, and everyone else's answers stay exact;
+  - a rank killed mid-run makes the driver raise WorkerDiedError quickly, and no process is
+    left behind;
+  - the message counters match the model: two all-reduces per layer, one for the embedding,
+    one gather of the logits, with the bytes the shapes say.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import level3_prefix
+from level0_naive import SamplingParams
+from level0_naive.loader import load_metadata
+from level5_multigpu import LLM, LLMEngine, WorkerDiedError
+from level5_multigpu.layers import ShardReader, kv_heads_of_rank, padded_vocab
+from level5_multigpu.model import StageModel, partition_layers
+from level5_multigpu.parallel_state import Topology
+
+pytestmark = pytest.mark.level5
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+class NoComm:
+    """What a StageModel needs of a Comm to be built (loading only; no message is sent)."""
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+
+
+def full(path, name: str) -> torch.Tensor:
+    reader = ShardReader(path, torch.float64, "cpu")
+    with safe_open(reader.files[name], "pt") as f:
+        return f.get_tensor(name).to(torch.float64)
+
+
+@pytest.mark.parametrize("arch,tp", [("llama", 2), ("llama3", 2), ("qwen2", 2), ("qwen3", 2), ("llama", 4)])
+def test_gathering_the_shards_gives_back_the_checkpoint(checkpoint_factory, arch, tp):
+    """llama3 has 1 KV head (replicated on 2 ranks), llama with tp 4 has 2 (each on 2 ranks);
+    qwen2 has QKV biases and tied embeddings; the vocabulary (97) needs padding."""
+    path = checkpoint_factory(arch)
+    cfg = load_metadata(path).config
+    for pp in (1, 2):
+        ranges = partition_layers(cfg.num_layers, pp)
+        shards = {(s, t): StageModel(cfg, ShardReader(path, torch.float64, "cpu"), NoComm(Topology(tp, pp, s * tp + t)), ranges[s])
+                  for s in range(pp) for t in range(tp)}  # fmt: skip
+        d, V = cfg.head_dim, cfg.vocab_size
+        for s, layers in enumerate(ranges):
+            for local, i in enumerate(layers):
+                p = f"model.layers.{i}"
+                attn = [shards[s, t].model.layers[local].self_attn for t in range(tp)]
+                q, k, v = zip(*(a.qkv_proj.weight.split(a.qkv_proj.sizes) for a in attn))
+                assert torch.equal(torch.cat(q), full(path, f"{p}.self_attn.q_proj.weight"))
+                heads = {}  # each KV head once, whichever rank holds it
+                for t in range(tp):
+                    k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, t)
+                    for j, h in enumerate(range(k0, k1)):
+                        heads[h] = (k[t][j * d : (j + 1) * d], v[t][j * d : (j + 1) * d])
+                assert sorted(heads) == list(range(cfg.num_kv_heads))
+                assert torch.equal(
+                    torch.cat([heads[h][0] for h in sorted(heads)]), full(path, f"{p}.self_attn.k_proj.weight")
+                )
+                assert torch.equal(
+                    torch.cat([heads[h][1] for h in sorted(heads)]), full(path, f"{p}.self_attn.v_proj.weight")
+                )
+                if arch == "qwen2":
+                    qb = torch.cat([a.qkv_proj.bias.split(a.qkv_proj.sizes)[0] for a in attn])
+                    assert torch.equal(qb, full(path, f"{p}.self_attn.q_proj.bias"))
+                o = torch.cat([a.o_proj.weight for a in attn], dim=1)
+                assert torch.equal(o, full(path, f"{p}.self_attn.o_proj.weight"))
+                mlps = [shards[s, t].model.layers[local].mlp for t in range(tp)]
+                gate, up = zip(*(m.gate_up.weight.chunk(2) for m in mlps))
+                assert torch.equal(torch.cat(gate), full(path, f"{p}.mlp.gate_proj.weight"))
+                assert torch.equal(torch.cat(up), full(path, f"{p}.mlp.up_proj.weight"))
+                assert torch.equal(
+                    torch.cat([m.down_proj.weight for m in mlps], dim=1), full(path, f"{p}.mlp.down_proj.weight")
+                )
+        emb = torch.cat([shards[0, t].model.embed_tokens.weight for t in range(tp)])  # [Vp, hidden]
+        assert emb.shape[0] == padded_vocab(V, tp) and torch.equal(emb[:V], full(path, "model.embed_tokens.weight"))
+        assert not emb[V:].any(), "padding rows must be zeros"
+        head = torch.cat([shards[pp - 1, t].lm_head.weight for t in range(tp)])[:V]
+        name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+        assert torch.equal(head, full(path, name))
+        assert all(shards[s, t].model.embed_tokens is None for s in range(1, pp) for t in range(tp))  # not loaded there
+
+
+def alive_children() -> list:
+    return [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
+
+
+def test_micro_batches_are_disjoint_and_an_abort_in_flight_is_clean(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    want = level3_prefix.LLM(path, dtype="float64").generate(
+        [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]], SamplingParams(max_tokens=12, **GREEDY), progress=False
+    )
+    with LLM(path, dtype="float64", pipeline_parallel_size=2, max_num_seqs=2, distributed_timeout_s=60) as llm:
+        engine: LLMEngine = llm.llm_engine
+        submit, seen = engine.worker.submit, []
+
+        def checked_submit(model_input):
+            groups = [{id(r) for r, _ in sched.scheduled} for sched, _ in engine.in_flight]
+            assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :]), (
+                "a request in two micro-batches"
+            )
+            seen.append(len(engine.in_flight))
+            return submit(model_input)
+
+        engine.worker.submit = checked_submit
+        for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY))
+        aborted, finals = False, {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            in_flight = {r.request_id for sched, _ in engine.in_flight for r, _ in sched.scheduled}
+            if not aborted and "1" in in_flight:
+                free = engine.kv.num_free_blocks
+                engine.abort_request("1")  # while its micro-batch is in flight
+                assert engine.kv.num_free_blocks > free, "its blocks are free at once"
+                aborted = True
+        assert aborted and max(seen) == 1, "two micro-batches were in flight together"
+        assert finals["1"].outputs[0].finish_reason == "abort"
+        for i in ("0", "2", "3"):
+            assert finals[i].outputs[0].token_ids == want[int(i)].outputs[0].token_ids
+        assert engine.kv.num_free_blocks == engine.num_blocks and not engine.in_flight
+    assert not alive_children()
+
+
+def test_a_killed_rank_makes_the_driver_raise_and_leaves_no_process(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    llm = LLM(path, dtype="float64", tensor_parallel_size=2, pipeline_parallel_size=2, distributed_timeout_s=30)
+    procs = llm.llm_engine.executor.procs
+    assert len(procs) == 3 and all(p.is_alive() for p in procs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, **GREEDY), progress=False)  # it works...
+    os.kill(procs[2].pid, signal.SIGKILL)  # ...until rank 3 dies
+    t0 = time.monotonic()
+    with pytest.raises(WorkerDiedError, match="rank"):
+        llm.generate([[4, 5, 6]], SamplingParams(max_tokens=20, **GREEDY), progress=False)
+    assert time.monotonic() - t0 < 30
+    llm.shutdown()
+    for p in procs:
+        p.join(timeout=10)
+    assert not any(p.is_alive() for p in procs) and not alive_children()
+
+
+def test_message_accounting_matches_the_model(checkpoint_factory):
+    """TP = 2, one request, 4 prompt tokens + 3 decode steps (the last sampled token is never fed):
+    per forward, 2 all-reduces per layer + 1 for the embedding, [T, hidden] each, and one gather
+    of the logits row; both ranks count the same."""
+    path = checkpoint_factory("llama")
+    cfg = load_metadata(path).config
+    with LLM(path, dtype="float64", tensor_parallel_size=2, distributed_timeout_s=60) as llm:
+        llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, **GREEDY), progress=False)
+        stats = llm.comm_stats()
+    tokens = [4, 1, 1, 1]  # tokens per forward
+    for rank in (0, 1):
+        ar = stats[rank][0].by_kind["all_reduce"]
+        assert ar[0] == len(tokens) * (2 * cfg.num_layers + 1)
+        assert ar[1] == sum(t * cfg.hidden_size * 8 for t in tokens) * (2 * cfg.num_layers + 1)  # float64
+        assert stats[rank][0].by_kind["gather"][0] == len(tokens)
+    assert len(stats[1][1]) == len(tokens)  # rank 1's timeline: one forward per step
