@@ -1,0 +1,159 @@
+"""`python -m level6_serving`: the OpenAI-compatible server, started like `vllm serve`.
+
+    python -m level6_serving                                   # the built-in tiny Shakespeare model, port 8000
+    python -m level6_serving --model models/tiny-shakespeare --port 8000 --api-key sk-local
+    python -m level6_serving --speculative-config '{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}'
+
+Every flag is checked before any weight loads, and a bad one is one line that names it
+(exit status 2). The engine is level 4's (`base.py`): `--tensor-parallel-size` and
+`--pipeline-parallel-size` are passed to the engine when its configuration knows them
+(level 5's will); until then a size other than 1 is refused with a one-line error.
+
+What it is not: a process manager. One process, one engine thread, one event loop.
+
+Reference: vLLM `entrypoints/openai/cli_args.py` (flag names).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import re
+import sys
+from dataclasses import fields
+
+from ladder.cli import LadderParser, check_device_and_models, nonneg_int, positive_float, positive_int, prog
+
+DTYPES = ["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+def port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port (0-65535; 0: any free port)")
+    return value
+
+
+def byte_size(text: str) -> int:
+    """`--kv-cache-memory`: bytes, or a number with KiB / MiB / GiB."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB)\s*", text)
+    if not m or float(m[1]) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, or e.g. 512MiB, 2GiB)")
+    return int(float(m[1]) * {"": 1, "B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[m[2]])
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
+def parser() -> argparse.ArgumentParser:
+    p = LadderParser(prog=prog("level6_serving"), description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    a = p.add_argument
+    a("--model", default=None, help="checkpoint directory, built-in name or cached hub id (default: the built-in "
+                                    "tiny Shakespeare model)")  # fmt: skip
+    a("--served-model-name", nargs="+", default=None, help="the name(s) clients use in 'model' (default: --model)")
+    a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
+    a("--port", type=port, default=8000, help="port (default 8000; 0: any free port)")
+    a("--api-key", default=None, help="require 'Authorization: Bearer KEY' (/health, /metrics, /version stay open)")
+    a("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default auto)")
+    a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto: CUDA if available")
+    a("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
+    a("--max-num-seqs", type=positive_int, default=256, help="sequences in one batch (default 256)")
+    a("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step (default 2048)")
+    a("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    a("--kv-cache-memory", type=byte_size, default=None, help="KV cache budget, e.g. 512MiB (default: 1GiB on CPU)")
+    a("--no-enable-prefix-caching", dest="enable_prefix_caching", action="store_false",
+      help="turn automatic prefix caching off (on by default)")  # fmt: skip
+    a("--speculative-config", type=json_object, default=None,
+      help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
+    a("--tensor-parallel-size", type=positive_int, default=1, help="ranks per tensor-parallel group (needs level 5)")
+    a("--pipeline-parallel-size", type=positive_int, default=1, help="pipeline stages (needs level 5)")
+    a("--max-num-waiting", type=positive_int, default=1024,
+      help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
+    a("--drain-timeout", type=positive_float, default=30.0,
+      help="on SIGTERM, seconds in-flight requests may take before they are aborted (default 30)")  # fmt: skip
+    a("--seed", type=nonneg_int, default=0, help="seeds every request that gives no seed (default 0)")
+    a("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
+    a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
+    a("--disable-uvicorn-access-log", action="store_true", help="no log line per request")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = parser()
+    args = p.parse_args(argv)
+    check_device_and_models(p, args)
+    from .base import LLMEngine, SpeculativeConfig  # after the cheap checks: this imports torch
+
+    known = {f.name for f in fields(LLMEngine.config_class)}
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(args, flag) != 1 and flag not in known:
+            p.error(f"argument --{flag.replace('_', '-')}: {getattr(args, flag)} needs level 5 (level5_multigpu); "
+                    f"this server wraps {LLMEngine.__module__.split('.')[0]}'s engine, which runs on one device")  # fmt: skip
+    if args.speculative_config is not None:
+        try:
+            spec = SpeculativeConfig.parse(args.speculative_config)
+            if spec.model is not None:
+                check_device_and_models(p, argparse.Namespace(device=args.device, model=spec.model))
+        except ValueError as e:
+            p.error(f"argument --speculative-config: {e}")
+    return args
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    from .base import LLMEngine
+
+    kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
+              speculative_config=args.speculative_config, seed=args.seed)  # fmt: skip
+    known = {f.name for f in fields(LLMEngine.config_class)}
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):  # passed through once the engine has them
+        if flag in known:
+            kw[flag] = getattr(args, flag)
+    return kw
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    import torch
+
+    from ladder.models import default_model
+
+    from .api_server import bind, build_app, make_server
+    from .async_engine import AsyncLLMEngine
+
+    torch.set_num_threads(args.threads)
+    model = args.model or str(default_model())
+    names = args.served_model_name or [args.model or "tiny-shakespeare"]
+    try:
+        engine = AsyncLLMEngine.from_engine_args(model, **engine_kwargs(args))
+    except ValueError as e:  # e.g. max_model_len beyond the model's: name the flag, one line
+        m = re.match(r"(\w+)=", str(e))
+        flag = f"argument --{m[1].replace('_', '-')}: " if m else ""
+        parser().error(f"{flag}{e}")
+    app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting)
+    sock = bind(args.host, args.port)
+    host, real_port = sock.getsockname()[:2]
+    # Printed whatever the log level: the one line a user (and ServerProcess) needs.
+    print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {type(engine.engine).__module__})",
+          file=sys.stderr, flush=True)  # fmt: skip
+    server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log)
+    server.run(sockets=[sock])
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,374 @@
+"""`AsyncLLMEngine`: the engine core on its own thread, and one channel per request for asyncio.
+
+What it is: vLLM's `AsyncLLM` shape over the (synchronous, not thread-safe) `LLMEngine`.
+Every engine call happens on one background thread, the engine loop; the asyncio event
+loop (the HTTP server's) never waits on a forward pass:
+
+    event loop (HTTP handlers)                          engine thread (owns the LLMEngine)
+    ──────────────────────────                          ──────────────────────────────────
+    add_request(): tokenize, ── ("add", ids, params) ──> drain every queued command:
+      register a RequestStream       command queue         add_request / abort_request / call(fn)
+      await the acknowledgement <── future ───────────    step() if anything is unfinished
+    async for out in stream  <── _dispatch(outputs) ──    (DELTA outputs: only what is new)
+      (merged while behind)     call_soon_threadsafe,
+    consumer gone ── ("abort", id) ──>                    one per step, at most 4 unread
+
+- Tokenizing and chat templating run on the event loop with the front end's own copy of
+  the tokenizer (as vLLM's front-end process has its own), through the engine's own
+  validation code (`InputProcessor`), so a bad prompt is refused before it is queued.
+- A `RequestStream` holds at most one pending output: a new delta is merged into it
+  (text and tokens concatenated) when the consumer has not read the last one. A slow
+  client costs one output's memory, however far behind it falls, and gets bigger deltas.
+- The engine thread hands outputs over once per step, and waits when the event loop has
+  not run the last few hand-overs: a starved event loop slows the engine down instead of
+  letting callbacks pile up.
+- Cancelling the consumer (an HTTP client that disconnects) aborts the request: its
+  blocks are free after the engine thread's next command drain, at most one step later.
+- An exception in `step()` fails the requests in flight (each gets the error) and aborts
+  them; if every KV block is free afterwards the engine keeps serving, otherwise it is
+  marked dead (`/health` says 503).
+
+What it is not: a multi-process engine (vLLM runs its EngineCore in another process and
+talks over ZMQ; one thread is enough to keep the event loop free, though both share the
+GIL), and not HTTP-aware (`api_server.py` and `serving.py` are).
+
+Reference: vLLM `v1/engine/async_llm.py` (AsyncLLM.generate, abort on cancellation),
+`v1/engine/output_processor.py` (RequestOutputCollector: merging delta outputs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+import torch
+
+from level0_naive.inputs import InputProcessor
+from level0_naive.loader import load_tokenizer
+
+from .base import LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
+
+log = logging.getLogger("level6_serving")
+
+MAX_UNREAD_HANDOVERS = 4  # engine steps whose outputs the event loop has not dispatched yet
+
+
+class EngineDeadError(RuntimeError):
+    """The engine failed in a way it could not recover from; nothing more will run."""
+
+
+class EngineStepError(RuntimeError):
+    """`step()` raised while this request was in flight; the request was aborted."""
+
+
+def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
+    """Fold a later DELTA output into an unread one: texts, tokens and logprobs concatenate."""
+    by_index = {c.index: c for c in into.outputs}
+    for c in new.outputs:
+        old = by_index.get(c.index)
+        if old is None:
+            into.outputs.append(c)
+            continue
+        old.text += c.text
+        old.token_ids += c.token_ids
+        if c.logprobs is not None:
+            old.logprobs = (old.logprobs or []) + c.logprobs
+        old.cumulative_logprob = c.cumulative_logprob
+        old.finish_reason, old.stop_reason = c.finish_reason, c.stop_reason
+    into.finished, into.metrics = new.finished, new.metrics
+
+
+class RequestStream:
+    """One request's channel. The event loop puts, the consumer iterates; never more than one
+    output is pending (later ones are merged into it)."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], on_abandon: Callable[[str], None]):
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self._on_abandon = on_abandon
+        self._pending: RequestOutput | BaseException | None = None
+        self._ready = asyncio.Event()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(self._pending, BaseException):
+            return  # an error is final
+        if self._pending is None or isinstance(item, BaseException):
+            self._pending = item
+        else:
+            merge_delta(self._pending, item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        await self._ready.wait()
+        item, self._pending = self._pending, None
+        self._ready.clear()
+        if isinstance(item, BaseException):
+            self.finished = True
+            raise item
+        self.finished = item.finished
+        return item
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        """Outputs until the request finishes. Leaving early (break, an exception, a cancelled
+        task) abandons the request: the engine aborts it and frees its blocks."""
+        try:
+            while not self.finished:
+                yield await self.get()
+        finally:
+            self.abandon()
+
+    def abandon(self) -> None:
+        """The reader is gone before the end: abort the request (nothing if it had finished)."""
+        if not self.finished:
+            self.finished = True
+            self._on_abandon(self.request_id)
+
+
+class AsyncLLMEngine:
+    """`LLMEngine` for asyncio: `generate()` yields delta outputs; the engine runs on a thread."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        # The front end's own tokenizer (the engine thread decodes with the engine's): the same
+        # files, so the same token ids, and no object is shared between the two threads.
+        self.tokenizer = load_tokenizer(engine.loaded.path)
+        front = dataclasses.replace(engine.loaded, model=None, tokenizer=self.tokenizer)
+        self.inputs = InputProcessor(front, engine.max_model_len, 0, torch.device("cpu"), engine.sequence_class,
+                                     engine.check_fits)  # fmt: skip
+        self.max_model_len = engine.max_model_len
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # event loop only
+        self._handovers = threading.Semaphore(MAX_UNREAD_HANDOVERS)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._num_adding = 0  # sequences sent to the engine thread, not yet acknowledged (event loop only)
+        self.num_waiting_in_engine = 0  # written by the engine thread after each drain and step
+        self.dead: BaseException | None = None
+
+    @classmethod
+    def from_engine_args(cls, model: str, **engine_kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine(model, **engine_kwargs))
+
+    # --- lifecycle (call from the event loop) ------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            raise RuntimeError("the engine loop is already running")
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Abort whatever is left, stop the engine thread and wait for it."""
+        if self._thread is None:
+            return
+        self._commands.put(("stop",))
+        await asyncio.to_thread(self._thread.join, 30)
+        self._thread = None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # --- requests ------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        """Sequences queued and not yet running: in the engine's waiting queue or on their way."""
+        return self._num_adding + self.num_waiting_in_engine
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._streams)
+
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+        """Validate, queue, and wait until the engine has the request (a ValueError from the
+        engine, e.g. a request that could never fit the KV cache, is raised here)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"the engine is dead: {self.dead}")
+        if self._thread is None:
+            raise RuntimeError("AsyncLLMEngine.start() was not called")
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        ids = self.inputs.tokenize(prompt)  # ValueError names the prompt; nothing is queued
+        params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        stream = RequestStream(request_id, ids, self._abandon)
+        self._streams[request_id] = stream
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._num_adding += params.n
+        self._commands.put(("add", request_id, ids, params, done))
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._abandon(request_id)  # it may have reached the engine all the same
+            raise
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        finally:
+            self._num_adding -= params.n
+        return stream
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
+                       ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+        """Yield the request's DELTA outputs; closing or cancelling the iteration aborts it."""
+        stream = await self.add_request(request_id, prompt, params)
+        try:
+            while not stream.finished:
+                yield await stream.get()
+        finally:
+            stream.abandon()  # closed or cancelled before the end: an abort, not a leak
+
+    def abort(self, request_id: str | list[str]) -> None:
+        """Stop requests from outside (a drain, an operator): each stream still gets its final
+        output, with finish_reason "abort". Unknown and finished ids are harmless."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        self._commands.put(("abort", ids))
+
+    def _abandon(self, request_id: str) -> None:
+        """The consumer is gone: forget its stream and free the request's blocks."""
+        self._streams.pop(request_id, None)
+        self._commands.put(("abort", [request_id]))
+
+    async def call(self, fn: Callable[[LLMEngine], object]):
+        """Run `fn(engine)` on the engine thread, between steps (metrics, cache resets)."""
+        if not self.is_running:
+            raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(("call", fn, done))
+        return await asyncio.wrap_future(done)
+
+    async def get_metrics(self) -> list:
+        return await self.call(lambda engine: engine.get_metrics())
+
+    async def drain(self, timeout: float) -> int:
+        """Let the requests in flight finish for up to `timeout` seconds, then abort the rest
+        (their streams end with finish_reason "abort"). Returns how many were aborted."""
+        deadline = time.monotonic() + timeout
+        while self._streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self._streams)
+        if left:
+            self.abort(left)
+            deadline = time.monotonic() + 5.0
+            while self._streams and time.monotonic() < deadline and self.is_running:
+                await asyncio.sleep(0.02)
+        return len(left)
+
+    # --- the event loop side of the hand-over --------------------------------------------------
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        self._handovers.release()
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # abandoned: its final "abort" output has no reader
+            stream.put(out)
+            if out.finished:
+                del self._streams[out.request_id]
+
+    def _fail_all(self, error: BaseException) -> None:
+        self._fail(list(self._streams), error)
+
+    def _fail(self, request_ids: list[str], error: BaseException) -> None:
+        for rid in request_ids:
+            stream = self._streams.pop(rid, None)
+            if stream is not None:
+                stream.put(error)
+
+    def _to_loop(self, fn, *args) -> None:
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is listening any more
+            pass
+
+    # --- the engine thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self._loop_until_stopped()
+        except BaseException as e:  # a bug outside step(): nothing can be trusted any more
+            self.dead = e
+            log.exception("the engine loop died")
+            self._to_loop(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
+        finally:  # whatever is still queued gets an answer, not a hang
+            while True:
+                try:
+                    cmd = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if cmd[0] in ("add", "call") and cmd[-1].set_running_or_notify_cancel():
+                    cmd[-1].set_exception(EngineDeadError("the engine has stopped"))
+
+    def _loop_until_stopped(self) -> None:
+        engine, stopping = self.engine, False
+        while not stopping or engine.has_unfinished_requests():
+            commands = []
+            if not engine.has_unfinished_requests() and not stopping:
+                commands.append(self._commands.get())  # idle: sleep until there is something to do
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                stopping |= self._execute(cmd)
+            if stopping:
+                engine.abort_request(list(engine.requests))
+            self.num_waiting_in_engine = len(engine.scheduler.waiting)
+            if not engine.has_unfinished_requests():
+                continue
+            try:
+                outputs = engine.step()
+            except Exception as e:  # noqa: BLE001 - a bug in one step must not kill the server silently
+                self._recover(e)
+                continue
+            self.num_waiting_in_engine = len(engine.scheduler.waiting)
+            if outputs:
+                while not self._handovers.acquire(timeout=1.0):  # the event loop is behind: wait for it
+                    if self._loop.is_closed():
+                        return
+                self._to_loop(self._dispatch, outputs)
+
+    def _execute(self, cmd: tuple) -> bool:
+        """One command, on the engine thread. Returns True for "stop"."""
+        kind = cmd[0]
+        if self.dead is not None and kind in ("add", "call"):
+            if cmd[-1].set_running_or_notify_cancel():
+                cmd[-1].set_exception(EngineDeadError(f"the engine is dead: {self.dead}"))
+        elif kind == "add":
+            _, rid, ids, params, done = cmd
+            if done.set_running_or_notify_cancel():  # False: the caller went away before we got here
+                try:
+                    self.engine.add_request(rid, ids, params)
+                    done.set_result(None)
+                except Exception as e:  # noqa: BLE001 - the caller gets it (ValueError: 400; else: 500)
+                    done.set_exception(e)
+        elif kind == "abort":
+            self.engine.abort_request(cmd[1])
+        elif kind == "call":
+            _, fn, done = cmd
+            if done.set_running_or_notify_cancel():
+                try:
+                    done.set_result(fn(self.engine))
+                except Exception as e:  # noqa: BLE001
+                    done.set_exception(e)
+        return kind == "stop"
+
+    def _recover(self, error: Exception) -> None:
+        """`step()` raised: fail and abort every request in flight; keep serving if the KV pool
+        is whole again, else declare the engine dead."""
+        log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
+        ids = list(self.engine.requests)
+        self._to_loop(self._fail, ids, EngineStepError(f"the engine failed while running this request: {error!r}"))
+        try:
+            self.engine.abort_request(ids)
+            self.engine.step()  # flushes the aborted requests' final outputs (nobody reads them)
+            whole = self.engine.kv.num_free_blocks == self.engine.kv.num_blocks
+        except Exception as e:  # noqa: BLE001
+            error, whole = e, False
+        if not whole:
+            self.dead = error
+            log.error("the engine could not recover (KV blocks lost or a second failure): it is dead")

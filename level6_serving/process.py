@@ -1,0 +1,94 @@
+"""`ServerProcess`: `python -m level6_serving` in a child process, up, used, and gone afterwards.
+
+What it is: what the demo, the tests and `benchmarks.serving` share to run the server as
+a user does, in its own process (its own GIL: a benchmark client in the same process
+would slow the server down). It picks a free port (`--port 0`, read back from the log),
+waits for `/health`, and on exit sends SIGTERM (the server drains) and kills the process
+if it has not gone after a timeout. The log goes to a temporary file outside the
+repository unless a path is given.
+
+    with ServerProcess(["--model", "tiny-shakespeare"]) as server:
+        httpx.get(server.url + "/health")
+    server.returncode  # 0: drained and exited cleanly
+
+What it is not: a supervisor (no restarts) or a way to run servers on other machines.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from ladder.models import REPO
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], log: Path | None = None, startup_timeout: float = 120.0):
+        self.args, self.startup_timeout = list(args), startup_timeout
+        self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="level6-server-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+        self.url = ""
+        self.returncode: int | None = None
+
+    def start(self) -> ServerProcess:
+        cmd = [sys.executable, "-m", "level6_serving", "--port", "0", *self.args]
+        # The repository on the path, so the package is found even when it is not installed.
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        self.url = self._wait_until_up()
+        return self
+
+    def _wait_until_up(self) -> str:
+        import httpx
+
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {self.proc.returncode}:\n{self.tail()}")
+            m = re.search(r" on (http://[\d.]+:\d+)", self.log.read_text())
+            if m:
+                try:
+                    if httpx.get(m[1] + "/health", timeout=5).status_code == 200:
+                        return m[1]
+                except httpx.TransportError:
+                    pass
+            time.sleep(0.1)
+        self.stop(timeout=5)
+        raise RuntimeError(f"the server did not come up in {self.startup_timeout:.0f} s:\n{self.tail()}")
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text()[-chars:] if self.log.exists() else ""
+
+    def signal(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+
+    def stop(self, timeout: float = 60.0) -> int | None:
+        """SIGTERM (the server drains), then wait; kill it if it is still there after `timeout`."""
+        if self.proc is None:
+            return None
+        self.signal(signal.SIGTERM)
+        try:
+            self.returncode = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            self.returncode = None
+        return self.returncode
+
+    def __enter__(self) -> ServerProcess:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop(timeout=5)
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
