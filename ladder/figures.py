@@ -27,6 +27,7 @@ FIGURES = {
     "level2": ["level2_continuous.demo", "level2_timeline.png"],
     "level3": ["level3_prefix.demo", "level3_ttft.png"],
     "level4": ["level4_speculative.demo", "level4_speedup.png"],
+    "level5": ["level5_multigpu.demo", "level5_pipeline.png"],
 }
 BENCH = "benchmarks"
 

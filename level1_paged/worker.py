@@ -48,16 +48,15 @@ class ModelInput(FlatBatch):
     def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int]) -> ModelInput:
         """chunks[i] = (new tokens of sequence i, position of the first); tables[i] its blocks,
         covering at least those positions; num_logits[i] how many of its last rows to sample."""
-        geo = FlatBatch.geometry(chunks, num_logits)
-        qsl = geo["query_start_loc"].long()  # [B+1]
-        lens = qsl[1:] - qsl[:-1]  # [B]
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)  # [B, W]
-        seq_of_row = torch.repeat_interleave(torch.arange(len(chunks)), lens)  # [T]
-        pos = geo["positions"]  # [T]
-        slots = block_tables[seq_of_row, pos // block_size].long() * block_size + pos % block_size  # [T]
-        starts = torch.tensor([p for _, p in chunks], dtype=torch.long)
-        return cls(**geo, seq_lens=(starts + lens).to(torch.int32), block_tables=block_tables, slot_mapping=slots)
+        bs = block_size
+        slots = [t[p // bs] * bs + p % bs for (toks, start), t in zip(chunks, tables) for p in range(start, start + len(toks))]
+        return cls(
+            **FlatBatch.geometry(chunks, num_logits),
+            seq_lens=torch.tensor([start + len(toks) for toks, start in chunks], dtype=torch.int32),  # [B]
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),  # [B, W]
+            slot_mapping=torch.tensor(slots, dtype=torch.long),  # [T]
+        )
 
 
 class Worker(ModelRunner):

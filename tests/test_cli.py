@@ -29,6 +29,7 @@ DEMOS = [
     "level2_continuous.demo",
     "level3_prefix.demo",
     "level4_speculative.demo",
+    "level5_multigpu.demo",
 ]
 
 BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
@@ -46,6 +47,9 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
     ("level3_prefix.demo", ["--dtype", "int3"], "--dtype"),
     ("level4_speculative.demo", ["-k", "0"], "--num-speculative-tokens"),
     ("level4_speculative.demo", ["--draft-model", "nowhere"], "--draft-model"),
+    ("level5_multigpu.demo", ["--pipeline-partition", "9,9"], "--pipeline-partition"),
+    ("level5_multigpu.demo", ["--requests", "-1"], "--requests"),
+    ("benchmarks.parallel", ["--tp-batches", "1,x"], "--tp-batches"),
     ("benchmarks.throughput", ["--engines", "hf,level0"], "--engines"),
     ("benchmarks.throughput", ["--engines", "level3_prefix:nocahce"], "--engines"),
     ("benchmarks.throughput", ["--num-requests", "0"], "--num-requests"),
@@ -73,7 +77,7 @@ def test_a_bad_flag_is_one_line_that_names_it(module, args, flag):
     assert res.stdout == "", "nothing ran before the flag was refused"
 
 
-@pytest.mark.parametrize("module", [*DEMOS, "benchmarks.throughput", "ladder.figures"])
+@pytest.mark.parametrize("module", [*DEMOS, "benchmarks.throughput", "benchmarks.parallel", "ladder.figures"])
 def test_help_shows_the_command_and_explains_every_flag(module):
     import importlib
 
@@ -96,6 +100,7 @@ SMALL = {  # the demos' own defaults for every path, with a tiny workload so the
     "level2_continuous.demo": ["--requests", "4", "--max-tokens", "24", "--batch-size", "2"],
     "level3_prefix.demo": ["--max-tokens", "2"],
     "level4_speculative.demo": ["--max-tokens", "12", "--max-k", "2", "-k", "2", "--batch-size", "2"],
+    "level5_multigpu.demo": ["--max-tokens", "4", "--requests", "2"],
 }
 
 

@@ -20,7 +20,8 @@ from ladder.models import REPO
 
 pytestmark = pytest.mark.docs
 
-DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md"]
+DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md",
+        "docs/level4_speculative.md", "docs/level5_multigpu.md"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -97,3 +98,28 @@ def test_doc_code_blocks_run(doc, tiny, monkeypatch):
     namespace: dict = {"__name__": "__doc__"}
     for i, code in enumerate(blocks):
         exec(compile(code, f"{doc} python block {i + 1}", "exec"), namespace)
+
+
+def test_level4_demo(tiny, tmp_path, capsys):
+    from level4_speculative import demo
+
+    plot = tmp_path / "level4_speedup.png"
+    res = demo.main(["--model", str(tiny), "--max-tokens", "16", "--max-k", "3", "-k", "2", "--batch-size", "3",
+                     "--temperature", "0", "--dtype", "float64", "--plot", str(plot), "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert plot.stat().st_size > 10_000 and "alpha**i" in out and "predicted" in out
+    assert res["identical"]  # float64: speculation never changes a greedy token
+    assert set(res["sweep"]) == {1, 2, 3} and all(r["c_draft"] > 0 and r["c_verify"] > 0 for r in res["sweep"].values())
+    assert len(res["per_position"]) == 2 and 0 <= res["alpha"] <= 1
+
+
+def test_level5_demo(tiny, tmp_path, capsys):
+    from level5_multigpu import demo
+
+    plot = tmp_path / "level5_pipeline.png"
+    res = demo.main(["--model", str(tiny), "--max-tokens", "6", "--requests", "4", "--plot", str(plot), "--no-progress"])
+    out = capsys.readouterr().out
+    assert res["identical"] and "identical text in all four layouts: True" in out
+    assert plot.stat().st_size > 10_000
+    rows = res["rows"]
+    assert rows["TP=1 PP=1"]["calls"] == 0 and rows["TP=2 PP=1"]["calls"] > rows["TP=1 PP=2"]["calls"] > 0
