@@ -3,7 +3,7 @@
 What it is: pure functions over plain data. `summarise` turns one `RunResult` into
 vLLM's benchmark figures (requests/s, output and total tokens/s, TTFT / TPOT / end-to-end
 latency mean, p50, p99, KV memory, roofline fractions); `add_ratios` divides by level 0
-and by Hugging Face measured in the same process; `goals` checks the issue's targets;
+and by Hugging Face measured in the same process; `goals` checks the project's targets;
 `rich_table` and `markdown` print them. Everything reads the JSON's own structure, so
 `--markdown results.json` works long after the run.
 
