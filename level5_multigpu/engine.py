@@ -40,6 +40,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from level0_naive.loader import LoadedModel, load_metadata
+from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
 from level2_continuous.engine import SamplerOutput
 from level2_continuous.request import Request
@@ -222,6 +223,16 @@ class LLMEngine(SpeculativeEngine):
         if not self.parallel:
             return {0: (CommStats(), [])}
         return self.executor.comm_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """Level 4's, plus the driver's (rank 0's) messages by kind: calls, bytes, seconds (ours, not vLLM's names)."""
+        out = super().get_metrics()
+        if self.parallel:
+            for kind, (calls, nbytes, secs) in sorted(self.executor.comm.stats.by_kind.items()):
+                labels = {"kind": kind, "rank": "0"}
+                out += [Counter("ladder:comm_calls", labels, calls), Counter("ladder:comm_bytes", labels, nbytes),
+                        Counter("ladder:comm_seconds", labels, secs)]  # fmt: skip
+        return out
 
     def calibrate(self) -> dict:
         """This machine's alpha (per-message latency) and beta (per-byte cost) for all-reduce and send."""
