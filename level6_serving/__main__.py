@@ -5,9 +5,10 @@
     python -m level6_serving --speculative-config '{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}'
 
 Every flag is checked before any weight loads, and a bad one is one line that names it
-(exit status 2). The engine is level 4's (`base.py`): `--tensor-parallel-size` and
-`--pipeline-parallel-size` are passed to the engine when its configuration knows them
-(level 5's will); until then a size other than 1 is refused with a one-line error.
+(exit status 2). The engine is level 5's (`base.py`): `--tensor-parallel-size` and
+`--pipeline-parallel-size` start that many ranks (gloo on CPUs, NCCL on GPUs). They are
+passed only to an engine whose configuration has them; serving an engine without them
+(switch `base.py` to level 4's), a size other than 1 is refused with a one-line error.
 
 What it is not: a process manager. One process, one engine thread, one event loop.
 
@@ -77,8 +78,8 @@ def parser() -> argparse.ArgumentParser:
       help="turn automatic prefix caching off (on by default)")  # fmt: skip
     a("--speculative-config", type=json_object, default=None,
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
-    a("--tensor-parallel-size", type=positive_int, default=1, help="ranks per tensor-parallel group (needs level 5)")
-    a("--pipeline-parallel-size", type=positive_int, default=1, help="pipeline stages (needs level 5)")
+    a("--tensor-parallel-size", type=positive_int, default=1, help="ranks that split each layer (default 1)")
+    a("--pipeline-parallel-size", type=positive_int, default=1, help="ranks that split the layers (default 1)")
     a("--max-num-waiting", type=positive_int, default=1024,
       help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
     a("--drain-timeout", type=positive_float, default=30.0,
@@ -99,8 +100,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     known = {f.name for f in fields(LLMEngine.config_class)}
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, flag) != 1 and flag not in known:
-            p.error(f"argument --{flag.replace('_', '-')}: {getattr(args, flag)} needs level 5 (level5_multigpu); "
-                    f"this server wraps {LLMEngine.__module__.split('.')[0]}'s engine, which runs on one device")  # fmt: skip
+            p.error(f"argument --{flag.replace('_', '-')}: {getattr(args, flag)} needs a parallel engine (level 5); "
+                    f"this server wraps {LLMEngine.__module__.split('.')[0]}'s, which runs on one device")  # fmt: skip
     if args.speculative_config is not None:
         try:
             spec = SpeculativeConfig.parse(args.speculative_config)

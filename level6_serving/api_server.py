@@ -45,7 +45,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from . import metrics
-from .async_engine import AsyncLLMEngine
+from .async_engine import AsyncLLMEngine, EngineDeadError
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
 from .serving import OpenAIServing
 
@@ -93,6 +93,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, e: EngineDeadError):
+        return JSONResponse(APIError(503, str(e)).body(), status_code=503)
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, e: HTTPException):

@@ -170,6 +170,9 @@ class AsyncLLMEngine:
         self._commands.put(("stop",))
         await asyncio.to_thread(self._thread.join, 30)
         self._thread = None
+        close = getattr(self.engine, "shutdown", None)  # level 5: stop the ranks (level 4 has none)
+        if close is not None:
+            await asyncio.to_thread(close)
 
     @property
     def is_running(self) -> bool:

@@ -413,7 +413,7 @@ def test_models_tokenize_detokenize_version_health(server, llm):
 # --- the command line: a real process ----------------------------------------------------------------
 @pytest.mark.parametrize("args,flag", [
     (["--port", "70000"], "--port"),
-    (["--tensor-parallel-size", "2"], "--tensor-parallel-size"),
+    (["--tensor-parallel-size", "0"], "--tensor-parallel-size"),
     (["--pipeline-parallel-size", "0"], "--pipeline-parallel-size"),
     (["--speculative-config", "{oops"], "--speculative-config"),
     (["--speculative-config", '{"num_speculative_tokens": 0, "method": "ngram"}'], "--speculative-config"),
@@ -428,6 +428,35 @@ def test_a_bad_flag_is_one_line_that_names_it(args, flag, capsys):
         main(args)
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and flag in err[0], err
+
+
+def test_parallel_sizes_are_refused_in_one_line_by_an_engine_without_them(monkeypatch, capsys):
+    """Serving a one-device engine (base.py switched to level 4's), TP/PP > 1 is a clear error."""
+    import level4_speculative
+    import level6_serving.base
+    from level6_serving.__main__ import main
+
+    monkeypatch.setattr(level6_serving.base, "LLMEngine", level4_speculative.LLMEngine)
+    for flag in ("--tensor-parallel-size", "--pipeline-parallel-size"):
+        with pytest.raises(SystemExit) as e:
+            main([flag, "2"])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and flag in err[0] and "level4_speculative" in err[0], err
+
+
+def test_tensor_parallel_server_gives_the_offline_text(ckpt, llm):
+    """--tensor-parallel-size 2: two ranks (gloo) behind the same HTTP API, the same greedy tokens."""
+    flags = ["--model", str(ckpt), "--tensor-parallel-size", "2", "--dtype", "float64", "--max-model-len", "512",
+             "--kv-cache-memory", "16MiB", "--disable-uvicorn-access-log"]  # fmt: skip
+    with ServerProcess(flags) as server:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="-", max_retries=0)
+        stream = client.completions.create(
+            model=str(ckpt), prompt="ROMEO:\n", max_tokens=24, temperature=0, stream=True
+        )
+        text = "".join(c.choices[0].text for c in stream)
+        assert "level5_multigpu" in server.tail()
+    assert text == offline(llm, "ROMEO:\n", max_tokens=24, temperature=0).outputs[0].text
+    assert server.returncode == 0
 
 
 def test_server_process_api_key_backpressure_and_sigterm_drain(checkpoint_factory, tmp_path):
@@ -496,3 +525,4 @@ async def drive_process(server: ServerProcess, model: str) -> None:
         assert short_chunks[-1]["finish_reason"] == "length" and long_chunks[-1]["finish_reason"] == "abort"
         with pytest.raises(httpx.TransportError):  # not accepting any more
             await client.post("/v1/completions", json=body(5), headers=key)
+
