@@ -526,3 +526,48 @@ async def drive_process(server: ServerProcess, model: str) -> None:
         with pytest.raises(httpx.TransportError):  # not accepting any more
             await client.post("/v1/completions", json=body(5), headers=key)
 
+
+# --- the demo and the benchmark client ------------------------------------------------------------------
+def test_demo_runs_and_leaves_nothing_behind(ckpt, tmp_path, capsys):
+    from level6_serving import demo
+
+    plot = tmp_path / "streams.png"
+    res = demo.main(["--model", str(ckpt), "--clients", "4", "--max-tokens", "12", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    assert res["exit_code"] == 0 and "exit status 0" in out
+    assert res["tokens"] > 0 and res["freed_seconds"] < 1.0 and res["kv_after_abort"] == 0.0
+    assert res["generation_tokens_counted"] >= res["tokens"]
+    assert plot.stat().st_size > 10_000
+
+
+def test_benchmark_client_against_a_running_server(server, tmp_path):
+    from benchmarks import serving
+
+    out = tmp_path / "bench.json"
+    data = serving.main(["--base-url", server.url, "--model", NAME, "--workload", "uniform", "--quick",
+                         "--num-prompts", "6", "--request-rate", "50", "--goodput", "ttft:60000", "tpot:60000",
+                         "--out", str(out)])  # fmt: skip
+    run = json.loads(out.read_text())["run"]
+    assert run == json.loads(json.dumps(data["run"]))
+    assert (run["completed"], run["failed"], run["output_tokens"]) == (6, 0, 6 * 16)  # exact lengths
+    assert run["goodput"] == pytest.approx(run["request_throughput"])  # generous SLOs: every request is good
+    for key in ("median_ttft_ms", "p99_itl_ms", "mean_tpot_ms", "p90_e2el_ms"):
+        assert run[key] > 0
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--request-rate", "0"], "--request-rate"),
+    (["--goodput", "ttft"], "--goodput"),
+    (["--configs", "cache,warp"], "--configs"),
+    (["--base-url", "localhost:8000"], "--base-url"),
+    (["--percentiles", "50,100"], "--percentiles"),
+    (["--workload", "chat"], "--workload"),
+    (["--model", "no/such/model"], "--model"),
+])  # fmt: skip
+def test_benchmark_refuses_a_bad_flag_in_one_line(args, flag, capsys):
+    from benchmarks import serving
+
+    with pytest.raises(SystemExit) as e:
+        serving.main(args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and flag in err[0], err
