@@ -5,7 +5,8 @@ a user does, in its own process (its own GIL: a benchmark client in the same pro
 would slow the server down). It picks a free port (`--port 0`, read back from the log),
 waits for `/health`, and on exit sends SIGTERM (the server drains) and kills the process
 if it has not gone after a timeout. The log goes to a temporary file outside the
-repository unless a path is given.
+repository unless a path is given. The server runs in a session of its own, so a kill
+(after a drain that did not end) reaches the ranks a parallel engine spawned as well.
 
     with ServerProcess(["--model", "tiny-shakespeare"]) as server:
         httpx.get(server.url + "/health")
@@ -16,6 +17,7 @@ What it is not: a supervisor (no restarts) or a way to run servers on other mach
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -40,8 +42,9 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "level6_serving", "--port", "0", *self.args]
         # The repository on the path, so the package is found even when it is not installed.
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+        with open(self.log, "w") as out:  # its own session: a kill reaches the ranks it spawns (level 5) too
+            self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                         start_new_session=True)  # fmt: skip
         self.url = self._wait_until_up()
         return self
 
@@ -78,7 +81,8 @@ class ServerProcess:
         try:
             self.returncode = self.proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every process it started
             self.proc.wait()
             self.returncode = None
         return self.returncode

@@ -137,7 +137,7 @@ class Choice:
     """One choice of a non-streaming response, accumulated from deltas."""
 
     def __init__(self, text: str = ""):
-        self.text, self.num_tokens, self.token_ids, self.logprobs = text, 0, [], []
+        self.text, self.token_ids, self.logprobs = text, [], []
         self.finish_reason: str | None = None
         self.stop_reason = None
 

@@ -455,6 +455,7 @@ def test_tensor_parallel_server_gives_the_offline_text(ckpt, llm):
         )
         text = "".join(c.choices[0].text for c in stream)
         assert "level5_multigpu" in server.tail()
+        assert "ladder:comm_calls_total" in httpx.get(server.url + "/metrics").text  # the ranks' messages
     assert text == offline(llm, "ROMEO:\n", max_tokens=24, temperature=0).outputs[0].text
     assert server.returncode == 0
 
