@@ -199,3 +199,86 @@ def test_continuous_batching_admits_into_freed_seats(llama_dir):
         [[1, 2], [3, 4], [5, 6]], [SamplingParams(max_tokens=n, **GREEDY) for n in (2, 20, 2)], progress=False
     )
     assert outs[2].metrics.first_scheduled_time < outs[1].metrics.finished_time
+
+
+# --- the documented policies, pinned (greedy outputs stay right under other policies, so outputs alone
+# cannot tell): FCFS preempts the most recently admitted request; a step that preempted admits nobody;
+# admission is head-of-line. These drive the scheduler alone, with a stand-in for the model.
+def policy_request(seq_id: int, prompt_len: int, max_tokens: int = 64):
+    from level2_continuous.request import Request
+
+    return Request(seq_id, f"r{seq_id}", 0, None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), 10_000, [], None)  # fmt: skip
+
+
+def policy_scheduler(num_blocks: int, budget: int, seats: int = 8, block_size: int = 4):
+    from level2_continuous.kv_cache_manager import SimpleKVCacheManager
+    from level2_continuous.scheduler import Scheduler
+
+    return Scheduler(SimpleKVCacheManager(num_blocks, block_size), max_num_batched_tokens=budget, max_num_seqs=seats)
+
+
+def policy_step(scheduler):
+    """One schedule() and what the engine does after the forward: the scheduled tokens are in the
+    cache, a chunk that reached the end samples one token (always 7 here: no model needed)."""
+    running_before, waiting_before = list(scheduler.running), list(scheduler.waiting)
+    out = scheduler.schedule()
+    for req, n in out.scheduled:
+        req.num_computed_tokens += n
+        scheduler.kv.cache_blocks(req)
+        if req.num_computed_tokens == req.num_tokens:
+            req.output_token_ids.append(7)
+    return out, running_before, waiting_before
+
+
+def test_fcfs_preempts_the_most_recently_admitted_request():
+    """Three requests grow in lockstep until the pool is full: the victims are always the tail of
+    the running list (the latest admitted), never a request admitted earlier than one left running."""
+    scheduler = policy_scheduler(num_blocks=6, budget=64)
+    reqs = [policy_request(i, 4) for i in range(3)]
+    for r in reqs:
+        scheduler.add(r)
+    victims = []
+    for _ in range(12):
+        out, running_before, _ = policy_step(scheduler)
+        if out.preempted:
+            k = len(out.preempted)
+            assert out.preempted == running_before[::-1][:k], (
+                f"FCFS preempted {[r.request_id for r in out.preempted]} while running "
+                f"{[r.request_id for r in running_before]}: the victim must be the most recently admitted"
+            )
+            victims += out.preempted
+    assert victims and victims[0] is reqs[2]
+
+
+def test_a_step_that_preempts_admits_nobody():
+    """A token budget of 2 leaves room, after a preemption, to readmit the victim's first chunk in the
+    same step; the policy says no: memory is too tight to add anyone in that step."""
+    scheduler = policy_scheduler(num_blocks=4, budget=2)
+    for i in range(3):
+        scheduler.add(policy_request(i, 5))
+    preempting_steps = 0
+    for _ in range(40):
+        out, running_before, _ = policy_step(scheduler)
+        if out.preempted:
+            preempting_steps += 1
+            stayed = [r for r in running_before if r not in out.preempted]
+            joined = [r.request_id for r, _ in out.scheduled if r not in stayed]
+            assert not joined, f"{joined} admitted in a step that preempted {[r.request_id for r in out.preempted]}"
+    assert preempting_steps > 0
+
+
+def test_admission_is_head_of_line():
+    """The first waiting request does not fit: the smaller ones behind it wait too (nobody jumps
+    the queue), and it is admitted, first, as soon as it fits."""
+    scheduler = policy_scheduler(num_blocks=4, budget=64)
+    first = policy_request(0, 9, max_tokens=3)  # 3 blocks
+    scheduler.add(first)
+    policy_step(scheduler)
+    big, small = policy_request(1, 8), policy_request(2, 2)  # 2 blocks wanted, 1 free; 1 block wanted
+    scheduler.add(big)
+    scheduler.add(small)
+    out, _, _ = policy_step(scheduler)
+    assert [r.request_id for r, _ in out.scheduled] == ["r0"], "a later request jumped the queue"
+    scheduler.finish(first, "abort")  # its blocks come back
+    out, _, _ = policy_step(scheduler)
+    assert [r.request_id for r, _ in out.scheduled] == ["r1", "r2"]

@@ -223,3 +223,32 @@ def test_caching_off_gives_the_same_answers_and_no_hits(llama_dir):
     ]  # noqa: E731
     assert run(on) == run(off) == run(naive)
     assert off.prefix_stats()["prefix_cache_hits"] == 0 < on.prefix_stats()["prefix_cache_hits"]
+
+
+def cached_admit(kv: PrefixCachingKVCacheManager, req: Request) -> None:
+    """Admit with whatever the cache holds, compute the rest, and name the full blocks."""
+    blocks, n_hit = kv.get_computed_blocks(req)
+    req.num_computed_tokens = n_hit
+    assert kv.allocate_slots(req, req.num_uncomputed_tokens, blocks)
+    req.num_computed_tokens = req.num_tokens
+    kv.cache_blocks(req)
+
+
+def test_eviction_order_is_one_lru_queue_and_a_requests_tail_goes_first():
+    """The documented eviction order, through the manager: one LRU queue of idle blocks (a block never
+    named gets no priority over a cached one), and a request's blocks freed tail first, so its head,
+    the most shareable part, is evicted last. Outputs stay exact under any order; hit rates do not."""
+    kv = PrefixCachingKVCacheManager(5, BS)
+    a = fake_request(1, [1, 2, 3, 4, 5, 6, 7, 8])  # 2 full blocks, both named
+    d = fake_request(2, [9, 9, 9])  # 1 partial block, never named
+    cached_admit(kv, a)
+    cached_admit(kv, d)
+    assert kv.block_table(a) == [0, 1] and kv.block_table(d) == [2]
+    kv.free(a)  # idle, least recent first: 3, 4 (never used), then a's tail 1, a's head 0
+    kv.free(d)  # ... then d's 2
+    c = fake_request(3, [50] * 9)  # 3 blocks: 3, 4 and the least recently freed, a's tail
+    cached_admit(kv, c)
+    assert kv.block_table(c) == [3, 4, 1], "not the least recently freed block (or not a's tail)"
+    assert kv.pool.evictions == 1
+    _, n_hit = kv.get_computed_blocks(fake_request(4, [1, 2, 3, 4, 5, 6, 7, 8, 10]))
+    assert n_hit == BS, "a's head block must still be cached (its tail went first)"

@@ -176,3 +176,44 @@ def test_message_accounting_matches_the_model(checkpoint_factory):
         assert ar[1] == sum(t * cfg.hidden_size * 8 for t in tokens) * (2 * cfg.num_layers + 1)  # float64
         assert stats[rank][0].by_kind["gather"][0] == len(tokens)
     assert len(stats[1][1]) == len(tokens)  # rank 1's timeline: one forward per step
+
+
+def test_micro_batches_keep_admission_order_and_fill_from_the_front(checkpoint_factory):
+    """The documented assignment, PP = 2: each micro-batch is level 2's schedule over the requests not
+    in flight, so it takes the idle running requests from the front of the running list (admission
+    order) while the token budget lasts; and whatever was in flight keeps its place in that list, so
+    FCFS still preempts the latest admitted. Outputs stay exact under other orders; this pins it."""
+    path = checkpoint_factory("llama")
+    prompts = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12], [13, 14]]
+    with LLM(path, dtype="float64", pipeline_parallel_size=2, block_size=4, max_num_batched_tokens=3,
+             distributed_timeout_s=60) as llm:  # fmt: skip
+        engine: LLMEngine = llm.llm_engine
+        schedule, admitted, checked, problems = engine.schedule, [], [], []
+
+        def checked_schedule():  # records what is wrong: an assert here would leave a micro-batch in flight
+            busy = {id(r) for sched, _ in engine.in_flight for r, _ in sched.scheduled}
+            idle = [r for r in engine.scheduler.running if id(r) not in busy]
+            sched = schedule()
+            for r in [r for r in admitted if r not in engine.scheduler.running]:  # finished or preempted
+                admitted.remove(r)
+            admitted.extend(r for r in engine.scheduler.running if r not in admitted)
+            if engine.scheduler.running != admitted:
+                problems.append(
+                    f"the running list left admission order: {[r.request_id for r in engine.scheduler.running]}"
+                )
+                admitted[:] = engine.scheduler.running
+            if not sched.preempted:
+                ran = [r for r, _ in sched.scheduled if any(r is x for x in idle)]
+                if ran != idle[: len(ran)]:
+                    problems.append("a micro-batch skipped an idle request ahead of one it took")
+            checked.append(len(sched.scheduled))
+            return sched
+
+        engine.schedule = checked_schedule
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=6, **GREEDY))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert not problems, problems[:3]
+    assert len(checked) > 10 and max(checked) >= 2
+    assert not alive_children()
