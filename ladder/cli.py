@@ -99,11 +99,11 @@ def demo_parser(description: str, module: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_demo_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+def parse_demo_args(parser: argparse.ArgumentParser, argv=None, model_flags=("model",)) -> argparse.Namespace:
     """Parse, then check what argparse cannot, before any weight loads: that the device
     exists and that every model flag names a model on disk."""
     args = parser.parse_args(argv)
-    check_device_and_models(parser, args)
+    check_device_and_models(parser, args, model_flags)
     return args
 
 

@@ -83,17 +83,21 @@ def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
     return pic
 
 
-def main(argv=None) -> dict:
-    parser = demo_parser(__doc__, "level3_prefix.demo")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    parser.add_argument(
+def parser():
+    p = demo_parser(__doc__, "level3_prefix.demo")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument(
         "--plot",
         type=Path,
         default=None,
         help="where to save the TTFT plot (default: level3_ttft.png in a folder outside the repository)",
     )
-    parser.set_defaults(max_tokens=16, temperature=0.8)
-    args = parse_demo_args(parser, argv)
+    p.set_defaults(max_tokens=16, temperature=0.8)
+    return p
+
+
+def main(argv=None) -> dict:
+    args = parse_demo_args(parser(), argv)
     args.plot = plot_path(args.plot, "level3_ttft.png")
     with torch_threads(args.threads):
         return run_demo(args, Console())

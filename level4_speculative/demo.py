@@ -66,7 +66,7 @@ def parser():
 
 def main(argv=None) -> dict:
     p = parser()
-    args = parse_demo_args(p, argv)
+    args = parse_demo_args(p, argv, model_flags=("model", "draft_model"))
     args.plot = plot_path(args.plot, "level4_speedup.png")
     with torch_threads(args.threads):
         return run(args, Console())
