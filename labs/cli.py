@@ -1,0 +1,215 @@
+"""`python -m labs`: start a lab, check it, run the experiment with your code in the engine.
+
+    python -m labs list                               the labs, their checks and handouts
+    python -m labs start 2 ~/labs/lab2                copy lab 2's starter(s) there
+    python -m labs check 2 ~/labs/lab2/scheduler.py   run lab 2's checks on your file (--json for autograding)
+    python -m labs experiment 2 ~/labs/lab2           the handout's experiment, with your code swapped in
+    python -m labs run 2 ~/labs/lab2 -m level2_continuous.demo --requests 8
+                                                      any module (a demo, a benchmark), with your code swapped in
+    python -m labs plant 2 oldest-victim ~/bugs       the reference with a planted bug (for teachers)
+    python -m labs starters                           rewrite labs/starters/ from the reference (maintainers)
+
+What it is: the command line over `labs.grading` and `labs.runner`. Your file replaces
+the reference module under the reference's name, in a subprocess, so the rest of the
+engine (the real one) runs your piece; nothing you run here changes the repository.
+
+What it is not: the checks (each lab's `labs/lab<id>.py` lists them) or a sandbox.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from . import grading, spec
+from .grading import LabsError
+from .spec import REPO
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m labs", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    sub = p.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the labs, their checks and handouts")
+    s = sub.add_parser("start", help="copy a lab's starter files into a directory of yours")
+    s.add_argument("lab")
+    s.add_argument("dir", type=Path)
+    s.add_argument("--force", action="store_true", help="overwrite files already there")
+    c = sub.add_parser("check", help="run a lab's checks on your file(s)")
+    c.add_argument("lab")
+    c.add_argument("paths", nargs="+", help="your file, or the directory holding your files")
+    c.add_argument("--json", action="store_true", help="print only the JSON report (for autograding)")
+    c.add_argument("--timeout", type=float, default=900, help="seconds before the checks are stopped (default 900)")
+    c.add_argument("--verbose", action="store_true", help="also print pytest's full output")
+    e = sub.add_parser("experiment", help="run the handout's experiment with your code swapped in")
+    e.add_argument("lab")
+    e.add_argument("path", help="your file, or the directory holding your files")
+    e.add_argument("args", nargs=argparse.REMAINDER, help="more arguments for the experiment")
+    r = sub.add_parser("run", help="run any module (python -m MODULE ARGS) with your code swapped in",
+                       usage="python -m labs run LAB PATH -m MODULE [ARGS ...]")  # fmt: skip
+    r.add_argument("lab")
+    r.add_argument("path", help="your file, or the directory holding your files")
+    r.add_argument("rest", nargs=argparse.REMAINDER, metavar="-m MODULE [ARGS ...]",
+                   help="the module to run, e.g. -m level2_continuous.demo, then its arguments")  # fmt: skip
+    b = sub.add_parser("plant", help="write the reference with one of a lab's planted bugs (for teachers)")
+    b.add_argument("lab")
+    b.add_argument("bug", help="a bug's name (python -m labs list shows them)")
+    b.add_argument("dir", type=Path)
+    st = sub.add_parser("starters", help="rewrite labs/starters/ from the reference (maintainers)")
+    st.add_argument("--check", action="store_true", help="only say whether they are up to date (exit 1 if not)")
+    return p
+
+
+def parse(argv=None) -> argparse.Namespace:
+    """The parser's namespace; for `run`, `-m MODULE` and the module's own arguments split off."""
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "run":
+        if len(args.rest) < 2 or args.rest[0] != "-m":
+            p.error("run: give the module to run after your path: python -m labs run LAB PATH -m MODULE [ARGS ...]")
+        args.module, args.args = args.rest[1], args.rest[2:]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    try:
+        return COMMANDS[args.command](args)
+    except LabsError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def cmd_list(args) -> int:
+    for lab in spec.all_labs():
+        files = ", ".join(m.filename for m in lab.modules)
+        print(f"lab {lab.id:<3} {lab.topic}")
+        print(f"        files: {files}   checks: {len(lab.checks)}   handout: docs/labs/{lab.handout}")
+        if lab.bugs:
+            print(f"        planted bugs: {', '.join(b.name for b in lab.bugs)}")
+    return 0
+
+
+def cmd_start(args) -> int:
+    lab = _lab(args.lab)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    for m in lab.modules:
+        src, dst = lab.starter_dir / m.filename, args.dir / m.filename
+        if dst.exists() and not args.force:
+            raise LabsError(f"{dst} exists (your work?); use --force to overwrite it")
+        shutil.copyfile(src, dst)
+        print(f"{dst}  <- your copy of {m.reference_path.relative_to(REPO)}")
+    print(f"next: fill in the TODOs, then  python -m labs check {lab.id} {args.dir}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    lab = _lab(args.lab)
+    swaps = grading.resolve(lab, args.paths)
+    if not args.json:
+        for module, path in swaps.items():
+            print(f"lab {lab.id} ({lab.topic}): {path} replaces {module}")
+        print(f"running {len(lab.checks)} checks...", flush=True)
+    report = grading.check(lab, args.paths, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print_report(report, verbose=args.verbose)
+    return 0 if report.score == report.total else 1
+
+
+def print_report(report: grading.Report, verbose: bool = False) -> None:
+    if report.problem:
+        print(f"\n  !! {report.problem}\n")
+    width = max(len(c.id) for c in report.checks)
+    for c in report.checks:
+        print(f"  {'PASS' if c.passed else 'FAIL'}  {c.id:<{width}}  {c.title}")
+        if not c.passed:
+            for line in textwrap.wrap(
+                c.hint, 100, initial_indent="hint: ", subsequent_indent="      ", break_on_hyphens=False
+            ):
+                print(f"        {line}")
+            for d in c.details[:3]:
+                print(f"        - {textwrap.shorten(d, 160)}")
+    print(f"score: {report.score}/{report.total}")
+    if report.log:
+        if verbose:
+            print(Path(report.log).read_text())
+        elif report.score < report.total:
+            print(f"pytest's full output: {report.log}")
+
+
+def cmd_experiment(args) -> int:
+    lab = _lab(args.lab)
+    if lab.experiment is None:
+        raise LabsError(f"lab {lab.id} has no experiment")
+    return _run_module(lab, args.path, lab.experiment.module, [*lab.experiment.args, *args.args])
+
+
+def cmd_run(args) -> int:
+    return _run_module(_lab(args.lab), args.path, args.module, args.args)
+
+
+def _run_module(lab: spec.Lab, path: str, module: str, argv: list[str]) -> int:
+    swaps = grading.resolve(lab, [path])
+    env = grading.subprocess_env({"LABS_SWAP": json.dumps(swaps)})
+    print(f"(lab {lab.id}: running python -m {module} with {', '.join(swaps.values())})", flush=True)
+    return subprocess.run([sys.executable, "-m", "labs.runner", "module", module, *argv], env=env).returncode
+
+
+def cmd_plant(args) -> int:
+    lab = _lab(args.lab)
+    bug = next((b for b in lab.bugs if b.name == args.bug), None)
+    if bug is None:
+        raise LabsError(f"lab {lab.id} has no planted bug {args.bug!r}: {', '.join(b.name for b in lab.bugs)}")
+    args.dir.mkdir(parents=True, exist_ok=True)
+    for m in lab.modules:
+        text = m.reference_path.read_text()
+        if m.name == bug.module:
+            text = plant(bug, text)
+        (args.dir / m.filename).write_text(text)
+        print(args.dir / m.filename)
+    return 0
+
+
+def plant(bug: spec.Bug, source: str) -> str:
+    """The reference source with the bug planted (the string must be there exactly once)."""
+    n = source.count(bug.old)
+    if n != 1:
+        raise LabsError(
+            f"planted bug {bug.name}: {bug.old!r} occurs {n} times in {bug.module} (the reference changed?)"
+        )
+    return source.replace(bug.old, bug.new)
+
+
+def cmd_starters(args) -> int:
+    from .starters import starter_files
+
+    stale = []
+    for lab in spec.all_labs():
+        for rel, text in starter_files(lab).items():
+            path = REPO / rel
+            if not path.is_file() or path.read_text() != text:
+                stale.append(rel)
+                if not args.check:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(text)
+    verb = "stale" if args.check else "rewritten"
+    print("\n".join(f"{verb}: {s}" for s in stale) or "every starter is up to date")
+    return 1 if (stale and args.check) else 0
+
+
+def _lab(lab_id: str) -> spec.Lab:
+    try:
+        return spec.get(lab_id)
+    except ValueError as e:
+        raise LabsError(str(e)) from None
+
+
+COMMANDS = dict(list=cmd_list, start=cmd_start, check=cmd_check, experiment=cmd_experiment, run=cmd_run,
+                plant=cmd_plant, starters=cmd_starters)  # fmt: skip

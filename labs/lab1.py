@@ -1,0 +1,118 @@
+"""Lab 1: the block allocator, block tables and the slot mapping (PagedAttention's memory side).
+
+What it is: the lab's definition (see `labs/spec.py`): three files of level 1, each with
+the functions that are the idea emptied (`BlockAllocator.allocate`/`free`; `blocks_for`
+and `BlockTables.missing_blocks`/`grow`/`free`; `ModelInput.build`, where a position
+becomes a cache slot), the checks (level 1's own tests and `labs/lab1_checks.py`), the
+planted bugs (a slot off by one, a freed block that never comes back), and the
+experiment: KV waste and concurrency against level 0 at the same budget
+(`python -m level1_paged.demo` with the student's files).
+
+What it is not: the kernel (lab 1b) or the handout (docs/labs/lab1_paged.md).
+"""
+
+from __future__ import annotations
+
+from .spec import Bug, Check, Experiment, Lab, Module, Part
+
+L1 = "tests/test_level1.py::"
+OWN = "labs/lab1_checks.py::"
+
+ALLOCATOR = (
+    Part(
+        "BlockAllocator.allocate",
+        """\
+Hand out one free block id in O(1), or raise OutOfBlocks (with a message) when none is left.
+self._free is a stack (pop from the end: blocks come out 0, 1, 2, ...); keep self._is_free in step.""",
+    ),
+    Part(
+        "BlockAllocator.free",
+        """\
+Give a block back in O(1). Be loud on misuse, the allocator's whole point:
+  an id outside 0 .. num_blocks-1 -> ValueError saying it is "not in this pool";
+  a block that is already free -> ValueError saying "double free".
+Then mark it free and push it on self._free.""",
+    ),
+)
+TABLES = (
+    Part("blocks_for", "How many blocks of block_size tokens hold num_tokens tokens: a ceiling division."),
+    Part(
+        "BlockTables.missing_blocks",
+        """\
+How many blocks seq_id still lacks to hold num_tokens tokens (never negative; a sequence with no
+table yet has none).""",
+    ),
+    Part(
+        "BlockTables.grow",
+        """\
+Make seq_id's table cover num_tokens tokens, all or nothing: if the allocator has fewer free blocks
+than are missing, raise OutOfBlocks and change nothing (not even an empty table for a new sequence).
+Otherwise append the new blocks at the end of its table: a table only ever grows at the end.""",
+    ),
+    Part(
+        "BlockTables.free",
+        """\
+Give every block of seq_id back to the allocator and forget its table (an unknown seq_id: nothing).""",
+    ),
+)
+WORKER = (
+    Part(
+        "ModelInput.build",
+        """\
+The step's flattened batch with vLLM's paged metadata (read the picture in this file's docstring):
+  FlatBatch.geometry(chunks, num_logits) gives input_ids, positions, query_start_loc, logits_indices;
+  seq_lens [B] int32: each sequence's context including this step's tokens (start + len(toks));
+  block_tables [B, max_blocks] int32: each table padded with 0 to the longest (never read past seq_len);
+  slot_mapping [T] long: for every new token at position p of a sequence with table t,
+      slot = t[p // block_size] * block_size + p % block_size
+Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=...).""",
+    ),
+)
+
+CHECKS = (
+    Check("allocator", "the allocator hands out and takes back blocks, loud on misuse",
+          (L1 + "test_allocator_is_loud_on_misuse", OWN + "test_allocator_order_and_reuse"),
+          "allocate() pops from self._free (OutOfBlocks when empty); free() raises ValueError for an id out of "
+          "range ('not in this pool') and for a block already free ('double free'), and pushes it back."),
+    Check("tables", "block tables grow all-or-nothing, at the end, and never leak or share a block",
+          (L1 + "TestBlockTables",),
+          "grow() must check that enough blocks are free before taking any (OutOfBlocks, table unchanged, and "
+          "no empty table left behind for a new sequence); free() must return every block of the table; "
+          "blocks_for is a ceiling division."),
+    Check("slot-mapping", "slot = table[pos // block_size] * block_size + pos % block_size, for every new token",
+          (L1 + "test_slots_follow_the_block_table", OWN + "test_model_input_on_random_batches"),
+          "For a new token at position p (the chunk's start + its index), the slot is table[p // bs] * bs + "
+          "p % bs; seq_lens is start + len(tokens); block tables are padded with 0 to the longest; "
+          "positions and logits_indices come from FlatBatch.geometry."),
+    Check("engine", "level 1 runs out of blocks mid-batch, evicts, recomputes, and answers exactly",
+          (L1 + "test_running_out_of_blocks_mid_batch_evicts_and_recomputes",
+           L1 + "test_a_request_larger_than_the_pool_is_refused_up_front"),
+          "The engine's answers changed, or blocks were left behind: a K/V written to the wrong slot, a block "
+          "not returned when a request finishes or is evicted, or a table that shrank."),
+)  # fmt: skip
+
+BUGS = (
+    Bug("slot-off-by-one", "level1_paged.worker", "slots = [t[p // bs] * bs + p % bs for",
+        "slots = [t[p // bs] * bs + p % bs + 1 for", ("slot-mapping",)),
+    Bug("free-forgets-the-block", "level1_paged.block_allocator", "        self._free.append(block)\n", "",
+        ("allocator", "tables")),
+)  # fmt: skip
+
+LAB = Lab(
+    id="1",
+    topic="paged KV memory: the block allocator, block tables and the slot mapping",
+    handout="lab1_paged.md",
+    modules=(
+        Module("level1_paged.block_allocator", ALLOCATOR),
+        Module("level1_paged.paged_cache", TABLES),
+        Module("level1_paged.worker", WORKER),
+    ),
+    checks=CHECKS,
+    bugs=BUGS,
+    experiment=Experiment(
+        "level1_paged.demo",
+        (),
+        ("--requests", "4", "--max-tokens", "12", "--budget-requests", "2", "--block-size", "4", "--no-progress"),
+    ),  # fmt: skip
+    minutes=90,
+)

@@ -1,0 +1,116 @@
+"""Lab 1b: the paged-attention Triton kernel, run on a CPU through Triton's interpreter.
+
+What it is: the lab's definition (see `labs/spec.py`): the body of
+`_paged_attention_kernel` in `level1_paged/triton_attention.py` after its prologue (which
+sequence and query block a program owns, and its query tile, stay): the walk over the
+keys in tiles, the per-key block-table lookup, the causal mask, the online softmax and the
+store. The checks are level 1's kernel tests and `labs/lab1b_checks.py` (fixed batches
+whose unowned cache slots hold NaN, so reading a wrong key shows); the experiment
+(`labs/lab1b_experiment.py`) compares tile sizes and counts the kernel's inner-loop work.
+
+What it is not: a GPU lab (everything runs under TRITON_INTERPRET=1; on a GPU the same
+file compiles for real) or the handout (docs/labs/lab1b_kernel.md).
+"""
+
+from __future__ import annotations
+
+from .spec import Bug, Check, Experiment, Lab, Module, Part
+
+K = "tests/test_level1_kernel.py::"
+OWN = "labs/lab1b_checks.py::"
+
+PARTS = (
+    Part(
+        "_paged_attention_kernel",
+        keep_until="scale = tl.load(scale_ptr).to(ACC_DTYPE)",
+        hint="""\
+The rest of the kernel: this program's BLOCK_M query rows against its sequence's keys, in tiles.
+(docs/level1_kernel.md; FlashAttention-2's online softmax; the picture at the top of this file)
+1. Online softmax state, in ACC_DTYPE: m [BLOCK_M] = -inf (running max), l [BLOCK_M] = 0 (running sum
+   of exp), acc [BLOCK_M, HEAD_DIM_PADDED] = 0 (running sum of exp * v).
+2. Causal skip: the last real query of this block is at q_pos = min((q_block_local + 1) * BLOCK_Q,
+   query_len) - 1; it sees context_len + that + 1 keys, so loop over tl.cdiv(num_keys, TILE_SIZE) tiles.
+3. For each tile: k_pos = tile * TILE_SIZE + offs_t, k_ok = k_pos < num_keys.
+   The physical block of each key: tl.load(block_tables_ptr + seq * stride_bt_seq + k_pos // BLOCK_SIZE,
+   mask=k_ok, other=0), as int64; its slot in the block: k_pos % BLOCK_SIZE.
+   Load K as [D_PAD, TILE] (transposed, ready for tl.dot(Q, K)) and V as [TILE, D_PAD] with the
+   strides, masked by dim_ok and k_ok (other=0.0), and upcast both right after the load (.to(ACC_DTYPE)).
+   S = tl.dot(Q, K, input_precision=DOT_PRECISION) * scale; a row sees key k_pos iff row_ok and
+   k_pos <= context_len + q_pos; -inf elsewhere.
+   m_new = max(m, row max of S); subtract m_new (or 0 where m_new is still -inf: padding rows) before
+   tl.exp; alpha = exp(m - m_new) rescales what was summed under the old max: l = l * alpha + sum(P),
+   acc = acc * alpha + tl.dot(P, V); m = m_new.
+4. out = acc / l (l is 0 only on padding rows: use 1 there), stored at q_tok rows and q_head heads, in
+   out_ptr's dtype (out.to(out_ptr.dtype.element_ty)), masked by row_ok and dim_ok.""",
+    ),
+)
+
+CHECKS = (
+    Check("decode", "decodes through shuffled block tables equal the oracle",
+          (OWN + "test_decodes",),
+          "One query per sequence over its whole context: look up each key's physical block through the "
+          "table (k_pos // BLOCK_SIZE) and its slot (k_pos % BLOCK_SIZE); a NaN in the output means a key "
+          "outside the sequence was read (mask the loads with k_ok)."),
+    Check("prefill-chunk", "a prefill chunk over a cached context (causal, several q blocks and tiles)",
+          (OWN + "test_prefill_chunk_over_a_cached_context",),
+          "Query row r is token q_pos = q_block_local * BLOCK_Q + r // G of the chunk, at position context_len + "
+          "q_pos: it sees keys k_pos <= context_len + q_pos. Across tiles keep the online softmax exact: when the "
+          "max grows, rescale l and acc by exp(m_old - m_new)."),
+    Check("tiles-and-blocks", "tile and block sizes are independent (bs 1, bs 32 with tile 16, head dim 80)",
+          (OWN + "test_tiles_and_blocks_are_independent",),
+          "A tile may span several blocks (bs < TILE) or part of one (bs > TILE): look the block up per key, "
+          "never per tile. Head dims that are not powers of two are padded: mask the loads with dim_ok."),
+    Check("dtypes", "fp16/bf16 inputs are upcast after every load; the output has q's dtype",
+          (OWN + "test_half_precision_inputs", K + "test_triton_default_entry_point_and_bf16"),
+          "The interpreter has no bf16 arithmetic: .to(ACC_DTYPE) right after each tl.load, and store "
+          "out.to(out_ptr.dtype.element_ty)."),
+    Check("engine-order", "write K/V, then attend (the engine's order)", (K + "test_write_then_attend_matches_dense",
+                                                                           K + "test_triton_empty_batch"),
+          "After write_kv_cache_triton put the new tokens' K/V in their slots, attention over them must equal "
+          "dense causal attention."),
+)  # fmt: skip
+
+BUGS = (
+    Bug(
+        "no-rescale",
+        "level1_paged.triton_attention",
+        "        acc = acc * alpha[:, None] + tl.dot(P, V, input_precision=DOT_PRECISION)\n",
+        "        acc = acc + tl.dot(P, V, input_precision=DOT_PRECISION)\n",
+        ("prefill-chunk",),
+    ),
+    Bug(
+        "mask-off-by-one",
+        "level1_paged.triton_attention",
+        "        visible = row_ok[:, None] & (k_pos[None, :] <= context_len + q_pos[:, None])\n",
+        "        visible = row_ok[:, None] & (k_pos[None, :] < context_len + q_pos[:, None])\n",
+        ("decode",),
+    ),
+)
+
+LAB = Lab(
+    id="1b",
+    topic="the paged-attention Triton kernel, under the interpreter",
+    handout="lab1b_kernel.md",
+    modules=(Module("level1_paged.triton_attention", PARTS),),
+    checks=CHECKS,
+    bugs=BUGS,
+    experiment=Experiment(
+        "labs.lab1b_experiment",
+        (),
+        (
+            "--contexts",
+            "8",
+            "--chunk",
+            "4",
+            "--chunk-context",
+            "8",
+            "--tiles",
+            "16",
+            "--block-sizes",
+            "4",
+            "--head-dim",
+            "16",
+        ),
+    ),  # fmt: skip
+    minutes=150,
+)

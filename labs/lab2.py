@@ -1,0 +1,146 @@
+"""Lab 2: the scheduler's `schedule()`: token budget, chunked prefill, preemption by recompute.
+
+What it is: the lab's definition (see `labs/spec.py`): the four methods of
+`level2_continuous/scheduler.py` the starter empties, the checks (level 2's own tests,
+including the ones that pin the documented policies, and `labs/lab2_checks.py`), the
+planted bugs the checks must catch, and the experiment (thrashing under a tight KV
+budget, and an admission watermark: `labs/lab2_experiment.py`).
+
+What it is not: the handout (docs/labs/lab2_scheduler.md).
+"""
+
+from __future__ import annotations
+
+from .spec import Bug, Check, Experiment, Lab, Module, Part
+
+L2 = "tests/test_level2.py::"
+OWN = "labs/lab2_checks.py::"
+
+PARTS = (
+    Part(
+        "Scheduler.schedule",
+        """\
+One step's decision (docs/level2_continuous.md, "The schedule loop"). Start with
+out, budget = SchedulerOutput(), self.max_num_batched_tokens.
+1. Running requests first, in order (self.running is in admission order), while budget is left:
+   n = the request's uncomputed tokens (req.num_uncomputed_tokens), cut to the budget left: a prompt
+       longer than that is cut here, and the rest comes next step (chunked prefill).
+   k = self.num_lookahead_tokens(req, n, budget - n)   (level 4's draft tokens: always 0 at level 2)
+   Room in the KV cache: self.kv.allocate_slots(req, n, num_lookahead_tokens=k), all or nothing.
+   While it says no: if k > 0, drop it to 0 and ask again; otherwise preempt
+   victim = self._pick_victim() with self._preempt(victim, out), and ask again. If the victim was
+   req itself, it waits for the next step: go on with the next request.
+   ("priority" can pick a victim you already scheduled this step: out.remove(victim) returns its
+   tokens, which go back into the budget; mind your position in self.running.)
+   With room: out.add(req, n, k); the budget loses n + k.
+2. Then the waiting requests: self._admit(out, budget), but not in a step that preempted anyone.
+Return out.""",
+    ),
+    Part(
+        "Scheduler._admit",
+        """\
+Admit waiting requests while budget is left and fewer than self.max_num_seqs requests run:
+  req = self._next_waiting()  (FCFS: the head of the queue; "priority": the most urgent)
+  computed_blocks, num_computed = self.kv.get_computed_blocks(req); req.set_computed(num_computed)
+      (level 3's prefix-cache hit; nothing at level 2, but keep the call: level 3 runs your code too)
+  n = its uncomputed tokens, cut to the budget left
+  self.kv.allocate_slots(req, n, computed_blocks) says no: undo with req.set_computed(0) and stop
+      admitting; nobody behind it may jump the queue.
+  Otherwise it leaves self.waiting, req.to(RequestStatus.RUNNING), joins the end of self.running,
+  out.add(req, n), and the budget loses n.""",
+    ),
+    Part(
+        "Scheduler._pick_victim",
+        """\
+Whom to preempt when the KV cache is full (docs/level2_continuous.md, "Preemption"):
+  "fcfs":     the most recently admitted running request
+  "priority": the lowest priority, then the latest arrival: the running request with the largest
+              (req.priority, req.metrics.arrival_time)""",
+    ),
+    Part(
+        "Scheduler._preempt",
+        """\
+Preemption by recompute: the request gives back every block and will start over.
+  It leaves self.running; self.kv.free(req); req.set_computed(0) (prompt + output are prefilled
+  again when it returns); req.num_preemptions += 1; its status goes RUNNING -> PREEMPTED -> WAITING
+  (req.to(...)); it goes to the head of self.waiting (it came before everyone still waiting);
+  out.preempted.append(req). It keeps the tokens it generated.""",
+    ),
+)
+
+CHECKS = (
+    Check("budget", "the token budget: running requests first, a long prompt cut into chunks",
+          (L2 + "test_chunked_prefill_mixes_prefill_and_decode", OWN + "test_budget_goes_to_running_requests_first"),
+          "Each running request, in order, gets min(its uncomputed tokens, budget left); a prompt longer than what "
+          "is left is cut and the rest comes next step. Every scheduled token (n + k) counts against "
+          "max_num_batched_tokens, and waiting requests only get what the running ones left."),
+    Check("seats", "never more than max_num_seqs requests running", (OWN + "test_seats_are_limited",),
+          "_admit stops when len(self.running) reaches self.max_num_seqs."),
+    Check("recompute", "a preempted request frees its blocks, restarts from token 0, waits at the head",
+          (OWN + "test_a_preempted_request_starts_over",),
+          "_preempt: remove it from self.running, self.kv.free(req), req.set_computed(0), num_preemptions += 1, "
+          "RUNNING -> PREEMPTED -> WAITING, self.waiting.appendleft(req), out.preempted.append(req). It keeps "
+          "its output tokens, and it is not in out.scheduled."),
+    Check("self-preempt", "a request that must preempt itself waits for the next step",
+          (OWN + "test_a_request_that_preempts_itself_waits",),
+          "When the victim is the request asking for room, it was just preempted: leave the allocation loop "
+          "(break), do not schedule it, and carry on with the requests after it."),
+    Check("fcfs-victim", "FCFS preempts the most recently admitted request",
+          (L2 + "test_fcfs_preempts_the_most_recently_admitted_request",),
+          "Under FCFS the victim is the last admitted running request, self.running[-1]. Preempting the oldest "
+          "throws away the most work, and the output tokens stay right, so only this check notices."),
+    Check("no-admit-after-preempt", "a step that preempted admits nobody",
+          (L2 + "test_a_step_that_preempts_admits_nobody",),
+          "Call _admit only if out.preempted is empty: a step that had to preempt is short of memory, and "
+          "admitting anyone (even the victim's first chunk) makes the next step preempt again: thrashing."),
+    Check("head-of-line", "admission is head-of-line: nobody jumps the queue", (L2 + "test_admission_is_head_of_line",),
+          "When the request at the head of the queue does not fit, stop admitting (undo its set_computed); do "
+          "not skip to a smaller one behind it, or big requests starve."),
+    Check("priority", "policy='priority' preempts the lowest priority, latest arrival",
+          (L2 + "test_priority_policy_preempts_the_lowest_priority",),
+          "_pick_victim under 'priority': max over self.running of (priority, arrival_time). If that victim was "
+          "already scheduled this step, out.remove(victim) gives its tokens back to the budget, and your index "
+          "into self.running moves back by one."),
+    Check("continuous", "a freed seat is refilled at the next step", (L2 + "test_continuous_batching_admits_into_freed_seats",),
+          "schedule() admits waiting requests every step (unless it preempted): a request that finished leaves "
+          "a seat, and the next schedule() fills it."),
+    Check("exact-outputs", "with preemption by recompute, every answer is the naive engine's",
+          (L2 + "test_preemption_by_recompute_keeps_answers",),
+          "Greedy outputs changed or the engine stopped: a preempted request must restart from 0 with its output "
+          "tokens kept, and every scheduled chunk must start at num_computed_tokens. Read the test's message."),
+    Check("invariants", "random workloads: budgets hold, no block leaks, everyone finishes",
+          (OWN + "test_random_workloads_keep_every_invariant",),
+          "On random workloads a step must never exceed the token budget or the seats, a waiting request must "
+          "hold no block, blocks must never leak, and every request must finish (no endless loop, no "
+          "starvation). The failing example is in the details."),
+)  # fmt: skip
+
+BUGS = (
+    Bug("oldest-victim", "level2_continuous.scheduler", "        return self.running[-1]\n",
+        "        return self.running[0]\n", ("fcfs-victim",)),
+    Bug("admit-after-preempt", "level2_continuous.scheduler",
+        "        if not out.preempted:\n            self._admit(out, budget)\n", "        self._admit(out, budget)\n",
+        ("no-admit-after-preempt",)),
+    Bug("no-chunking", "level2_continuous.scheduler",
+        "            n = min(req.num_uncomputed_tokens, budget)\n            k = self.num_lookahead_tokens",
+        "            n = req.num_uncomputed_tokens\n            k = self.num_lookahead_tokens", ("budget",)),
+    Bug("smallest-first", "level2_continuous.scheduler",
+        "        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:\n"
+        "            req = self._next_waiting()\n",
+        "        for req in sorted(self.waiting, key=lambda r: r.num_tokens):\n"
+        "            if budget <= 0 or len(self.running) >= self.max_num_seqs:\n"
+        "                break\n", ("head-of-line",)),
+)  # fmt: skip
+
+LAB = Lab(
+    id="2",
+    topic="the scheduler: token budget, chunked prefill, preemption by recompute",
+    handout="lab2_scheduler.md",
+    modules=(Module("level2_continuous.scheduler", PARTS),),
+    checks=CHECKS,
+    bugs=BUGS,
+    experiment=Experiment(
+        "labs.lab2_experiment", (), ("--quick", "--requests", "8", "--kv-requests", "2", "--watermarks", "0", "0.2")
+    ),
+    minutes=120,
+)

@@ -1,0 +1,136 @@
+"""Lab 6: the streaming endpoint of an OpenAI-compatible server, and aborts on disconnect.
+
+What it is: the lab's definition (see `labs/spec.py`): in `level6_serving/serving.py`, the
+Server-Sent Events of `/v1/completions` (`OpenAIServing.completion_events`; the chat
+stream, `chat_events`, stays as the worked example), the merging of several requests'
+streams, and the three places where a client that leaves must abort its requests at once
+(`merge_streams` cancelling its pumps, `EventStream` abandoning its streams however the
+response ends, `unless_disconnected` racing a plain response against the disconnect).
+The checks are level 6's own tests (a real uvicorn, the official `openai` client, raw
+HTTP) and `labs/lab6_checks.py`; the experiment (`labs/lab6_experiment.py`) serves the
+built-in model with the student's file in a server process and measures latency
+against request rate with `benchmarks.serving`.
+
+What it is not: the engine's asyncio wrapper (`async_engine.py`) or the HTTP app
+(`api_server.py`), or the handout (docs/labs/lab6_serving.md).
+"""
+
+from __future__ import annotations
+
+from .spec import Bug, Check, Experiment, Lab, Module, Part
+
+L6 = "tests/test_level6.py::"
+OWN = "labs/lab6_checks.py::"
+
+PARTS = (
+    Part(
+        "merge_streams",
+        """\
+(prompt index, output) pairs from several request streams, as the outputs come: a fast prompt does not
+wait for a slow one. One stream: iterate it with `async for` (leaving that loop early abandons the
+request). Several: one task per stream (asyncio.create_task) pumps its outputs into an asyncio.Queue as
+(i, output), then a marker (i, None) when it ends, or (i, exception) if it raised; read the queue until
+every stream has ended, yielding outputs and re-raising an exception. In a `finally`, cancel every pump
+task: when the reader stops early (the client left), a cancelled pump leaves its `async for`, which
+abandons its request, and the engine aborts it and frees its blocks.""",
+    ),
+    Part(
+        "EventStream.__call__",
+        """\
+Send the response (await super().__call__(scope, receive, send)), and however that ends (done, the client
+gone, cancelled: a `finally`), abandon every stream in self.streams (s.abandon(); a finished one ignores
+it). The body generator cannot do this alone: a client that leaves before the first byte means the
+generator never started, so its own cleanup never runs.""",
+    ),
+    Part(
+        "unless_disconnected",
+        """\
+A non-streaming response takes as long as the whole answer. Run `work` (the coroutine that builds it) as a
+task, and race it (asyncio.wait, FIRST_COMPLETED) against a task that waits for the client to leave (loop
+on `await raw.receive()` until a message of type "http.disconnect"). If the response is ready, return it.
+If the client left first, cancel the work, abandon every stream (the engine aborts the requests now, not
+when the answer would have been done) and return Response(status_code=499) (nobody will read it). If this
+handler is itself cancelled while waiting, do the same and re-raise. Always cancel the watcher.""",
+    ),
+    Part(
+        "OpenAIServing.completion_events",
+        """\
+The SSE events of a streamed /v1/completions; chat_events below is the same pattern for chat, read it first.
+  n = req.n; choice `index` = prompt index * n + the completion's c.index (OpenAI's numbering).
+  extra = {"usage": None} in every chunk when req.stream_options asks for include_usage.
+  If echo: first, one event per choice with its prompt's text (echo[index // n]), finish_reason None.
+  Then for each (i, out) of merge_streams(streams), each completion c of out.outputs: count its tokens for
+  the usage; skip it if its choice already finished, or if it brings nothing (no text, no finish reason,
+  and no logprobs asked for); otherwise one event {**ctx, "choices": [{"index", "text": c.text, "logprobs",
+  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra} (sse(...)). With
+  req.logprobs set, logprobs = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
+  offsets[index]), and offsets[index] (starting at the echo's length) grows by the tokens' text length.
+  With include_usage, a last chunk {**ctx, "choices": [], "usage": usage(prompt tokens of every stream,
+  completion tokens)}.
+  An exception once the response has started goes into the stream: yield sse(stream_error(e)).
+  Always end with sse("[DONE]").""",
+    ),
+)
+
+CHECKS = (
+    Check("framing", "a stream is framed as OpenAI frames it (raw bytes)",
+          (L6 + "test_stream_is_framed_as_openai_frames_it",),
+          "Every event is `data: <json>` and a blank line (sse()), the chunks carry the choice index, text, "
+          "finish_reason and stop_reason, and the stream ends with `data: [DONE]`."),
+    Check("same-text", "streamed, unstreamed and offline give the same text; deltas never split a character",
+          (L6 + "test_completion_streamed_equals_unstreamed_equals_offline",
+           L6 + "test_stream_deltas_concatenate_to_the_one_shot_decode"),
+          "Send each completion's delta text as it comes (c.text), once per choice, and nothing after a choice "
+          "finished; the concatenated deltas must equal the non-streamed text."),
+    Check("choices", "n samples, several prompts, echo, stop and logprobs stream as offline",
+          (L6 + "test_echo_and_several_prompts", L6 + "test_n_and_seed_sample_as_offline",
+           L6 + "test_stop_as_offline", L6 + "test_logprobs_as_offline"),
+          "index = prompt index * n + c.index; echo sends the prompt first, one event per choice; logprobs' "
+          "text_offset counts from the start of the choice's text (the echo included)."),
+    Check("merge", "several streams merge as outputs come; leaving early abandons them all",
+          (OWN + "test_merge_streams",),
+          "merge_streams: one pump task per stream into a queue, (i, None) when a stream ends, the exception "
+          "re-raised; in a finally, cancel the pumps, so that a reader who stops early aborts every request."),
+    Check("left-before-first-byte", "a client gone before the first byte still aborts its requests",
+          (OWN + "test_a_client_gone_before_the_first_byte_aborts",),
+          "EventStream.__call__: abandon every stream in a finally around super().__call__: when the client "
+          "leaves before the body starts, the body generator never runs, so its cleanup cannot abort anything."),
+    Check("disconnect", "clients that leave (mid-stream, or waiting for a plain response) abort their requests",
+          (OWN + "test_clients_that_leave_abort_their_requests",),
+          "Closing the body generator must reach the request streams: iterate them with `async for` (their "
+          "finally abandons) and cancel merge_streams' pumps when it is closed; a non-streaming response must "
+          "race the work against http.disconnect (unless_disconnected), cancel it and abandon the streams."),
+    Check("concurrency", "100 concurrent streams get their solo runs' texts; the counters add up",
+          (L6 + "test_100_concurrent_streams_equal_their_solo_runs_and_counters_add_up",),
+          "With include_usage, every chunk carries usage None and a last chunk carries the usage; nothing may "
+          "block the event loop while a stream waits for its next output."),
+)  # fmt: skip
+
+BUGS = (
+    Bug(
+        "merge-never-cancels",
+        "level6_serving.serving",
+        "            t.cancel()  # an unfinished stream is abandoned, so its request is aborted\n",
+        "            pass  # the pumps are left to run\n",
+        ("merge",),
+    ),
+    Bug(
+        "abandon-only-in-the-body",
+        "level6_serving.serving",
+        "        try:\n            await super().__call__(scope, receive, send)\n        finally:\n"
+        "            for s in self.streams:\n                s.abandon()  # nothing for a finished request\n",
+        "        await super().__call__(scope, receive, send)\n",
+        ("left-before-first-byte",),
+    ),
+)
+
+LAB = Lab(
+    id="6",
+    topic="the streaming server: Server-Sent Events, and aborts on disconnect",
+    handout="lab6_serving.md",
+    modules=(Module("level6_serving.serving", PARTS),),
+    checks=CHECKS,
+    bugs=BUGS,
+    experiment=Experiment("labs.lab6_experiment", (), ("--quick", "--rates", "8", "--num-prompts", "4")),
+    minutes=120,
+)

@@ -1,0 +1,93 @@
+"""Lab 6's experiment: latency against request rate, through HTTP, with your server code.
+
+    python -m labs experiment 6 YOUR_FILE [--rates 1 2 4 8 inf] [--num-prompts 32] [--workload shared-prefix]
+
+What it is: `python -m level6_serving` with *your* `serving.py`, in a server process of its
+own (started through the labs' runner, so the swap reaches it), and `benchmarks.serving`'s
+client against it, once per request rate (Poisson arrivals; `inf` sends everything at
+once). One table row per rate: requests done and failed, time to first token (p50,
+p99), time per output token (p50), inter-token latency (p99), end-to-end latency (p50)
+and output tokens/s. The server's own log is kept (its path is printed).
+
+What it is not: the level-6 benchmark suite (`python -m benchmarks.serving` without
+`--base-url` compares server configurations against level 2's capacity).
+
+Reference: vLLM `benchmarks/benchmark_serving.py`; docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from ladder.cli import LadderParser, positive_int
+from ladder.models import REPO, default_model
+
+
+def rate(text: str) -> float:
+    from benchmarks.serving import rate as parse
+
+    return parse(text)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = LadderParser(prog="python -m labs experiment 6 YOUR_FILE", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default=None, help="checkpoint or built-in name (default: the built-in model)")
+    p.add_argument("--rates", type=rate, nargs="+", default=[1.0, 2.0, 4.0, 8.0, math.inf],
+                   help="requests per second, or inf (default 1 2 4 8 inf)")  # fmt: skip
+    p.add_argument("--num-prompts", type=positive_int, default=32, help="requests per rate (default 32)")
+    p.add_argument("--workload", default="shared-prefix", choices=["uniform", "spread", "shared-prefix", "latency"])
+    p.add_argument("--quick", action="store_true", help="the workload's lengths about 8-16x shorter (a smoke run)")
+    return p
+
+
+def server_class():
+    from level6_serving.process import ServerProcess
+
+    class SwappedServer(ServerProcess):
+        """`python -m level6_serving`, run by the labs' runner so that it imports the student's files."""
+
+        def start(self):
+            cmd = [sys.executable, "-m", "labs.runner", "module", "level6_serving", "--port", "0", *self.args]
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+            with open(self.log, "w") as out:  # LABS_SWAP is in os.environ: the runner installs it
+                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
+                                             start_new_session=True)  # fmt: skip
+            self.url = self._wait_until_up()
+            return self
+
+    return SwappedServer
+
+
+def main(argv=None) -> list[dict]:
+    args = parser().parse_args(argv)
+    from benchmarks import serving as bench
+
+    model = str(args.model or default_model())
+    rows, out = [], Path(tempfile.mkdtemp(prefix="lab6-")) / "run.json"
+    with server_class()(["--model", model, "--disable-uvicorn-access-log", "--log-level", "warning"]) as server:
+        print(f"server up at {server.url} (log: {server.log})", flush=True)
+        for r in args.rates:
+            argv = ["--base-url", server.url, "--workload", args.workload, "--num-prompts", str(args.num_prompts),
+                    "--request-rate", str(r), "--out", str(out), *(["--quick"] if args.quick else [])]  # fmt: skip
+            bench.main(argv)
+            rows.append(json.loads(out.read_text())["run"])
+    print(f"\n{args.num_prompts} {args.workload} requests per rate, streamed through HTTP; model {model}")
+    print(f"{'rate':>6} {'done':>5} {'failed':>6} {'TTFT p50':>9} {'TTFT p99':>9} {'TPOT p50':>9} {'ITL p99':>8} "
+          f"{'E2E p50':>8} {'out tok/s':>9}")  # fmt: skip
+    for s in rows:
+        print(f"{str(s['request_rate']):>6} {s['completed']:>5} {s['failed']:>6} {s['median_ttft_ms']:>7.0f}ms "
+              f"{s['p99_ttft_ms']:>7.0f}ms {s['median_tpot_ms']:>7.1f}ms {s['p99_itl_ms']:>6.1f}ms "
+              f"{s['median_e2el_ms']:>6.0f}ms {s['output_throughput']:>9.0f}")  # fmt: skip
+    return rows
+
+
+if __name__ == "__main__":
+    main()

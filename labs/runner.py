@@ -1,0 +1,352 @@
+"""The swap: a student's file loaded under the reference module's name, in a process of its own.
+
+What it is: the machinery behind `python -m labs check` and `python -m labs run`, always
+started as `python -m labs.runner ...` in a subprocess, so a swap never leaks into the
+process that asked for it.
+
+  - `SwapFinder` is an import hook placed first on `sys.meta_path`. Asked for, say,
+    `level2_continuous.scheduler`, it answers with the student's file, before anything
+    has imported the reference one. The module keeps its dotted name, so the student's
+    relative imports (`from .request import Request`) and everyone else's
+    `from level2_continuous.scheduler import Scheduler` get the student's code.
+  - The swaps travel in the environment (`LABS_SWAP`, JSON `{module: path}`). This file
+    installs them when it is imported, and it is the `__main__` of every process the
+    labs start, so the ranks level 5 spawns with multiprocessing (which import the
+    parent's main module as `__mp_main__` before anything else) run the student's code
+    too, not only the driver.
+  - `python -m labs.runner module NAME ARGS...` runs a demo or an experiment as
+    `python -m NAME ARGS...` would, under the swaps of the environment.
+  - `python -m labs.runner plan PLAN.json` runs the variants of a plan, each a pytest
+    selection or a module run with its own swaps. The heavy third-party imports (torch,
+    transformers, pytest, hypothesis, triton) happen once, in this process; each variant
+    runs in a `fork()` of it that installs its swaps and imports the levels afresh. A
+    student's check is a plan of one variant; the labs' own tests run dozens in one plan.
+    Results are written as JSON lines as each test ends, so a variant that hangs and is
+    killed at its timeout still reports what ran.
+
+What it is not: a sandbox. A student's code runs with the student's rights, as their
+own tests would.
+
+Reference: PEP 451 (`MetaPathFinder.find_spec`); the multiprocessing docs on the spawn
+start method ("the parent's main module is imported in the child").
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import json
+import os
+import runpy
+import signal
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = "LABS_SWAP"
+
+
+class SwapFinder(importlib.abc.MetaPathFinder):
+    """Finds the swapped modules at their students' paths; everything else is someone else's."""
+
+    def __init__(self, swaps: dict[str, str]):
+        self.swaps = dict(swaps)
+
+    def find_spec(self, fullname, path=None, target=None):
+        where = self.swaps.get(fullname)
+        if where is None:
+            return None
+        return importlib.util.spec_from_file_location(fullname, where)
+
+
+def install(swaps: dict[str, str]) -> None:
+    """Put the swaps first on the import path; refuse if a swapped module is already imported
+    (then the reference would be the one in use, silently)."""
+    if not swaps:
+        return
+    late = sorted(m for m in swaps if m in sys.modules)
+    if late:
+        raise RuntimeError(f"labs: {', '.join(late)} was imported before the swap could replace it")
+    sys.meta_path.insert(0, SwapFinder(swaps))
+    sys.dont_write_bytecode = True  # no __pycache__ next to a student's file
+
+
+def swaps_from_env() -> dict[str, str]:
+    return json.loads(os.environ.get(ENV) or "{}")
+
+
+# Installed on import: in `python -m labs.runner` itself, and in every process multiprocessing
+# spawns from it (they import this module as `__mp_main__` first).
+if __name__ in ("__main__", "__mp_main__"):
+    install(swaps_from_env())
+
+
+# --- a module run: python -m NAME ARGS, under the swaps ----------------------------------------------
+def run_module(name: str, args: list[str]) -> int:
+    """Run `name` as `python -m name args` would. `sys.modules['__main__']` stays this module,
+    so processes spawned by the module's code install the swaps too."""
+    sys.argv = [name, *args]
+    try:
+        runpy.run_module(name, run_name="__main__", alter_sys=False)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    return 0
+
+
+# --- a pytest selection, with each test's outcome written as it ends --------------------------------
+def matches(nodeid: str, spec: str) -> bool:
+    """`spec` names a test, a parametrised family (`test_x` matches `test_x[a]`) or a whole file."""
+    return nodeid == spec or nodeid.startswith(spec + "[") or nodeid.startswith(spec + "::")
+
+
+TEST_TIMEOUT = 60.0  # seconds one test may take on a busy machine (the slowest take about 15)
+AFTER_A_TIMEOUT = 10.0  # ... and each later one, once a test ran out of time: an endless loop usually recurs
+
+
+class CheckTimeout(BaseException):
+    """Raised in a test that ran out of time. Not an Exception, so that hypothesis reports it at once
+    instead of replaying the (endless) example to shrink it."""
+
+
+def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT):
+    """A pytest plugin: keep only the selected tests, and write one JSON line per outcome. Made here,
+    not at import, so that a process that only imports this module (a spawned rank) never loads pytest."""
+    import pytest
+
+    class Recorder:
+        def __init__(self):
+            self.out = open(path, "a", buffering=1)
+            self.timeout = test_timeout
+
+        def _write(self, **record) -> None:
+            self.out.write(json.dumps(record) + "\n")
+
+        def pytest_collection_modifyitems(self, session, config, items):
+            keep = [it for it in items if any(matches(it.nodeid, s) for s in selection)]
+            dropped = [it for it in items if it not in keep]
+            if dropped:
+                config.hook.pytest_deselected(items=dropped)
+            items[:] = keep
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_call(self, item):
+            """A test that runs past its time fails with a message (a student's endless loop), instead of
+            hanging the whole check until the variant's timeout."""
+
+            def expire(signum, frame):
+                seconds, self.timeout = self.timeout, min(self.timeout, AFTER_A_TIMEOUT)
+                raise CheckTimeout(f"still running after {seconds:.0f} s: an endless loop?")
+
+            old = signal.signal(signal.SIGALRM, expire)
+            signal.setitimer(signal.ITIMER_REAL, self.timeout)
+            try:
+                yield
+            finally:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, old)
+
+        def pytest_collectreport(self, report):
+            if report.failed:
+                self._write(collect=report.nodeid, message=_short(report))
+
+        def pytest_runtest_logreport(self, report):
+            if report.when == "call" or report.outcome != "passed":
+                self._write(nodeid=report.nodeid, when=report.when, outcome=report.outcome, message=_short(report))
+
+    return Recorder()
+
+
+def _short(report) -> str:
+    """The line a person needs: the exception and its message (the full trace is in the log)."""
+    if report.passed:
+        return ""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return crash.message[:600]
+    if isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
+        return str(report.longrepr[2])[:600]
+    text = str(report.longrepr).strip().splitlines()
+    return (text[-1] if text else "")[:600]
+
+
+def run_pytest(selection: list[str], results: str) -> int:
+    import pytest
+
+    files = list(dict.fromkeys(s.split("::")[0] for s in selection))
+    args = [
+        *files,
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-o",
+        "addopts=",
+        "--rootdir",
+        str(REPO),
+        "-W",
+        "ignore",
+        "--durations",
+        "12",
+    ]
+    return int(pytest.main(args, plugins=[recorder(selection, results)]))
+
+
+# --- a plan: many variants, each in a fork of one warm process ---------------------------------------
+PRELOAD = [
+    "numpy", "torch", "torch.distributed", "torch.multiprocessing", "safetensors", "tokenizers", "rich",
+    "pytest", "hypothesis", "hypothesis.stateful", "scipy.stats", "transformers", "triton", "triton.language",
+]  # fmt: skip
+PRELOAD_ATTRS = [("transformers", n) for n in ("LlamaForCausalLM", "LlamaConfig", "AutoModelForCausalLM",
+                                               "Qwen3ForCausalLM", "Qwen3Config")]  # fmt: skip
+
+
+def preload() -> None:
+    """Import what every variant needs and no swap touches, once, before forking."""
+    if "TRITON_INTERPRET" not in os.environ:
+        import torch
+
+        if not torch.cuda.is_available():  # as tests/conftest.py: before triton's first import
+            os.environ["TRITON_INTERPRET"] = "1"
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - optional: a variant that needs it will say so
+            pass
+    for mod, attr in PRELOAD_ATTRS:
+        try:
+            getattr(sys.modules[mod], attr)
+        except Exception:  # noqa: BLE001
+            pass
+
+
+def _child(variant: dict) -> int:
+    """In the fork: own process group, output to the log, the swaps, then the work."""
+    os.setpgid(0, 0)
+    log = os.open(variant["log"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.chdir(REPO)
+    swaps = variant.get("swaps", {})
+    os.environ[ENV] = json.dumps(swaps)  # for the processes it spawns
+    install(swaps)
+    for module in swaps:  # a student's file that does not even import: say so, once, clearly
+        try:
+            importlib.import_module(module)
+        except BaseException as e:  # noqa: BLE001
+            with open(variant["results"], "a") as f:
+                f.write(json.dumps({"import_error": module, "message": f"{type(e).__name__}: {e}"[:600]}) + "\n")
+            import traceback
+
+            traceback.print_exc()
+            return 3
+    if variant.get("no_shrink"):
+        no_shrink_profile()
+    if variant["kind"] == "pytest":
+        return run_pytest(variant["tests"], variant["results"])
+    if variant["kind"] == "probe":
+        return probe(variant["module"])
+    return run_module(variant["module"], variant.get("argv", []))
+
+
+def no_shrink_profile() -> None:
+    """For runs that only need to know *that* a check fails (the labs' own tests of starters and
+    planted bugs): tests/conftest.py's "ci" profile without hypothesis's shrinking, which can take
+    longer than the test. A student's check keeps shrinking: a minimal failing example is a hint."""
+    from hypothesis import HealthCheck, Phase, settings
+
+    settings.register_profile("labs-no-shrink", max_examples=15, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                              phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
+    settings.load_profile("labs-no-shrink")
+    os.environ["HYPOTHESIS_PROFILE"] = "labs-no-shrink"  # what tests/conftest.py loads
+
+
+def _fork(variant: dict) -> int:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            code = _child(variant)
+        except BaseException:  # noqa: BLE001
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code if isinstance(code, int) else 1)
+    return pid
+
+
+def run_plan(plan: dict) -> list[dict]:
+    """Run every variant (`jobs` at a time); return {name, exit_code, seconds, timed_out} per variant."""
+    preload()
+    pending, running, done = list(plan["variants"]), {}, {}
+    jobs = max(1, int(plan.get("jobs", 1)))
+    while pending or running:
+        while pending and len(running) < jobs:
+            v = pending.pop(0)
+            for key in ("results", "log"):
+                Path(v[key]).parent.mkdir(parents=True, exist_ok=True)
+                Path(v[key]).touch()
+            running[_fork(v)] = (v, time.monotonic())
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid in running:
+            v, t0 = running.pop(pid)
+            done[v["name"]] = dict(name=v["name"], exit_code=os.waitstatus_to_exitcode(status),
+                                   seconds=round(time.monotonic() - t0, 2), timed_out=False)  # fmt: skip
+            _reap_group(pid)
+            continue
+        for pid, (v, t0) in list(running.items()):
+            if time.monotonic() - t0 > v.get("timeout", 900):
+                _reap_group(pid)
+                os.waitpid(pid, 0)
+                running.pop(pid)
+                done[v["name"]] = dict(name=v["name"], exit_code=-9, seconds=round(time.monotonic() - t0, 2),
+                                       timed_out=True)  # fmt: skip
+        time.sleep(0.02)
+    return [done[v["name"]] for v in plan["variants"]]
+
+
+def _reap_group(pgid: int) -> None:
+    """Whatever the variant left behind (a rank that outlived its driver) goes with it."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+# --- a self-check of the swap: which file does a spawned process import? -------------------------------
+def module_file(name: str) -> str:
+    return importlib.import_module(name).__file__
+
+
+def probe(name: str) -> int:
+    """Print the file `name` comes from here and in a process spawned by multiprocessing (level 5's way)."""
+    import multiprocessing
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        child = pool.apply(module_file, (name,))
+    print(f"this process: {module_file(name)}")
+    print(f"a spawned process: {child}")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "probe":
+        return probe(argv[1])
+    if len(argv) >= 2 and argv[0] == "module":
+        return run_module(argv[1], argv[2:])
+    if len(argv) == 2 and argv[0] == "plan":
+        plan = json.loads(Path(argv[1]).read_text())
+        summary = run_plan(plan)
+        Path(plan["summary"]).write_text(json.dumps(summary, indent=1))
+        return 0
+    print("usage: python -m labs.runner module NAME [ARGS...] | plan PLAN.json | probe MODULE", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

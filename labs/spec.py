@@ -1,0 +1,112 @@
+"""What a lab is made of: the module a student rewrites, the checks, the planted bugs, the experiment.
+
+What it is: plain dataclasses, and `get(lab_id)`, which imports `labs.lab<id>` and returns
+its `LAB`. Nothing here imports a level, so the command line can describe a lab without
+loading the engine it is about to swap a piece of.
+
+  - `Part`: one function or method the starter removes (`qualname`, as in
+    `Scheduler.schedule`), with the guiding comment left in its place; `keep_until`
+    keeps the body up to and including a line (a kernel's prologue, say).
+  - `Module`: a reference module (`level2_continuous.scheduler`) and its parts. The
+    student's file for it is named like the reference (`scheduler.py`).
+  - `Check`: what the student sees, one line each: a title, the tests behind it (pytest
+    ids, from the level's own tests, the curriculum, or from `labs/lab<id>_checks.py`),
+    and the hint printed when one of them fails.
+  - `Bug`: a planted bug, made from the reference source by one string replacement, and
+    the check that must catch it (tests/test_labs.py plants each one).
+  - `Experiment`: the command of the handout's experiment, and the small arguments the
+    tests append to run it in seconds.
+
+What it is not: the checks' code (`labs/lab<id>_checks.py`) or the grading
+(`labs/grading.py`).
+
+Reference: minitorch's per-task test markers; CS336's assignment adapters.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+LAB_IDS = ["0", "1", "1b", "2", "3", "4", "5", "6"]
+
+
+@dataclass(frozen=True)
+class Part:
+    qualname: str  # "causal_attention", "Scheduler.schedule"
+    hint: str  # the guiding comment, several lines allowed
+    keep_until: str | None = None  # keep the body up to and including the line that contains this
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str  # the dotted reference module, e.g. "level2_continuous.scheduler"
+    parts: tuple[Part, ...]
+
+    @property
+    def filename(self) -> str:
+        return self.name.rsplit(".", 1)[1] + ".py"
+
+    @property
+    def reference_path(self) -> Path:
+        return REPO / (self.name.replace(".", "/") + ".py")
+
+
+@dataclass(frozen=True)
+class Check:
+    id: str  # short and stable: what --json and the tests refer to
+    title: str  # what is checked, in the student's words
+    tests: tuple[str, ...]  # pytest ids relative to the repository (a family or a file also works)
+    hint: str  # printed when it fails: where to look, the usual mistake
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    module: str  # dotted module name
+    old: str  # must occur exactly once in the reference source
+    new: str
+    caught_by: tuple[str, ...]  # check ids that must fail
+
+
+@dataclass(frozen=True)
+class Experiment:
+    module: str  # run as python -m <module> under the swap
+    args: tuple[str, ...] = ()  # the handout's arguments
+    smoke_args: tuple[str, ...] = ()  # appended by the tests: the same run, in seconds
+
+
+@dataclass(frozen=True)
+class Lab:
+    id: str
+    topic: str
+    handout: str  # docs/labs/<file>
+    modules: tuple[Module, ...]
+    checks: tuple[Check, ...]
+    bugs: tuple[Bug, ...]
+    experiment: Experiment | None
+    minutes: int = 90  # the time a student needs, for the teacher's note
+    notes: dict = field(default_factory=dict)
+
+    @property
+    def starter_dir(self) -> Path:
+        return REPO / "labs" / "starters" / f"lab{self.id}"
+
+    def module_for_file(self, filename: str) -> Module | None:
+        return next((m for m in self.modules if m.filename == filename), None)
+
+    def check(self, check_id: str) -> Check:
+        return next(c for c in self.checks if c.id == check_id)
+
+
+def get(lab_id: str) -> Lab:
+    lab_id = str(lab_id).lower()
+    if lab_id not in LAB_IDS:
+        raise ValueError(f"there is no lab {lab_id!r}; the labs are {', '.join(LAB_IDS)}")
+    return importlib.import_module(f"labs.lab{lab_id}").LAB
+
+
+def all_labs() -> list[Lab]:
+    return [get(i) for i in LAB_IDS]

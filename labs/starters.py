@@ -1,0 +1,115 @@
+"""Starters: the reference module with the lab's functions emptied, made from the reference itself.
+
+What it is: `make_starter(lab, module)`, which parses the reference source, finds each
+`Part` by its qualified name, keeps its signature and docstring (and, with `keep_until`,
+the first lines of its body), and replaces the rest with the part's guiding comment and
+`raise NotImplementedError`. Every other line stays byte for byte, so a student's piece
+runs inside the real engine. Imports that only the removed code used are kept and marked,
+because the student's code will need them.
+
+`python -m labs starters` rewrites `labs/starters/lab<id>/*.py`; a test checks that the
+committed starters are what this function makes from today's reference, so a change to a
+level that the labs have not caught up with fails loudly instead of handing students a
+stale copy.
+
+What it is not: a way to hide the solution. The reference is in the same repository;
+the labs ask students not to open the module they are rewriting until they are done.
+
+Reference: nbgrader's "### BEGIN SOLUTION / ### END SOLUTION" cells, done on the AST.
+"""
+
+from __future__ import annotations
+
+import ast
+
+from .spec import Lab, Module, Part
+
+BANNER = (
+    "# Lab {lab}: your copy of {path}.\n"
+    "# Fill in every function that raises NotImplementedError (search for TODO), then run\n"
+    "#     python -m labs check {lab} THIS_FILE\n"
+    "# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.\n"
+)
+
+
+def _find(tree: ast.Module, qualname: str) -> ast.FunctionDef:
+    scope: list[ast.stmt] = tree.body
+    node = None
+    for name in qualname.split("."):
+        node = next(
+            (
+                n
+                for n in scope
+                if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and n.name == name
+            ),
+            None,
+        )
+        if node is None:
+            raise ValueError(f"{qualname}: no {name!r} in the reference source")
+        scope = node.body
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        raise ValueError(f"{qualname} is not a function")
+    return node
+
+
+def _replacement(lab: Lab, part: Part, indent: str) -> list[str]:
+    out = [f"{indent}# TODO (lab {lab.id}): {part.qualname}\n"]
+    for line in part.hint.strip("\n").splitlines():
+        out.append(f"{indent}# {line}".rstrip() + "\n")
+    out.append(f'{indent}raise NotImplementedError("lab {lab.id}: write {part.qualname}")\n')
+    return out
+
+
+def starter_source(lab: Lab, module: Module, source: str) -> str:
+    tree = ast.parse(source)
+    lines = source.splitlines(keepends=True)
+    edits = []  # (first line index to replace, one past the last, new lines)
+    for part in module.parts:
+        fn = _find(tree, part.qualname)
+        body = fn.body
+        has_doc = isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant)
+        start = body[0].end_lineno if has_doc else body[0].lineno - 1  # 0-based index of the first line to drop
+        indent = " " * body[0].col_offset
+        if part.keep_until is not None:
+            hits = [i for i in range(start, fn.end_lineno) if part.keep_until in lines[i]]
+            if len(hits) != 1:
+                raise ValueError(f"{part.qualname}: keep_until {part.keep_until!r} found {len(hits)} times")
+            start = hits[0] + 1
+            while start < fn.end_lineno and lines[start].strip() == "":
+                start += 1
+        edits.append((start, fn.end_lineno, _replacement(lab, part, indent)))
+    for start, end, new in sorted(edits, reverse=True):
+        lines[start:end] = new
+    text = BANNER.format(lab=lab.id, path=module.reference_path.relative_to(module.reference_path.parents[1]))
+    if any(p.keep_until for p in module.parts):  # the kept prologue computes values only your code uses
+        text += "# ruff: noqa: F841\n"
+    return _mark_unused_imports(text + "".join(lines))
+
+
+def _mark_unused_imports(source: str) -> str:
+    """`# noqa: F401` on imports that only the removed code used: the student will need them."""
+    tree = ast.parse(source)
+    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+    used |= {n.value.id for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    for node in ast.walk(tree):  # names in string annotations count too (`from __future__ import annotations`)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used |= {w for w in node.value.replace("[", " ").replace("]", " ").replace(",", " ").split()}
+    lines = source.splitlines(keepends=True)
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)) and not (
+            isinstance(node, ast.ImportFrom) and node.module == "__future__"
+        ):
+            names = [(a.asname or a.name).split(".")[0] for a in node.names]
+            if any(n not in used for n in names) and "noqa" not in lines[node.lineno - 1]:
+                i = node.lineno - 1
+                lines[i] = lines[i].rstrip("\n") + "  # noqa: F401 (your code will need it)\n"
+    return "".join(lines)
+
+
+def make_starter(lab: Lab, module: Module) -> str:
+    return starter_source(lab, module, module.reference_path.read_text())
+
+
+def starter_files(lab: Lab) -> dict[str, str]:
+    """{path relative to the repository: text} of every starter file of the lab."""
+    return {f"labs/starters/lab{lab.id}/{m.filename}": make_starter(lab, m) for m in lab.modules}

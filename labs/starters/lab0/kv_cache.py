@@ -1,0 +1,98 @@
+# Lab 0: your copy of level0_naive/kv_cache.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 0 THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""Level 0's KV cache: one contiguous slab per request, reserved for its maximum length.
+
+What it is: the way pre-vLLM systems (FasterTransformer, Orca, HF `generate`) hold the
+cache. When a request is admitted it reserves `prompt + max_tokens` token slots (capped
+at `max_model_len`) out of a fixed KV memory budget, whether or not it will ever use
+them; the slab is only returned when the whole static batch ends.
+
+    slab of request A (reserved 12 slots, 5 used so far):
+    [ k0 k1 k2 k3 k4 .  .  .  .  .  .  . ]   <- 7 reserved, unused: waste
+    slab of request B (finished after 3, held until the batch ends):
+    [ k0 k1 k2 .  .  .  .  . ]
+
+`SlabAttention` is the attention backend the model calls: per sequence, write the new
+k/v into the slab and attend over the slab's filled prefix with a causal mask.
+
+What it is not: efficient. It loops over sequences in Python. Level 1 replaces this file's
+idea with a block pool (PagedAttention) and one kernel for the whole flattened batch.
+
+Reference: Kwon et al., "Efficient Memory Management for LLM Serving with
+PagedAttention" (SOSP 2023), section 2.3 / figure 3 (reservation, internal and external
+fragmentation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .model import ModelConfig
+
+
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """K and V, every layer, every KV head: the cost of one cached token."""
+    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
+class Slab:
+    """One request's contiguous cache: k, v [num_layers, reserved, Hkv, D]."""
+
+    def __init__(self, cfg: ModelConfig, reserved: int, dtype: torch.dtype, device):
+        shape = (cfg.num_layers, reserved, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.empty(shape, dtype=dtype, device=device)  # [L, reserved, Hkv, D]
+        self.v = torch.empty(shape, dtype=dtype, device=device)  # [L, reserved, Hkv, D]
+        self.reserved = reserved
+        self.used = 0  # tokens whose k/v are stored (all layers)
+        self.finished = False  # its request is done: the slab is held, but holds nothing useful
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_len: int) -> torch.Tensor:
+    """Dense attention of new queries over a contiguous context: the plainest correct version.
+
+    q [n, Hq, D] are positions context_len .. context_len+n-1; k, v [context_len+n, Hkv, D].
+    Query i sees keys 0 .. context_len+i (causal, offset by what was cached before).
+    Returns [n, Hq, D].
+    """
+    # TODO (lab 0): causal_attention
+    # Dense attention of n new queries over a contiguous context (docs/level0_naive.md):
+    #   GQA: each of the Hkv key/value heads serves Hq // Hkv query heads (repeat_interleave along dim 1).
+    #   Compute in float32 at least (torch.promote_types(q.dtype, torch.float32)), and cast back at the end.
+    #   scores [Hq, n, S] = q . k * D**-0.5 (torch.einsum is the plainest way to write it).
+    #   The causal mask is offset by what was cached before: query i sits at position context_len + i,
+    #   and may see keys 0 .. context_len + i; later keys get -inf before the softmax.
+    #   softmax over the keys, then the weighted sum of v -> [n, Hq, D].
+    raise NotImplementedError("lab 0: write causal_attention")
+
+
+class SlabAttention:
+    """The attention backend for one forward over a flattened batch of slab-backed sequences.
+
+    Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1] of q/k/v, and
+    those tokens go to slab positions slab.used .. slab.used + n - 1.
+    """
+
+    def __init__(self, slabs: list[Slab], query_start_loc: torch.Tensor):
+        self.slabs = slabs
+        qsl = query_start_loc.tolist()  # [B+1], read once per forward, not once per layer
+        self.spans = list(zip(qsl[:-1], qsl[1:]))
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # TODO (lab 0): SlabAttention.__call__
+        # One layer of one forward over the flattened batch. For each sequence (self.slabs and self.spans
+        # line up: sequence i owns rows s:e of q, k and v, n = e - s new tokens):
+        #   the slab already holds ctx = slab.used tokens; write this layer's new k and v after them
+        #   (slab.k[layer, ctx : ctx + n], the same for v), then attend the sequence's queries over the slab's
+        #   first ctx + n keys with causal_attention (the context length is ctx).
+        # Return out [T, Hq, D]. Do not advance slab.used here: every layer writes to the same positions, and
+        # the tokens count as cached only once the whole forward is done (commit).
+        raise NotImplementedError("lab 0: write SlabAttention.__call__")
+
+    def commit(self) -> None:
+        """After the forward: the new tokens are now part of every slab's context."""
+        # TODO (lab 0): SlabAttention.commit
+        # After the forward (all layers): the new tokens are now part of every slab's context: slab.used grows
+        # by each sequence's n.
+        raise NotImplementedError("lab 0: write SlabAttention.commit")

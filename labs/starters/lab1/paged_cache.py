@@ -1,0 +1,142 @@
+# Lab 1: your copy of level1_paged/paged_cache.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 1 THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""The paged KV cache: a pool of blocks, per-sequence block tables, and the batch metadata.
+
+What it is: PagedAttention's memory layout. One K and one V tensor per layer, shaped
+`[num_blocks, block_size, num_kv_heads, head_dim]`, sized once from the KV budget. A
+sequence's tokens live in whatever blocks it was given, in order, named by its block
+table; a new block is taken only when the last one is full:
+
+    sequence 7, 37 tokens, block_size 16          physical K cache of one layer
+    logical block:   0    1    2                  block 0 [ ................ ]
+    block table:   [ 5 ,  2 ,  9 ]   ------->     block 2 [ tokens 16..31    ]
+    tokens:        0-15 16-31 32-36 (11 free)     block 5 [ tokens 0..15     ]
+                                                  block 9 [ 32..36 | 11 empty ]
+
+Only the tail of the last block can be wasted: fewer than `block_size` slots per
+sequence, versus a whole `max_tokens` reservation at level 0.
+
+`PagedAttention` is the attention backend the model calls for one flattened batch,
+described by vLLM's metadata (`query_start_loc [B+1]`, `seq_lens [B]`,
+`block_tables [B, max_blocks]`, `slot_mapping [T]`), which `worker.ModelInput` builds.
+
+What it is not: a scheduler. `BlockTables` grows and frees tables when told to; who
+runs, and who is preempted when blocks run out, is the engine's (level 1) or the
+scheduler's (level 2) decision.
+
+Reference: Kwon et al., SOSP 2023, section 4.1-4.3; vLLM V1 `v1/core/kv_cache_manager.py`
+and `v1/attention/backends/`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from level0_naive.model import ModelConfig
+
+from .block_allocator import BlockAllocator, OutOfBlocks
+
+
+class PagedKVCache:
+    """The physical memory: per layer, k and v of [num_blocks, block_size, Hkv, D]."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+
+def blocks_for(num_tokens: int, block_size: int) -> int:
+    """Blocks needed to hold num_tokens tokens (ceil division)."""
+    # TODO (lab 1): blocks_for
+    # How many blocks of block_size tokens hold num_tokens tokens: a ceiling division.
+    raise NotImplementedError("lab 1: write blocks_for")
+
+
+def num_blocks_for_budget(kv_budget: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks a KV budget in bytes holds (at least one, or a ValueError)."""
+    num_blocks = kv_budget // (block_size * bytes_per_token)
+    if num_blocks < 1:
+        raise ValueError(
+            f"kv_cache_memory={kv_budget} bytes holds no block of {block_size} tokens "
+            f"({block_size * bytes_per_token} bytes)"
+        )
+    return num_blocks
+
+
+class BlockTables:
+    """Which physical blocks each sequence owns, in logical order."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.allocator = BlockAllocator(num_blocks)
+        self.block_size = block_size
+        self.tables: dict[int, list[int]] = {}  # seq_id -> physical block ids
+
+    def missing_blocks(self, seq_id: int, num_tokens: int) -> int:
+        """How many more blocks `seq_id` needs to hold `num_tokens` tokens."""
+        # TODO (lab 1): BlockTables.missing_blocks
+        # How many blocks seq_id still lacks to hold num_tokens tokens (never negative; a sequence with no
+        # table yet has none).
+        raise NotImplementedError("lab 1: write BlockTables.missing_blocks")
+
+    def grow(self, seq_id: int, num_tokens: int) -> None:
+        """Make the table cover `num_tokens` tokens; all or nothing (raises OutOfBlocks)."""
+        # TODO (lab 1): BlockTables.grow
+        # Make seq_id's table cover num_tokens tokens, all or nothing: if the allocator has fewer free blocks
+        # than are missing, raise OutOfBlocks and change nothing (not even an empty table for a new sequence).
+        # Otherwise append the new blocks at the end of its table: a table only ever grows at the end.
+        raise NotImplementedError("lab 1: write BlockTables.grow")
+
+    def free(self, seq_id: int) -> None:
+        # TODO (lab 1): BlockTables.free
+        # Give every block of seq_id back to the allocator and forget its table (an unknown seq_id: nothing).
+        raise NotImplementedError("lab 1: write BlockTables.free")
+
+
+def attention_impl(name: str, device: torch.device):
+    """'auto' | 'torch' | 'triton' | 'ref' -> (write_kv, attend) functions."""
+    from .attention_ref import paged_attention_ref, paged_attention_torch, write_kv_cache
+
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return write_kv_cache, paged_attention_torch
+    if name == "ref":
+        return write_kv_cache, paged_attention_ref
+    if name == "triton":
+        from .triton_attention import paged_attention_triton, write_kv_cache_triton
+
+        return write_kv_cache_triton, paged_attention_triton
+    raise ValueError(f"attention_backend={name!r} is not one of: auto, torch, triton, ref")
+
+
+class PagedAttention:
+    """The attention backend for one forward: write new k/v to their slots, attend through tables.
+
+    `meta` is the step's `ModelInput` (`worker.py`): query_start_loc, seq_lens,
+    block_tables, slot_mapping, already on the cache's device.
+    """
+
+    def __init__(self, cache: PagedKVCache, meta, impl, scale: float):
+        self.cache, self.meta, self.scale = cache, meta, scale
+        self.write_kv, self.attend = impl
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [N, bs, Hkv, D]
+        self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
+        return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
+
+
+__all__ = [
+    "blocks_for",
+    "num_blocks_for_budget",
+    "PagedKVCache",
+    "BlockTables",
+    "PagedAttention",
+    "OutOfBlocks",
+    "attention_impl",
+]

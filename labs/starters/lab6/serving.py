@@ -1,0 +1,343 @@
+# Lab 6: your copy of level6_serving/serving.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 6 THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""`/v1/completions` and `/v1/chat/completions`: requests in, JSON or Server-Sent Events out.
+
+What it is: `OpenAIServing`, the part of the server that speaks OpenAI. For one request:
+
+    body ─parse_body─> CompletionRequest ─> model known? n allowed? prompt fits? queue not full?
+         ─> AsyncLLMEngine.add_request (one engine request per prompt; n samples each)
+         ─> stream: one SSE event per choice per engine output, then usage, then [DONE]
+            or not: the deltas concatenated into one JSON response
+
+A stream is framed exactly as OpenAI frames it, one `data: {json}\\n\\n` per event:
+
+    data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant",
+           "content": ""}, "finish_reason": null}], ...}                 (chat: the role first)
+    data: {... "choices": [{"index": 0, "delta": {"content": "Romeo"}, "finish_reason": null}]}
+    data: {... "choices": [{"index": 0, "delta": {"content": " is"}, "finish_reason": "length"}]}
+    data: {... "choices": [], "usage": {"prompt_tokens": 5, ...}}        (stream_options.include_usage)
+    data: [DONE]
+
+The text of each event is the engine's delta output, so it never splits a character
+and never shows the start of a stop string that is then cut. Choice `index` is
+`prompt_index * n + sample_index`, as OpenAI numbers them.
+
+A client that disconnects cancels its handler (Starlette cancels a streaming response;
+`unless_disconnected` races a plain one against the disconnect), the cancellation
+reaches the request's stream, and the stream aborts the request in the engine.
+
+What it is not: the HTTP app (routes, auth, metrics, shutdown live in `api_server.py`).
+
+Reference: vLLM `entrypoints/openai/serving_completion.py`, `serving_chat.py`; the OpenAI
+API reference for the chunk objects.
+"""
+
+from __future__ import annotations
+
+import asyncio  # noqa: F401 (your code will need it)
+import contextlib  # noqa: F401 (your code will need it)
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from .base import CompletionOutput, RequestOutput, SamplingParams
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+
+log = logging.getLogger("level6_serving")
+
+
+def sse(obj: dict | str) -> str:
+    """One Server-Sent Event: `data: <json>` and a blank line. The JSON is ASCII (other characters
+    are escaped), so no U+2028 or U+0085 in a generated text can look like a line break to a
+    client that splits lines the way Python's `str.splitlines` does."""
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """(prompt index, output) from several streams as they come; closing this closes them all."""
+    # TODO (lab 6): merge_streams
+    # (prompt index, output) pairs from several request streams, as the outputs come: a fast prompt does not
+    # wait for a slow one. One stream: iterate it with `async for` (leaving that loop early abandons the
+    # request). Several: one task per stream (asyncio.create_task) pumps its outputs into an asyncio.Queue as
+    # (i, output), then a marker (i, None) when it ends, or (i, exception) if it raised; read the queue until
+    # every stream has ended, yielding outputs and re-raising an exception. In a `finally`, cancel every pump
+    # task: when the reader stops early (the client left), a cancelled pump leaves its `async for`, which
+    # abandons its request, and the engine aborts it and frees its blocks.
+    raise NotImplementedError("lab 6: write merge_streams")
+
+
+class EventStream(StreamingResponse):
+    """An SSE response that aborts its requests however it ends: a client that left before
+    the first byte means the body generator never even started, so its own cleanup never runs."""
+
+    def __init__(self, events, streams: list[RequestStream]):
+        super().__init__(events, media_type="text/event-stream")
+        self.streams = streams
+
+    async def __call__(self, scope, receive, send) -> None:
+        # TODO (lab 6): EventStream.__call__
+        # Send the response (await super().__call__(scope, receive, send)), and however that ends (done, the client
+        # gone, cancelled: a `finally`), abandon every stream in self.streams (s.abandon(); a finished one ignores
+        # it). The body generator cannot do this alone: a client that leaves before the first byte means the
+        # generator never started, so its own cleanup never runs.
+        raise NotImplementedError("lab 6: write EventStream.__call__")
+
+
+async def unless_disconnected(raw: Request, work, streams: list[RequestStream]) -> Response:
+    """Run a non-streaming handler, but cancel it (aborting its requests) if the client leaves."""
+    # TODO (lab 6): unless_disconnected
+    # A non-streaming response takes as long as the whole answer. Run `work` (the coroutine that builds it) as a
+    # task, and race it (asyncio.wait, FIRST_COMPLETED) against a task that waits for the client to leave (loop
+    # on `await raw.receive()` until a message of type "http.disconnect"). If the response is ready, return it.
+    # If the client left first, cancel the work, abandon every stream (the engine aborts the requests now, not
+    # when the answer would have been done) and return Response(status_code=499) (nobody will read it). If this
+    # handler is itself cancelled while waiting, do the same and re-raise. Always cancel the watcher.
+    raise NotImplementedError("lab 6: write unless_disconnected")
+
+
+class Choice:
+    """One choice of a non-streaming response, accumulated from deltas."""
+
+    def __init__(self, text: str = ""):
+        self.text, self.token_ids, self.logprobs = text, [], []
+        self.finish_reason: str | None = None
+        self.stop_reason = None
+
+    def add(self, c: CompletionOutput) -> None:
+        self.text += c.text
+        self.token_ids += c.token_ids
+        self.logprobs += c.logprobs or []
+        self.finish_reason, self.stop_reason = c.finish_reason, c.stop_reason
+
+
+def _top(entry: dict, n: int) -> list:
+    """The top-n (token id, Logprob) of one position, most likely first."""
+    return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offset: int) -> dict:
+    """The legacy completions shape: parallel lists, `text_offset` counted from the choice's start."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tok, entry in zip(token_ids, entries):
+        chosen = entry[tok]
+        out["tokens"].append(chosen.decoded_token)
+        out["token_logprobs"].append(chosen.logprob)
+        out["top_logprobs"].append({lp.decoded_token: lp.logprob for _, lp in _top(entry, n)})
+        out["text_offset"].append(offset)
+        offset += len(chosen.decoded_token or "")
+    return out
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], n: int) -> dict:
+    """The chat shape: one object per token, with its UTF-8 bytes and its top alternatives."""
+
+    def item(lp) -> dict:
+        text = lp.decoded_token or ""
+        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**item(entry[tok]), "top_logprobs": [item(lp) for _, lp in _top(entry, n)]}
+                        for tok, entry in zip(token_ids, entries)]}  # fmt: skip
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], max_num_waiting: int, max_n: int):
+        self.engine, self.names = engine, served_model_names
+        self.max_num_waiting, self.max_n = max_num_waiting, max_n
+        self.draining = False
+
+    # --- checks before anything is queued ------------------------------------------------------
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(self.names)})", "model",
+                           "model_not_found")  # fmt: skip
+        return name or self.names[0]
+
+    def check_n(self, n: int) -> None:
+        if not 1 <= n <= self.max_n:
+            raise APIError(400, f"n={n} must be between 1 and {self.max_n} (the server's --max-num-seqs)", "n")
+
+    def admit(self, num_seqs: int) -> None:
+        """Backpressure: a bounded queue. Beyond it, 503 and Retry-After, never an unbounded wait."""
+        if self.draining:
+            raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
+        if not self.engine.is_running:
+            raise APIError(503, f"the engine is not running ({self.engine.dead or 'stopped'})")
+        waiting = self.engine.num_waiting
+        if waiting and waiting + num_seqs > self.max_num_waiting:
+            raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting "
+                                f"(--max-num-waiting {self.max_num_waiting}); retry later", None, "overloaded",
+                           {"Retry-After": "1"})  # fmt: skip
+
+    def check_context(self, ids: list[int], max_tokens: int | None, field: str) -> None:
+        limit = self.engine.max_model_len
+        if max_tokens is not None and len(ids) + max_tokens > limit:
+            raise APIError(400, f"This model's maximum context length is {limit} tokens. However, you requested "
+                                f"{len(ids) + max_tokens} tokens ({len(ids)} in the prompt, {max_tokens} for the "
+                                f"completion). Please reduce the length of the prompt or of {field}.", field,
+                           "context_length_exceeded")  # fmt: skip
+
+    async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
+        """One engine request per prompt; if one is refused, the others are aborted."""
+        streams = []
+        try:
+            for i, ids in enumerate(prompts):
+                rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+                streams.append(await self.engine.add_request(rid, ids, params))
+        except BaseException as e:
+            for s in streams:
+                s.abandon()
+            if isinstance(e, EngineDeadError):
+                raise APIError(503, str(e)) from None
+            if isinstance(e, ValueError):  # the engine's own checks, e.g. more KV blocks than the pool holds
+                raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
+            raise
+        return streams
+
+    # --- /v1/completions -----------------------------------------------------------------------
+    async def completions(self, raw: Request) -> Response:
+        req: CompletionRequest = parse_body(CompletionRequest, await raw.body())
+        req.validate_request()
+        model = self.check_model(req.model)
+        self.check_n(req.n)
+        prompts = req.prompts()
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.engine.inputs.tokenize(p, i))
+            except ValueError as e:
+                raise APIError(400, str(e), "prompt") from None
+        max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        params = req.sampling_params(max_tokens, "max_tokens", req.logprobs)
+        for x in ids:
+            self.check_context(x, max_tokens, "max_tokens")
+        self.admit(params.n * len(ids))
+        ctx = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+               "model": model}  # fmt: skip
+        streams = await self.add_all(ctx["id"], ids, params)
+        echo = [p if isinstance(p, str) else self.engine.tokenizer.decode(x) for p, x in zip(prompts, ids)]
+        echo = echo if req.echo else ["" for _ in prompts]
+        if req.stream:
+            return EventStream(self.completion_events(ctx, req, streams, echo), streams)
+        return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
+
+    async def completion_events(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
+        # TODO (lab 6): OpenAIServing.completion_events
+        # The SSE events of a streamed /v1/completions; chat_events below is the same pattern for chat, read it first.
+        #   n = req.n; choice `index` = prompt index * n + the completion's c.index (OpenAI's numbering).
+        #   extra = {"usage": None} in every chunk when req.stream_options asks for include_usage.
+        #   If echo: first, one event per choice with its prompt's text (echo[index // n]), finish_reason None.
+        #   Then for each (i, out) of merge_streams(streams), each completion c of out.outputs: count its tokens for
+        #   the usage; skip it if its choice already finished, or if it brings nothing (no text, no finish reason,
+        #   and no logprobs asked for); otherwise one event {**ctx, "choices": [{"index", "text": c.text, "logprobs",
+        #   "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra} (sse(...)). With
+        #   req.logprobs set, logprobs = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
+        #   offsets[index]), and offsets[index] (starting at the echo's length) grows by the tokens' text length.
+        #   With include_usage, a last chunk {**ctx, "choices": [], "usage": usage(prompt tokens of every stream,
+        #   completion tokens)}.
+        #   An exception once the response has started goes into the stream: yield sse(stream_error(e)).
+        #   Always end with sse("[DONE]").
+        raise NotImplementedError("lab 6: write OpenAIServing.completion_events")
+
+    async def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]) -> Response:
+        n = req.n
+        choices = [Choice(echo[i // n]) for i in range(len(streams) * n)]
+        async for i, out in merge_streams(streams):
+            for c in out.outputs:
+                choices[i * n + c.index].add(c)
+        body = []
+        for index, ch in enumerate(choices):
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(ch.token_ids, ch.logprobs, req.logprobs, len(echo[index // n]))
+            body.append({"index": index, "text": ch.text, "logprobs": lp, "finish_reason": ch.finish_reason,
+                         "stop_reason": ch.stop_reason})  # fmt: skip
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        completion_tokens = sum(len(c.token_ids) for c in choices)
+        return JSONResponse({**ctx, "choices": body, "usage": usage(prompt_tokens, completion_tokens)})
+
+    # --- /v1/chat/completions ------------------------------------------------------------------
+    async def chat(self, raw: Request) -> Response:
+        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await raw.body())
+        req.validate_request()
+        model = self.check_model(req.model)
+        self.check_n(req.n)
+        try:
+            ids = self.engine.inputs.apply_chat_template([m.as_template_input() for m in req.messages])
+        except ValueError as e:
+            raise APIError(400, str(e), "messages") from None
+        if len(ids) >= self.engine.max_model_len:
+            raise APIError(400, f"the conversation has {len(ids)} tokens; max_model_len={self.engine.max_model_len} "
+                                "leaves no room to generate", "messages", "context_length_exceeded")  # fmt: skip
+        field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        params = req.sampling_params(max_tokens, field, req.num_logprobs)  # None: until the context is full
+        self.check_context(ids, max_tokens, field)
+        self.admit(params.n)
+        ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+        streams = await self.add_all(ctx["id"], [ids], params)
+        if req.stream:
+            return EventStream(self.chat_events(ctx, req, streams[0]), streams)
+        return await unless_disconnected(raw, self.chat_response(ctx, req, streams[0]), streams)
+
+    async def chat_events(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream):
+        ctx = {**ctx, "object": "chat.completion.chunk"}
+        num_lp = req.num_logprobs
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        extra = {"usage": None} if include_usage else {}
+        done, completion_tokens = set(), 0
+        try:
+            for index in range(req.n):  # the role comes first, in a chunk of its own, for every choice
+                delta = {"role": "assistant", "content": ""}
+                yield sse({**ctx, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
+                           **extra})  # fmt: skip
+            async for _, out in merge_streams([stream]):
+                for c in out.outputs:
+                    completion_tokens += len(c.token_ids)
+                    if c.index in done or not (c.text or c.finish_reason or (num_lp is not None and c.token_ids)):
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(c.index)
+                    lp = None if num_lp is None else chat_logprobs(c.token_ids, c.logprobs or [], num_lp)
+                    delta = {"content": c.text} if c.text else {}
+                    choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
+                    yield sse({**ctx, "choices": [choice], **extra})
+            if include_usage:
+                yield sse({**ctx, "choices": [], "usage": usage(len(stream.prompt_token_ids), completion_tokens)})
+        except Exception as e:  # noqa: BLE001
+            yield sse(stream_error(e))
+        yield sse("[DONE]")
+
+    async def chat_response(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream) -> Response:
+        choices = [Choice() for _ in range(req.n)]
+        async for _, out in merge_streams([stream]):
+            for c in out.outputs:
+                choices[c.index].add(c)
+        num_lp = req.num_logprobs
+        body = [{"index": i, "message": {"role": "assistant", "content": ch.text},
+                 "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp),
+                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                for i, ch in enumerate(choices)]  # fmt: skip
+        total = sum(len(c.token_ids) for c in choices)
+        return JSONResponse({**ctx, "object": "chat.completion", "choices": body,
+                             "usage": usage(len(stream.prompt_token_ids), total)})  # fmt: skip
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def stream_error(e: Exception) -> dict:
+    """An error after the response started: it travels as an event (the status line is long gone)."""
+    if isinstance(e, APIError):
+        return e.body()
+    log.error("request failed while streaming: %r", e)
+    return APIError(500, f"the request failed: {e}").body()

@@ -1,0 +1,223 @@
+"""The classroom labs: every check can pass, every check can fail, and a planted bug fails the right one.
+
+What it is (marker `labs`):
+  - every lab's checks pass against the reference: the reference modules, copied out of
+    the tree, are swapped in exactly as a student's files would be;
+  - every untouched starter fails every check of its lab (lab 2's through the real
+    command line, `python -m labs check 2 ... --json`);
+  - each planted bug (labs/lab<id>.py: one string replaced in the reference) fails the
+    checks it names, and the failure prints the hint that points at it;
+  - the handouts' commands run: every `python -m labs ...` line of docs/labs/*.md parses,
+    `start` copies the starters, `check` finds the files, and `experiment` runs (with the
+    lab's small smoke arguments appended) on the reference;
+  - the committed starters are what `python -m labs starters` makes from today's
+    reference, and a process spawned by multiprocessing imports the swapped file too.
+
+Almost everything runs in one `python -m labs.runner plan` process: it imports torch,
+transformers and pytest once and forks a child per variant (a starter, a bug, an
+experiment), so the dozens of runs below cost seconds each, not a fresh interpreter each.
+
+What it is not: a test of the levels (their own tests are the curriculum the checks reuse).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from labs import cli, grading
+from labs.spec import REPO, all_labs, get
+from labs.starters import starter_files
+
+pytestmark = pytest.mark.labs
+
+LABS = all_labs()
+LAB_IDS = [lab.id for lab in LABS]
+BUGS = [(lab.id, bug.name) for lab in LABS for bug in lab.bugs]
+HANDOUTS = REPO / "docs" / "labs"
+
+
+def copy_reference(lab, into: Path) -> Path:
+    """The reference modules of a lab, copied out of the tree: what a student who is done hands in."""
+    into.mkdir(parents=True, exist_ok=True)
+    for m in lab.modules:
+        shutil.copyfile(m.reference_path, into / m.filename)
+    return into
+
+
+def handout_commands(lab) -> list[list[str]]:
+    """Every `python -m labs ...` line of the lab's handout's ```bash blocks, as argv lists (comments cut)."""
+    text = (HANDOUTS / lab.handout).read_text()
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M) for line in block.splitlines()]
+    return [shlex.split(line, comments=True)[3:] for line in lines if line.strip().startswith("python -m labs ")]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One plan, every variant: {name: (variant, summary)}, and the reference copies per lab."""
+    work = tmp_path_factory.mktemp("labs-plan")
+    refs = {lab.id: copy_reference(lab, work / "reference" / f"lab{lab.id}") for lab in LABS}
+    variants = []
+    everything = {m.name: str(refs[lab.id] / m.filename) for lab in LABS for m in lab.modules}
+    union = [c for lab in LABS for c in lab.checks]
+    variants.append(grading.check_variant("reference", LABS[0], everything, work, checks=union, timeout=600))
+    for lab in LABS:
+        if lab.id != "2":  # lab 2's starter goes through the real command line (test_the_command_line...)
+            swaps = {m.name: str(lab.starter_dir / m.filename) for m in lab.modules}
+            variants.append(grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, no_shrink=True))
+        for bug in lab.bugs:
+            d = work / "bugs" / f"{lab.id}-{bug.name}"
+            cli.main(["plant", lab.id, bug.name, str(d)])
+            swaps = {m.name: str(d / m.filename) for m in lab.modules}
+            checks = [lab.check(c) for c in bug.caught_by]
+            variant = grading.check_variant(f"bug-{lab.id}-{bug.name}", lab, swaps, work, checks, 300, no_shrink=True)
+            variants.append(variant)
+        for i, argv in enumerate(handout_commands(lab)):
+            args = cli.parse(argv)
+            if args.command in ("experiment", "run"):
+                module = lab.experiment.module if args.command == "experiment" else args.module
+                assert module == lab.experiment.module, f"{lab.handout}: `run` only with the experiment's module"
+                base = list(lab.experiment.args) if args.command == "experiment" else []
+                swaps = grading.resolve(lab, [refs[lab.id]])
+                argv = [*base, *args.args, *lab.experiment.smoke_args]
+                variants.append(grading.module_variant(f"handout-{lab.id}-{i}", swaps, module, argv, work, timeout=300))
+    probe = grading.module_variant("probe", {"level5_multigpu.layers": str(refs["5"] / "layers.py")}, "", [], work)
+    variants.append({**probe, "kind": "probe", "module": "level5_multigpu.layers"})
+    summary = grading.run_plan(variants, work, jobs=2)
+    return {v["name"]: (v, summary[v["name"]]) for v in variants}, refs
+
+
+def report(runs, name, lab, checks=None) -> grading.Report:
+    variant, summary = runs[0][name]
+    return grading.grade(lab, grading.read_results(variant["results"]), summary, checks=checks, log=variant["log"])
+
+
+def explain(rep: grading.Report) -> str:
+    lines = [f"{c.id}: {'pass' if c.passed else 'FAIL'} {c.details}" for c in rep.checks]
+    return "\n".join([f"problem: {rep.problem}", *lines, f"log: {rep.log}"])
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_every_check_passes_on_the_reference(runs, lab_id):
+    lab = get(lab_id)
+    rep = report(runs, "reference", lab)
+    assert rep.score == rep.total, explain(rep)
+
+
+@pytest.mark.parametrize("lab_id", [i for i in LAB_IDS if i != "2"])
+def test_an_untouched_starter_fails_every_check(runs, lab_id):
+    lab = get(lab_id)
+    rep = report(runs, f"starter-{lab_id}", lab)
+    assert rep.score == 0, explain(rep)
+    assert any("NotImplementedError" in d for c in rep.checks for d in c.details), explain(rep)
+
+
+def test_the_command_line_checks_lab_2s_starter_and_says_why(tmp_path):
+    """`python -m labs check 2 <untouched starter> --json`, as a student or an autograder runs it."""
+    mine = tmp_path / "lab2"
+    assert cli.main(["start", "2", str(mine)]) == 0
+    proc = subprocess.run([sys.executable, "-m", "labs", "check", "2", str(mine / "scheduler.py"), "--json"], cwd=REPO,
+                          env=grading.subprocess_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    rep = json.loads(proc.stdout)
+    assert rep["lab"] == "2" and rep["score"] == 0 and rep["total"] == len(get("2").checks) and not rep["passed"]
+    for c in rep["checks"]:
+        assert not c["passed"] and c["hint"], c
+        assert any("NotImplementedError: lab 2: write Scheduler." in d for d in c["details"]), c
+
+
+@pytest.mark.parametrize("lab_id,bug", BUGS)
+def test_a_planted_bug_fails_its_checks_with_their_hints(runs, lab_id, bug, capsys):
+    lab = get(lab_id)
+    planted = next(b for b in lab.bugs if b.name == bug)
+    checks = [lab.check(c) for c in planted.caught_by]
+    rep = report(runs, f"bug-{lab_id}-{bug}", lab, checks)
+    assert rep.problem is None, explain(rep)
+    assert all(not c.passed for c in rep.checks), f"planted bug {bug} went unnoticed:\n{explain(rep)}"
+    cli.print_report(rep)
+    printed = " ".join(capsys.readouterr().out.split())
+    for c in checks:
+        assert f"FAIL {c.id}" in printed and " ".join(c.hint.split())[:60] in printed
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_the_handouts_commands_run(runs, lab_id, tmp_path):
+    lab = get(lab_id)
+    commands = handout_commands(lab)
+    seen = {argv[0] for argv in commands}
+    assert {"start", "check", "experiment"} <= seen, f"{lab.handout} must show start, check and experiment: {seen}"
+    refs = runs[1]
+    for i, argv in enumerate(commands):
+        args = cli.parse(argv)
+        assert args.lab == lab.id, f"{lab.handout}: {argv} is about lab {args.lab}"
+        if args.command == "start":
+            assert cli.main(["start", lab.id, str(tmp_path / "start")]) == 0
+            for rel, text in starter_files(lab).items():
+                assert (tmp_path / "start" / Path(rel).name).read_text() == text
+        elif args.command == "check":
+            assert set(grading.resolve(lab, [refs[lab.id]])) == {m.name for m in lab.modules}
+        elif args.command == "plant":
+            assert cli.main(["plant", lab.id, args.bug, str(tmp_path / "plant")]) == 0
+        else:
+            variant, summary = runs[0][f"handout-{lab.id}-{i}"]
+            out = Path(variant["log"]).read_text()
+            assert summary["exit_code"] == 0 and not summary["timed_out"], f"{argv}: exit {summary}\n{out[-3000:]}"
+            assert len(out.strip().splitlines()) >= 3, f"{argv} printed almost nothing:\n{out}"
+
+
+def test_starters_are_made_from_todays_reference():
+    for lab in LABS:
+        for rel, text in starter_files(lab).items():
+            assert (REPO / rel).read_text() == text, f"{rel} is stale: run `python -m labs starters`"
+
+
+def test_a_spawned_process_imports_the_swapped_file(runs):
+    """Level 5's ranks are spawned by multiprocessing: they must run the student's layers too."""
+    variant, summary = runs[0]["probe"]
+    out, mine = Path(variant["log"]).read_text(), str(runs[1]["5"] / "layers.py")
+    assert summary["exit_code"] == 0 and f"this process: {mine}" in out and f"a spawned process: {mine}" in out, out
+
+
+def test_bad_hand_ins_are_refused_in_one_line(tmp_path, capsys):
+    assert cli.main(["check", "2", str(tmp_path / "nothing.py")]) == 2
+    assert "no such file" in capsys.readouterr().err
+    broken = tmp_path / "scheduler.py"
+    broken.write_text("def schedule(:\n")
+    assert cli.main(["check", "2", str(broken)]) == 2
+    assert f"{broken}:1:" in capsys.readouterr().err
+    assert cli.main(["check", "1", str(broken)]) == 2  # lab 1 has three files: a scheduler.py is none of them
+    assert "name yours the same" in capsys.readouterr().err
+    assert cli.main(["check", "7", str(broken)]) == 2
+    assert "there is no lab" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # `run` without `-m MODULE`
+        cli.main(["run", "2", str(broken)])
+    assert "-m MODULE" in capsys.readouterr().err
+
+
+def test_the_labs_index_commands_parse(capsys):
+    text = (HANDOUTS / "README.md").read_text()
+    lines = [line for block in re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M) for line in block.splitlines()]
+    argvs = [shlex.split(line, comments=True)[3:] for line in lines if line.strip().startswith("python -m labs ")]
+    assert argvs and all(cli.parse(argv) for argv in argvs)
+    assert cli.main(["list"]) == 0
+    listed = capsys.readouterr().out
+    for lab in LABS:
+        assert f"lab {lab.id} " in listed and f"checks: {len(lab.checks)}" in listed and lab.handout in text
+
+
+def test_run_swaps_the_file_into_any_module(tmp_path):
+    """`python -m labs run LAB PATH -m MODULE ARGS`, end to end: here the module is pytest, on a planted bug."""
+    cli.main(["plant", "4", "accept-reversed", str(tmp_path)])
+    test = "tests/test_level4.py::test_vectorised_sampler_equals_the_loop"
+    proc = subprocess.run([sys.executable, "-m", "labs", "run", "4", str(tmp_path), "-m", "pytest", test, "-q",
+                           "-p", "no:cacheprovider"], cwd=REPO, env=grading.subprocess_env(), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 1 and "1 failed" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"with {tmp_path / 'rejection_sampler.py'}" in proc.stdout
