@@ -101,11 +101,8 @@ class EngineStats:
             Counter("vllm:generation_tokens", value=self.generated_tokens),
             Counter("vllm:num_preemptions", value=self.preemptions),
         ]
-        out += [
-            Counter("vllm:request_success", {"finished_reason": r}, n)
-            for r, n in sorted(self.finished.items())
-            if r != "abort"
-        ]
+        # finished_reason "stop", "length" or "abort", as vLLM labels it
+        out += [Counter("vllm:request_success", {"finished_reason": r}, n) for r, n in sorted(self.finished.items())]
         out += [
             self.ttft.metric("vllm:time_to_first_token_seconds"),
             self.itl.metric("vllm:inter_token_latency_seconds"),

@@ -127,13 +127,18 @@ class LLMEngine(EngineBase):
             )
 
     # --- the online API ---------------------------------------------------------------
-    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0) -> None:
-        """Queue a request; a bad one raises ValueError here and nothing else is affected."""
+    def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> None:  # fmt: skip
+        """Queue a request; a bad one raises ValueError here and nothing else is affected.
+        `arrival_time` (time.perf_counter()) is when it really arrived, if earlier than now
+        (level 6: when the HTTP request came in), so TTFT counts from there."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id)
         for req in group:
             req.priority = priority
+            if arrival_time is not None:
+                req.metrics.arrival_time = arrival_time
             self.scheduler.add(req)
         self.requests[request_id] = group
 
@@ -153,6 +158,14 @@ class LLMEngine(EngineBase):
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    def unfinished_request_ids(self) -> list[str]:
+        """Ids of the requests added with add_request that have not finished (level 6 aborts them on failure)."""
+        return list(self.requests)
+
+    def num_waiting(self) -> int:
+        """Requests (samples) not yet admitted: what a server's backpressure watches."""
+        return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; return an output for every request that moved (and every abort),

@@ -197,13 +197,14 @@ class AsyncLLMEngine:
             raise RuntimeError("AsyncLLMEngine.start() was not called")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        arrival = time.perf_counter()  # TTFT counts from here, not from when the engine thread gets to it
         ids = self.inputs.tokenize(prompt)  # ValueError names the prompt; nothing is queued
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id, ids, self._abandon)
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._num_adding += params.n
-        self._commands.put(("add", request_id, ids, params, done))
+        self._commands.put(("add", request_id, ids, params, arrival, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -319,8 +320,8 @@ class AsyncLLMEngine:
             for cmd in commands:
                 stopping |= self._execute(cmd)
             if stopping:
-                engine.abort_request(list(engine.requests))
-            self.num_waiting_in_engine = len(engine.scheduler.waiting)
+                engine.abort_request(engine.unfinished_request_ids())
+            self.num_waiting_in_engine = engine.num_waiting()
             if not engine.has_unfinished_requests():
                 continue
             try:
@@ -328,7 +329,7 @@ class AsyncLLMEngine:
             except Exception as e:  # noqa: BLE001 - a bug in one step must not kill the server silently
                 self._recover(e)
                 continue
-            self.num_waiting_in_engine = len(engine.scheduler.waiting)
+            self.num_waiting_in_engine = engine.num_waiting()
             if outputs:
                 while not self._handovers.acquire(timeout=1.0):  # the event loop is behind: wait for it
                     if self._loop.is_closed():
@@ -342,10 +343,10 @@ class AsyncLLMEngine:
             if cmd[-1].set_running_or_notify_cancel():
                 cmd[-1].set_exception(EngineDeadError(f"the engine is dead: {self.dead}"))
         elif kind == "add":
-            _, rid, ids, params, done = cmd
+            _, rid, ids, params, arrival, done = cmd
             if done.set_running_or_notify_cancel():  # False: the caller went away before we got here
                 try:
-                    self.engine.add_request(rid, ids, params)
+                    self.engine.add_request(rid, ids, params, arrival_time=arrival)
                     done.set_result(None)
                 except Exception as e:  # noqa: BLE001 - the caller gets it (ValueError: 400; else: 500)
                     done.set_exception(e)
@@ -363,8 +364,8 @@ class AsyncLLMEngine:
     def _recover(self, error: Exception) -> None:
         """`step()` raised: fail and abort every request in flight; keep serving if the KV pool
         is whole again, else declare the engine dead."""
-        log.exception("engine step failed; aborting the %d requests in flight", len(self.engine.requests))
-        ids = list(self.engine.requests)
+        ids = self.engine.unfinished_request_ids()
+        log.exception("engine step failed; aborting the %d requests in flight", len(ids))
         self._to_loop(self._fail, ids, EngineStepError(f"the engine failed while running this request: {error!r}"))
         try:
             self.engine.abort_request(ids)

@@ -341,10 +341,10 @@ def test_an_exception_inside_one_request_is_a_500_for_it_only(server, monkeypatc
     engine = server.engine.engine
     add = engine.add_request
 
-    def add_or_fail(request_id, prompt, params=None, priority=0):
+    def add_or_fail(request_id, prompt, params=None, priority=0, **kw):
         if params.max_tokens == 13:
             raise RuntimeError("boom in add_request")
-        return add(request_id, prompt, params, priority)
+        return add(request_id, prompt, params, priority, **kw)
 
     monkeypatch.setattr(engine, "add_request", add_or_fail)
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
