@@ -48,9 +48,10 @@ The rest of the kernel: this program's BLOCK_M query rows against its sequence's
 CHECKS = (
     Check("decode", "decodes through shuffled block tables equal the oracle",
           (OWN + "test_decodes",),
-          "One query per sequence over its whole context: look up each key's physical block through the "
-          "table (k_pos // BLOCK_SIZE) and its slot (k_pos % BLOCK_SIZE); a NaN in the output means a key "
-          "outside the sequence was read (mask the loads with k_ok)."),
+          "One query per sequence over its whole context, itself included: it sees every key with k_pos <= "
+          "context_len + q_pos (<=, not <). Look up each key's physical block through the table "
+          "(k_pos // BLOCK_SIZE) and its slot (k_pos % BLOCK_SIZE); a NaN in the output means a key outside "
+          "the sequence was read (mask the loads with k_ok)."),
     Check("prefill-chunk", "a prefill chunk over a cached context (causal, several q blocks and tiles)",
           (OWN + "test_prefill_chunk_over_a_cached_context",),
           "Query row r is token q_pos = q_block_local * BLOCK_Q + r // G of the chunk, at position context_len + "
@@ -83,7 +84,7 @@ BUGS = (
         "level1_paged.triton_attention",
         "        visible = row_ok[:, None] & (k_pos[None, :] <= context_len + q_pos[:, None])\n",
         "        visible = row_ok[:, None] & (k_pos[None, :] < context_len + q_pos[:, None])\n",
-        ("decode",),
+        ("decode", "prefill-chunk"),
     ),
 )
 
