@@ -11,7 +11,7 @@ What it is:
   - draft = target: greedy acceptance is exactly 100 % (an off-by-one in the draft's KV
     would show as a lower rate, not as wrong text);
   - stop rules cut inside an accepted run and nothing after the stop leaks;
-  - the target's paged KV of every computed position equals a fresh recomputation, after
+  - both caches (target and draft) hold, for every computed position, what a fresh recomputation gives, after
     rollbacks; blocks are named only when verified in both caches; preemption resets the
     draft's progress; a seeded request gives the same tokens whatever the batch;
   - configuration errors name the key.
@@ -224,7 +224,7 @@ class RecordingAttention:
         return causal_attention(q, k, v, 0)
 
 
-def test_target_kv_equals_a_fresh_recomputation_after_rollbacks(checkpoint_factory):
+def test_both_caches_equal_a_fresh_recomputation_after_rollbacks(checkpoint_factory):
     target, draft = checkpoint_factory("llama"), checkpoint_factory("llama", seed=5)
     engine = LLMEngine(target, dtype="float64", block_size=4, speculative_config=spec(draft, k=4))
     engine.add_request("a", [3, 1, 4, 1, 5], SamplingParams(max_tokens=40, temperature=1.0, seed=3))
@@ -232,19 +232,21 @@ def test_target_kv_equals_a_fresh_recomputation_after_rollbacks(checkpoint_facto
     for _ in range(8):
         engine.step()
     assert engine.spec_stats.num_draft_tokens > engine.spec_stats.num_accepted_tokens > 0  # rollbacks happened
-    model, cache, bs = engine.worker.model, engine.worker.cache, 4
+    bs, draft_worker = 4, engine.proposer.worker
     for req in engine.scheduler.running:
-        n = req.num_computed_tokens
-        attn = RecordingAttention()
-        with torch.inference_mode():
-            model(torch.tensor(req.token_slice(0, n)), torch.arange(n), attn)
         table = engine.kv.block_table(req)
-        slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
-        for layer in range(model.config.num_layers):
-            flat_k = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
-            flat_v = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
-            torch.testing.assert_close(flat_k[slots], attn.k[layer], rtol=1e-10, atol=1e-10)
-            torch.testing.assert_close(flat_v[slots], attn.v[layer], rtol=1e-10, atol=1e-10)
+        # the target's cache for its verified tokens, and the draft's for the tokens it holds (same slots, other tensors)
+        for worker, n in ((engine.worker, req.num_computed_tokens), (draft_worker, req.draft_num_computed)):
+            model, cache = worker.model, worker.cache
+            attn = RecordingAttention()
+            with torch.inference_mode():
+                model(torch.tensor(req.token_slice(0, n)), torch.arange(n), attn)
+            slots = torch.tensor([table[p // bs] * bs + p % bs for p in range(n)])
+            for layer in range(model.config.num_layers):
+                flat_k = cache.k[layer].view(-1, *cache.k[layer].shape[2:])
+                flat_v = cache.v[layer].view(-1, *cache.v[layer].shape[2:])
+                torch.testing.assert_close(flat_k[slots], attn.k[layer], rtol=1e-10, atol=1e-10)
+                torch.testing.assert_close(flat_v[slots], attn.v[layer], rtol=1e-10, atol=1e-10)
 
 
 def test_blocks_are_named_only_when_verified_in_both_caches(checkpoint_factory):

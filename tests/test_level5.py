@@ -167,9 +167,13 @@ def test_message_accounting_matches_the_model(checkpoint_factory):
     with LLM(path, dtype="float64", tensor_parallel_size=2, distributed_timeout_s=60) as llm:
         llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, **GREEDY), progress=False)
         stats = llm.comm_stats()
-        metrics = {(m.name, m.labels.get("kind")): m.value for m in llm.get_metrics() if m.name.startswith("ladder:comm")}
+        metrics = {
+            (m.name, m.labels.get("kind")): m.value for m in llm.get_metrics() if m.name.startswith("ladder:comm")
+        }
     tokens = [4, 1, 1, 1]  # tokens per forward
-    assert metrics[("ladder:comm_calls", "all_reduce")] == stats[0][0].by_kind["all_reduce"][0]  # the engine's metrics say it too
+    assert (
+        metrics[("ladder:comm_calls", "all_reduce")] == stats[0][0].by_kind["all_reduce"][0]
+    )  # the engine's metrics say it too
     for rank in (0, 1):
         ar = stats[rank][0].by_kind["all_reduce"]
         assert ar[0] == len(tokens) * (2 * cfg.num_layers + 1)
