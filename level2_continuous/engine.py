@@ -65,7 +65,8 @@ class ContinuousEngineConfig(PagedEngineConfig):
 
 @dataclass
 class StepRecord:
-    """What one step did: the raw material of the demo's timeline (the last `step_log_size` steps)."""
+    """What one step did (the last `step_log_size` steps are kept): for step-level analysis, such as the
+    demo's share of time spent scheduling."""
 
     time: float
     running: int
@@ -235,13 +236,17 @@ class LLMEngine(EngineBase):
         requests; whoever stopped leaves, and its blocks are free when this returns."""
         for req, n in sched.scheduled:
             req.num_computed_tokens += n - out.num_rejected.get(req.seq_id, 0)
-            self.kv.cache_blocks(req, self.num_shareable_tokens(req))  # level 3: name the blocks that became full
         for req, tokens, logprobs in zip(out.requests, out.token_ids, out.logprobs):
             for tok, lp in zip(tokens, logprobs):
                 self.append_token(req, tok, lp)
                 self.stats.generated_tokens += 1
                 if req.is_finished:
                     break  # a stop inside a run of accepted tokens: nothing after it is kept
+        for req, _ in sched.scheduled:
+            # Level 3: name the blocks that became full. Only now, with the new tokens joined: at
+            # level 4 an accepted draft run completes blocks whose last tokens were not in the
+            # request before this step, and a stop inside the run ends it before the verified count.
+            self.kv.cache_blocks(req, min(self.num_shareable_tokens(req), req.num_tokens))
             if req.is_finished:
                 self.scheduler.finish(req)
         return out.requests

@@ -35,6 +35,7 @@ import level3_prefix
 import level4_speculative.rejection_sampler as rs
 from level0_naive import SamplingParams
 from level0_naive.kv_cache import causal_attention
+from level3_prefix.block_pool import hash_block
 from level4_speculative import LLM, LLMEngine
 
 pytestmark = pytest.mark.level4
@@ -261,9 +262,30 @@ def test_blocks_are_named_only_when_verified_in_both_caches(checkpoint_factory):
             "a block named before both caches hold it"
         )
         assert named == min(req.num_computed_tokens, req.draft_num_computed) // 2
+        # and each named block is named after its own tokens (chained), not a truncated slice
+        want, parent = [], None
+        for i in range(named):
+            parent = hash_block(parent, tuple(req.token_slice(2 * i, 2)))
+            want.append(parent)
+        assert req.block_hashes[:named] == want
     # preemption resets both models' progress: the request is recomputed from scratch
     engine.scheduler._preempt(req, type("Out", (), {"preempted": []})())
     assert req.num_computed_tokens == req.draft_num_computed == 0
+
+
+def test_the_next_turn_hits_the_previous_answer_as_at_level_3(checkpoint_factory):
+    """Blocks completed by accepted draft runs are shareable: a prompt made of the last prompt and
+    its answer finds as many cached tokens at level 4 as at level 3."""
+    base = checkpoint_factory("llama")
+    hits = []
+    for llm in (level3_prefix.LLM(base, dtype="float64", block_size=2),
+                LLM(base, dtype="float64", block_size=2, speculative_config=spec(base, k=3))):  # fmt: skip
+        first = llm.generate([[3, 1, 4, 1, 5]], SamplingParams(max_tokens=17, **GREEDY), progress=False)[0]
+        before = llm.llm_engine.kv.hits
+        llm.generate([[3, 1, 4, 1, 5, *first.outputs[0].token_ids, 9]], SamplingParams(max_tokens=2, **GREEDY),
+                     progress=False)  # fmt: skip
+        hits.append(llm.llm_engine.kv.hits - before)
+    assert hits[0] == hits[1] >= 5 + 17 - 2
 
 
 def test_preemption_and_a_tight_budget_keep_outputs_exact(checkpoint_factory):
