@@ -27,7 +27,7 @@ import json
 import time
 from pathlib import Path
 
-from ladder.cli import LadderParser, check_device_and_models, output_dir, positive_int
+from ladder.cli import LadderParser, check_device_and_models, output_dir, positive_int, torch_threads
 
 HERE = Path(__file__).resolve().parent
 
@@ -78,7 +78,7 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
              max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192) as llm:  # fmt: skip
         fit = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
-        stats0 = llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0])
+        stats0 = list(llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0]))  # a copy: rank 0's counters live on
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, progress=False)
         seconds = time.perf_counter() - t0
@@ -110,7 +110,8 @@ def main(argv=None) -> dict:
         *[(t, 1, b) for b in tp_batches for t in (1, 2)],
     ]:
         print(f"TP={tp} PP={pp} batch {batch} ...", flush=True)
-        runs.append(run_layout(model, tp, pp, batch, args))
+        with torch_threads(1):  # the one-process baseline too: one thread per rank, everywhere
+            runs.append(run_layout(model, tp, pp, batch, args))
         print(f"  {runs[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
     base = {r["batch"]: r["tokens_per_s"] for r in runs if r["tp"] == 1 and r["pp"] == 1}
     for r in runs:

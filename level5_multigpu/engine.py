@@ -87,6 +87,7 @@ class LLMEngine(SpeculativeEngine):
 
     def __init__(self, model: str, **kwargs):
         self.in_flight: deque = deque()  # (SchedulerOutput, seconds to schedule it), oldest first
+        self.drafts_in_flight: deque = deque()  # level 4's drafts of each micro-batch in flight, same order
         self.executor: Executor | None = None
         try:
             super().__init__(model, **kwargs)
@@ -193,11 +194,13 @@ class LLMEngine(SpeculativeEngine):
                     model_input = self.prepare_input(sched)
                 self.worker.submit(model_input)
                 self.in_flight.append((sched, t_sched.seconds))
+                self.drafts_in_flight.append(self._proposals)  # the next micro-batch's drafting replaces them
             if not self.in_flight:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                 return []
             sched, sched_s = self.in_flight.popleft()
+            self._proposals = self.drafts_in_flight.popleft()  # what `sample` verifies: this micro-batch's drafts
             logits = self.worker.collect()
             sampled = self.sample(sched, logits)
             self._skip_aborted(sched, sampled)

@@ -61,7 +61,7 @@ from level1_paged.worker import ModelInput, Worker
 
 from .layers import ShardReader
 from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
-from .parallel_state import Comm, CommStats, Topology, alpha_beta, init_process_group
+from .parallel_state import Comm, CommStats, Topology, alpha_beta, init_process_group, local_gpu
 
 
 @dataclass
@@ -115,9 +115,7 @@ class RankWorker(Worker):
 def build_rank(spec: ParallelSpec, comm: Comm) -> tuple[RankWorker, int]:
     """Load this rank's shard, agree on the block count (the fewest any rank can hold), allocate its cache."""
     topo = comm.topo
-    device = torch.device(
-        f"cuda:{topo.rank % max(torch.cuda.device_count(), 1)}" if spec.device_type == "cuda" else "cpu"
-    )
+    device = torch.device(f"cuda:{local_gpu(topo)}" if spec.device_type == "cuda" else "cpu")
     path = resolve_path(spec.model)
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
@@ -266,11 +264,23 @@ class Executor:
         self.spec, self.closed, self.owns_group = spec, False, False
         self.topo = Topology(spec.tp, spec.pp, 0)
         self.procs: list = []
+        self.threads_before = torch.get_num_threads()
+        if self.topo.world > 1 and dist.is_initialized():
+            raise RuntimeError(
+                "a multi-rank engine is already running in this process: shut it down first (one per process)"
+            )
+        try:
+            self._start(spec)
+        except BaseException:  # a rank that failed to load, a bad config: leave no process or group behind
+            self._abandon()
+            raise
+
+    def _start(self, spec: ParallelSpec) -> None:
         if self.topo.world > 1:
-            if dist.is_initialized():
-                raise RuntimeError(
-                    "a multi-rank engine is already running in this process: shut it down first (one per process)"
-                )
+            # The driver is a rank too: one thread, like the others. With torch's default (one
+            # per core) it would fight the workers for the cores, and every all-reduce waits
+            # for the slowest rank. `_abandon` puts the caller's thread count back.
+            torch.set_num_threads(1)
             if spec.ranks_started_by == "torchrun":
                 init_method = "env://"
             else:
@@ -357,6 +367,8 @@ class Executor:
         """Tell every rank to stop, wait for them, and free this process's process group."""
         if self.topo.world > 1 and not self.closed:
             try:
+                while self.in_flight:  # the last stage waits to hand these over before it can listen
+                    self.collect()
                 for work, _ in self._send_down(("shutdown",)):
                     work.wait()
             except Exception:  # a rank is already gone: nothing more to tell it
@@ -369,6 +381,7 @@ class Executor:
         """No more messages: kill whoever is left and release the process group (idempotent)."""
         self.closed = True
         _kill(self.procs)
+        torch.set_num_threads(self.threads_before)
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False

@@ -26,6 +26,7 @@ Reference: Megatron-LM `parallel_state.py`; vLLM `distributed/parallel_state.py`
 from __future__ import annotations
 
 import datetime
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -160,7 +161,18 @@ class Comm:
         return box[0]
 
 
+def local_gpu(topo: Topology) -> int:
+    """This rank's GPU on its machine: torchrun's LOCAL_RANK, else (one machine) the rank."""
+    return int(os.environ.get("LOCAL_RANK", topo.rank)) % max(torch.cuda.device_count(), 1)
+
+
 def init_process_group(backend: str, init_method: str, topo: Topology, timeout_s: float) -> None:
+    if backend == "nccl":
+        # NCCL moves only CUDA tensors; the pickled messages and the calibration live on the CPU,
+        # so they take gloo: one group, a backend per device type. And each rank's own GPU
+        # first, or NCCL's objects all land on cuda:0. (Written, not run: no GPU was at hand.)
+        torch.cuda.set_device(local_gpu(topo))
+        backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, init_method=init_method, rank=topo.rank, world_size=topo.world,
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 

@@ -200,6 +200,7 @@ LAYOUTS = {  # name: (tensor_parallel_size, pipeline_parallel_size, speculate wi
     "pp2": (1, 2, False),
     "tp2-pp2": (2, 2, False),
     "tp2-spec": (2, 1, True),
+    "pp2-spec": (1, 2, True),  # the drafts of each micro-batch in flight are kept apart
 }
 _level5_engine: dict = {}  # at most one multi-rank engine per process: (key, engine)
 
