@@ -26,7 +26,8 @@ Without `--base-url` it runs the level-6 suite, every figure in one process run:
 It writes JSON and a plot of latency against request rate outside the repository
 (`ladder.cli.output_dir()`, or `--out` / `--plot`) and prints the goals of issue 14 with
 what was measured. Output lengths are exact (`min_tokens = max_tokens`, `ignore_eos`:
-vLLM's extensions; a server without them gets `--no-exact-lengths`).
+vLLM's extensions; a server without them gets `--no-exact-lengths`). A server started with
+`--api-key` needs `OPENAI_API_KEY` set to the key, as vLLM's benchmark does.
 
 What it is not: a test. Nothing fails because of a number; on a shared machine the
 absolute figures drift, so compare the ratios of one run.
@@ -40,6 +41,7 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 import urllib.parse
@@ -88,13 +90,17 @@ async def post_streaming(url: str, payload: dict):
     A minimal HTTP/1.1 client (one connection per request, chunked or not, http or https):
     httpx spends about 120 us of CPU per streamed chunk, so on a 2-core machine a client
     reading 100 streams would take CPU from the server it measures. This one parses only
-    the framing; vLLM's benchmark uses aiohttp's C parser for the same reason."""
+    the framing; vLLM's benchmark uses aiohttp's C parser for the same reason.
+    With `OPENAI_API_KEY` set it sends `Authorization: Bearer <key>`, as vLLM's benchmark does
+    (for a server started with `--api-key`)."""
     u = urllib.parse.urlsplit(url)
+    key = os.environ.get("OPENAI_API_KEY")
+    auth = f"Authorization: Bearer {key}\r\n" if key else ""
     port = u.port or (443 if u.scheme == "https" else 80)
     reader, writer = await asyncio.open_connection(u.hostname, port, ssl=True if u.scheme == "https" else None)
     try:
         body = json.dumps(payload).encode()
-        writer.write(f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+        writer.write(f"POST {u.path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n{auth}"
                      f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
         yield int((await reader.readline()).split()[1])
         headers = {}

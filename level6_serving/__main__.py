@@ -153,7 +153,8 @@ def main(argv=None) -> None:
           file=sys.stderr, flush=True)  # fmt: skip
     server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log)
     server.run(sockets=[sock])
-    sys.exit(0)
+    # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean exit.
+    sys.exit(130 if server.force_exit else 0)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ SIGTERM (or Ctrl-C) that drains instead of cutting streams:
                request on a kept-alive connection gets 503 + Retry-After)
             ─> requests in flight run to their end, for up to --drain-timeout seconds
             ─> whatever is left is aborted: its stream ends with finish_reason "abort" + [DONE]
-            ─> the engine thread stops; the process exits 0 (a second Ctrl-C quits at once)
+            ─> the engine thread stops; the process exits 0 (a second Ctrl-C quits at once,
+               skipping the engine's shutdown: exit status 130)
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (`serving.py`),
 `GET /v1/models`, `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`,
@@ -82,6 +83,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         try:
             yield
         finally:
+            drain = getattr(app.state, "drain_task", None)
+            if drain is not None:  # uvicorn may get here first; the drain's count is logged before the engine stops
+                await drain
             await engine.shutdown()  # aborts what is left and joins the engine thread
 
     app = FastAPI(title="inference-ladder level 6", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -212,7 +216,7 @@ class Server(uvicorn.Server):
             aborted = await serving.engine.drain(self.drain_timeout)
             log.info("drained (%d requests aborted at the deadline)", aborted)
 
-        self.drain_task = asyncio.ensure_future(drain())
+        self.drain_task = self.app.state.drain_task = asyncio.ensure_future(drain())
 
 
 def make_server(app: FastAPI, drain_timeout: float = 30.0, log_level: str = "info", access_log: bool = True) -> Server:

@@ -26,7 +26,8 @@ loop (the HTTP server's) never waits on a forward pass:
   blocks are free after the engine thread's next command drain, at most one step later.
 - An exception in `step()` fails the requests in flight (each gets the error) and aborts
   them; if every KV block is free afterwards the engine keeps serving, otherwise it is
-  marked dead (`/health` says 503).
+  marked dead (`/health` says 503) and the engine thread ends: every open stream and
+  queued command gets `EngineDeadError`.
 
 What it is not: a multi-process engine (vLLM runs its EngineCore in another process and
 talks over ZMQ; one thread is enough to keep the event loop free, though both share the
@@ -292,19 +293,21 @@ class AsyncLLMEngine:
     # --- the engine thread -----------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._loop_until_stopped()
+            self._loop_until_stopped()  # returns on "stop", or once the engine is dead
         except BaseException as e:  # a bug outside step(): nothing can be trusted any more
             self.dead = e
             log.exception("the engine loop died")
-            self._to_loop(self._fail_all, EngineDeadError(f"the engine loop died: {e!r}"))
-        finally:  # whatever is still queued gets an answer, not a hang
+        finally:  # every open stream and whatever is still queued gets an answer, not a hang
+            why = "the engine has stopped" if self.dead is None else f"the engine is dead: {self.dead!r}"
+            if self.dead is not None:
+                self._to_loop(self._fail_all, EngineDeadError(why))
             while True:
                 try:
                     cmd = self._commands.get_nowait()
                 except queue.Empty:
                     break
                 if cmd[0] in ("add", "call") and cmd[-1].set_running_or_notify_cancel():
-                    cmd[-1].set_exception(EngineDeadError("the engine has stopped"))
+                    cmd[-1].set_exception(EngineDeadError(why))
 
     def _loop_until_stopped(self) -> None:
         engine, stopping = self.engine, False
@@ -328,6 +331,8 @@ class AsyncLLMEngine:
                 outputs = engine.step()
             except Exception as e:  # noqa: BLE001 - a bug in one step must not kill the server silently
                 self._recover(e)
+                if self.dead is not None:  # not recovered: stepping again would fail again, forever
+                    return
                 continue
             self.num_waiting_in_engine = engine.num_waiting()
             if outputs:

@@ -33,6 +33,7 @@ from .metrics import parse, value
 from .process import ServerProcess
 
 MODULE = "level6_serving.demo"
+ABORT_TIMEOUT = 30.0  # seconds step 3 waits for the abandoned request to stop running
 
 
 def parser():
@@ -129,6 +130,9 @@ async def talk(url: str, args, console: Console) -> dict:
                 break
     t_close = time.perf_counter()
     while value(parse((await http.get("/metrics")).text), "vllm:num_requests_running") > 0:
+        if time.perf_counter() - t_close > ABORT_TIMEOUT:  # a demo that hangs teaches nothing: say what broke
+            raise RuntimeError(f"the disconnected request was still running {ABORT_TIMEOUT:.0f} s after its "
+                               "client left: the server did not abort it (see the server log)")  # fmt: skip
         await asyncio.sleep(0.005)
     freed = time.perf_counter() - t_close
     kv = value(parse((await http.get("/metrics")).text), "vllm:kv_cache_usage_perc")
