@@ -38,7 +38,7 @@ from ladder.models import BUILTIN_DRAFT, default_model
 from level0_naive.sampling import SamplingParams
 from level3_prefix.engine import LLM as PrefixLLM
 
-from .engine import LLM
+from .engine import LLM, SpecDecodeStats
 
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "KING RICHARD III:\nNow is the winter", "First Citizen:\n"]
 COLORS = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": "default"}
@@ -113,9 +113,10 @@ def run(args, console: Console) -> dict:
     # batch 1: one request at a time, level 3 against level 4 at every k (the first run warms up)
     base = PrefixLLM(model, max_num_seqs=1, **common)
     timed_generate(base, prompts[:1], SamplingParams(max_tokens=8))
+    steps0 = base.stats.steps  # the warm-up's steps are not the timed run's
     ref, t3 = timed_generate(base, prompts, params)
     tokens = sum(len(o.outputs[0].token_ids) for o in ref)
-    step3 = t3 / base.stats.steps  # seconds per level-3 step at batch 1
+    step3 = t3 / (base.stats.steps - steps0)  # seconds per level-3 step at batch 1
     sweep = {}
     for k in range(1, args.max_k + 1):
         llm = LLM(
@@ -123,11 +124,13 @@ def run(args, console: Console) -> dict:
         )
         kinds = trace_kinds(llm) if k == args.num_speculative_tokens else None
         timed_generate(llm, prompts[:1], SamplingParams(max_tokens=8))
-        s = llm.spec_decode_stats()
-        steps0, draft0, drafted0 = llm.stats.steps, s.draft_seconds, s.num_draft_tokens
+        s = llm.llm_engine.spec_stats = SpecDecodeStats(
+            accepted_per_pos=[0] * k, drafted_per_pos=[0] * k
+        )  # forget the warm-up
+        steps0 = llm.stats.steps
         outs, t4 = timed_generate(llm, prompts, params)
-        steps, drafting = llm.stats.steps - steps0, s.draft_seconds - draft0
-        c_draft = drafting / max(s.num_draft_tokens - drafted0, 1) / step3  # one draft forward per draft token
+        steps, drafting = llm.stats.steps - steps0, s.draft_seconds
+        c_draft = drafting / max(s.num_draft_tokens, 1) / step3  # one draft forward per draft token
         c_verify = (t4 - drafting) / steps / step3  # a step without its drafting
         sweep[k] = dict(
             llm=llm, outs=outs, seconds=t4, speedup=t3 / t4, c_draft=c_draft, c_verify=c_verify, kinds=kinds

@@ -143,7 +143,18 @@ def make_level4(path, need_tokens, data):
     caching = data.draw(st.booleans(), label="enable_prefix_caching")
     engine = make_level2(path, need_tokens, data, level4_speculative.LLMEngine, kv_models=[draft] if draft else [],
                          enable_prefix_caching=caching, speculative_config=spec)  # fmt: skip
-    return WarmCache(engine, data)
+    return (AllAccepted if method == "target as draft" else WarmCache)(engine, data)
+
+
+class AllAccepted(WarmCache):
+    """Draft = target: every draft token is the target's argmax, under preemption, chunked
+    prefill and prefix hits too (a KV slot off by one would lower the rate, not change the text)."""
+
+    def generate(self, prompts, params, progress=False):
+        outs = super().generate(prompts, params)
+        stats = self.inner.engine.spec_stats
+        assert stats.num_accepted_tokens == stats.num_draft_tokens, "draft = target, yet a draft token was rejected"
+        return outs
 
 
 register("level0", make_level0)

@@ -140,10 +140,11 @@ def exact_sequence_probs(path: Path, prompt: list[int], length: int, V: int) -> 
 
 @pytest.mark.parametrize("negative_control", [False, True])
 def test_whole_sequences_follow_the_target_alone(tiny_pair, negative_control, monkeypatch):
-    """Three generated tokens (the first comes from the prefill; the other two can be drafted),
-    so 64 possible sequences; cells expected fewer than 5 times are pooled, as chi-square needs."""
+    """Four generated tokens (the first comes from the prefill; the next step drafts k = 2, the
+    most that fits before max_tokens), so 256 possible sequences; cells expected fewer than 5
+    times are pooled, as chi-square needs."""
     target, draft = tiny_pair
-    V, length, N, prompt = 4, 3, 4000, [1, 2, 3]
+    V, length, N, prompt = 4, 4, 6000, [1, 2, 3]
     if negative_control:  # forget the residual: the draft's preferences leak into the output
         monkeypatch.setattr(rs, "_final_distribution", lambda p_row, q_row: p_row)
     llm = LLM(target, dtype="float64", speculative_config=spec(draft, k=2), max_num_seqs=256)
@@ -180,9 +181,11 @@ def test_draft_equal_to_target_is_accepted_every_time(checkpoint_factory):
     assert [len(o.outputs[0].token_ids) for o in out] == [10, 10] and out[0].outputs[0].token_ids == free.outputs[
         0
     ].token_ids[:10]
-    # EOS inside an accepted run: the run is cut at the EOS, and nothing after it is kept
-    eos = free.outputs[0].token_ids[5]
+    # EOS inside an accepted run: with k = 4 the first verifying step emits tokens 1..5, so an
+    # EOS at 1..4 has accepted tokens after it in the same run, which must be dropped
+    eos = free.outputs[0].token_ids[3]
     first = free.outputs[0].token_ids.index(eos)
+    assert 1 <= first < 5, "the test's EOS must fall inside the first accepted run"
     target = checkpoint_factory("llama", eos_token_id=eos)  # same weights, EOS id set
     llm = LLM(target, dtype="float64", speculative_config=spec(target, k=4))
     o = llm.generate([[7, 7, 7]], SamplingParams(max_tokens=20, temperature=0, logprobs=1), progress=False)[0].outputs[
