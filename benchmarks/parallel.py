@@ -78,7 +78,8 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
              max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192) as llm:  # fmt: skip
         fit = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
-        stats0 = list(llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0]))  # a copy: rank 0's counters live on
+        # a copy: rank 0's counters are the live object, and go on counting
+        stats0 = list(llm.comm_stats()[0][0].by_kind.get("all_reduce", [0, 0, 0.0]))
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, progress=False)
         seconds = time.perf_counter() - t0
