@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import time
 
-from ladder.cli import LadderParser, positive_int
+from ladder.cli import LadderParser
 from ladder.models import default_model
 from level0_naive.detokenizer import IncrementalDetokenizer, find_stop
+
+WINDOW = 50  # each figure is the mean cost of the tokens in a window this long
 
 
 def sample_tokens(n: int) -> list[int]:
@@ -33,7 +35,7 @@ def sample_tokens(n: int) -> list[int]:
 
 
 def measure(tokenizer, tokens: list[int], stops: list[str], marks: list[int]) -> dict[str, dict[int, float]]:
-    """Mean microseconds per token in the window of 50 tokens ending at each mark."""
+    """Mean microseconds per token in the window of WINDOW tokens ending at each mark."""
     out: dict[str, dict[int, float]] = {"full": {}, "incremental": {}}
     # full re-decode, as before
     ids: list[int] = []
@@ -45,7 +47,7 @@ def measure(tokenizer, tokens: list[int], stops: list[str], marks: list[int]) ->
         for s in stops:
             text.find(s)
         times.append(time.perf_counter() - t0)
-    out["full"] = {m: 1e6 * sum(times[m - 50 : m]) / 50 for m in marks}
+    out["full"] = {m: 1e6 * sum(times[m - WINDOW : m]) / WINDOW for m in marks}
     # incremental
     ids = []
     detok = IncrementalDetokenizer(tokenizer, ids)
@@ -57,8 +59,21 @@ def measure(tokenizer, tokens: list[int], stops: list[str], marks: list[int]) ->
         if detok.update():
             find_stop(detok.text, stops, checked)
         times.append(time.perf_counter() - t0)
-    out["incremental"] = {m: 1e6 * sum(times[m - 50 : m]) / 50 for m in marks}
+    out["incremental"] = {m: 1e6 * sum(times[m - WINDOW : m]) / WINDOW for m in marks}
     return out
+
+
+def output_length(text: str) -> int:
+    """`--tokens`: at least one window, or there is nothing to report."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < WINDOW:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an integer >= {WINDOW} (each figure is a {WINDOW}-token mean)"
+        )
+    return n
 
 
 def main(argv=None) -> dict:
@@ -67,12 +82,12 @@ def main(argv=None) -> dict:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--tokens", type=positive_int, default=2000, help="output length (default 2000)")
+    p.add_argument("--tokens", type=output_length, default=2000, help=f"output length, >= {WINDOW} (default 2000)")
     args = p.parse_args(argv)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model())
-    marks = sorted({m for m in (100, 500, 1000, 2000, args.tokens) if 50 <= m <= args.tokens})
+    marks = sorted({m for m in (100, 500, 1000, 2000, args.tokens) if WINDOW <= m <= args.tokens})
     res = measure(tokenizer, sample_tokens(args.tokens), ["\n\n", "THE END"], marks)
     print(f"microseconds to turn one new token into text and search it for 2 stop strings ({args.tokens}-token output)")
     print(f"{'output length':>14} {'full re-decode':>16} {'incremental':>12} {'ratio':>7}")

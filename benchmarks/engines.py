@@ -176,11 +176,13 @@ class HFEngine:
     def __init__(self, model: str, dtype: str, device: str, batch_size: int, progress: bool):
         from transformers import AutoModelForCausalLM
 
+        from ladder.models import resolve_path
         from level0_naive.config import resolve_device, resolve_dtype
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.model = AutoModelForCausalLM.from_pretrained(model, dtype=self.dtype).to(self.device).eval()
+        path = resolve_path(model)  # a built-in name is no hub id: from_pretrained needs its directory
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).to(self.device).eval()
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         n_kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads

@@ -56,7 +56,6 @@ PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its
 
 
 VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"}
-RESULTS = HERE / "results" / "latest.json"  # the committed results: written only when asked (--out)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -195,13 +194,25 @@ def make_console() -> Console:
     return console if console.is_terminal else Console(width=150)  # logs keep whole table rows
 
 
+def model_paths(args) -> tuple[str, str | None]:
+    """(target, draft) as checkpoint directories. A built-in name or a cached hub id becomes
+    its directory here, once: HF's `from_pretrained` and the roofline's `AutoConfig` would
+    take `tiny-shakespeare` for a hub id."""
+    from ladder.models import BUILTIN, BUILTIN_DRAFT, default_model, resolve_path
+
+    model = (resolve_path(args.model) if args.model else default_model()).resolve()
+    if args.draft_model:
+        draft = resolve_path(args.draft_model).resolve()
+    else:  # the built-in draft shares only the built-in target's vocabulary
+        draft = BUILTIN_DRAFT.resolve() if model == BUILTIN.resolve() else None
+    return str(model), (str(draft) if draft else None)
+
+
 def run(args, console: Console) -> dict:
-    from ladder.models import BUILTIN, BUILTIN_DRAFT, default_model
     from level0_naive.config import resolve_device, resolve_dtype
 
     torch.set_num_threads(args.threads)
-    model = str(args.model or default_model())
-    draft = args.draft_model or (str(BUILTIN_DRAFT) if Path(model).resolve() == BUILTIN.resolve() else None)
+    model, draft = model_paths(args)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     workloads = list(NAMES) if (args.all or (args.quick and not args.workload)) else (args.workload or ["spread"])
@@ -231,7 +242,7 @@ def run(args, console: Console) -> dict:
     )
     data = {"schema": 1, "machine": machine_info(device), "roofline": roof, "workloads": {}}
     data["config"] = {
-        "model": model, "model_name": Path(model).name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
+        "model": model, "model_name": Path(args.model or model).name, "dtype": str(dtype).removeprefix("torch."), "device": str(device),
         "quick": args.quick, "seed": args.seed, "num_requests": num_requests, "kv_requests": args.kv_requests,
         "hf_batch_size": hf_batch, "max_num_seqs": args.max_num_seqs, "repeats": args.repeats, "bytes_per_token": bytes_per_token,
         "threads": args.threads, "draft_model": draft,

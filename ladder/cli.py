@@ -1,10 +1,10 @@
 """What every command-line tool of the ladder shares: flags that refuse nonsense up front.
 
 What it is: `demo_parser()` (the flags every demo has), argparse types that reject a bad
-value with one line naming the flag (`positive_int`, `fraction`, ...), `check_device`
-(an unavailable device is an error before any weight is loaded), `torch_threads`, where
-pictures go (`plot_path`: outside the tracked tree unless asked), `save_figure`, and the
-demos' prompts and seeded lengths.
+value with one line naming the flag (`positive_int`, `at_least_one`, `fraction`, ...),
+`check_device_and_models` (an unavailable device is an error before any weight is loaded),
+`torch_threads`, where pictures go (`plot_path`: outside the tracked tree unless asked),
+`save_figure`, and the demos' prompts and seeded lengths.
 
 What it is not: an engine. No level's `engine.py` imports it.
 """
@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import random
-import sys
 import tempfile
 from pathlib import Path
 
@@ -50,6 +49,7 @@ positive_int = _number(int, lambda v: v >= 1, "an integer >= 1")
 nonneg_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 nonneg_float = _number(float, lambda v: v >= 0, "a number >= 0")
 positive_float = _number(float, lambda v: v > 0, "a number > 0")
+at_least_one = _number(float, lambda v: v >= 1, "a number >= 1")  # a count that may be fractional
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
@@ -180,9 +180,3 @@ def spread_lengths(n: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 def prompts_for(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
-
-
-def fail(message: str) -> None:
-    """A one-line error for a problem found after parsing (exit code 2, like argparse)."""
-    print(f"error: {message}", file=sys.stderr)
-    raise SystemExit(2)

@@ -3,13 +3,16 @@
 What it is: the one documented way to rewrite a tracked picture. Each demo, run on its
 own, saves its picture outside the repository (so trying a demo never modifies the
 tree); this command runs the demos with the settings the docs describe and points
-their `--plot` at `docs/img/`, and redraws the benchmark plots from the committed
-results. `--only level2` (repeatable) picks some.
+their `--plot` at `docs/img/`, runs `benchmarks.parallel` for `bench_parallel.png` (a
+TP/PP comparison of its own; its JSON goes outside the repository), and redraws the
+throughput benchmark's plots from the committed results (`latest.json`,
+`roofline_100m.json`). `--only level2` (repeatable) picks some.
 
-    python -m ladder.figures                 # all of them (a few minutes on a CPU)
+    python -m ladder.figures                 # all of them (several minutes on a CPU)
     python -m ladder.figures --only level3   # docs/img/level3_ttft.png
+    python -m ladder.figures --dry-run       # the commands, and so the pictures, without running them
 
-What it is not: a benchmark run (`python -m benchmarks.throughput ... --out
+What it is not: a throughput benchmark run (`python -m benchmarks.throughput ... --out
 benchmarks/results/latest.json --plots` refreshes the results the benchmark plots draw).
 """
 
@@ -22,35 +25,31 @@ import sys
 from .cli import DOCS_IMG, LadderParser
 from .models import REPO
 
-FIGURES = {
-    "level1": ["level1_paged.demo", "level1_memory.png"],
-    "level2": ["level2_continuous.demo", "level2_timeline.png"],
-    "level3": ["level3_prefix.demo", "level3_ttft.png"],
-    "level4": ["level4_speculative.demo", "level4_speedup.png"],
-    "level5": ["level5_multigpu.demo", "level5_pipeline.png"],
+FIGURES = {  # name: (module, picture, its other flags); each takes `--plot PATH`
+    "level1": ("level1_paged.demo", "level1_memory.png", ["--no-progress"]),
+    "level2": ("level2_continuous.demo", "level2_timeline.png", ["--no-progress"]),
+    "level3": ("level3_prefix.demo", "level3_ttft.png", ["--no-progress"]),
+    "level4": ("level4_speculative.demo", "level4_speedup.png", ["--no-progress"]),
+    "level5": ("level5_multigpu.demo", "level5_pipeline.png", ["--no-progress"]),
+    "parallel": ("benchmarks.parallel", "bench_parallel.png", []),
 }
 BENCH = "benchmarks"
+BENCH_RESULTS = [  # (committed results, picture prefix): bench_throughput.png, bench_100m_roofline.png, ...
+    ("benchmarks/results/latest.json", "bench_"),
+    ("benchmarks/results/roofline_100m.json", "bench_100m_"),
+]
 
 
 def commands(names: list[str]) -> list[list[str]]:
     out = []
     for name in names:
-        if name == BENCH:
-            results = REPO / "benchmarks" / "results" / "latest.json"
-            out.append(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.throughput",
-                    "--plots-from",
-                    str(results),
-                    "--img-dir",
-                    str(DOCS_IMG),
-                ]
-            )
+        if name == BENCH:  # redrawn from the committed results: no benchmark runs
+            for results, prefix in BENCH_RESULTS:
+                out.append([sys.executable, "-m", "benchmarks.throughput", "--plots-from", str(REPO / results),
+                            "--img-dir", str(DOCS_IMG), "--img-prefix", prefix])  # fmt: skip
         else:
-            module, picture = FIGURES[name]
-            out.append([sys.executable, "-m", module, "--no-progress", "--plot", str(DOCS_IMG / picture)])
+            module, picture, flags = FIGURES[name]
+            out.append([sys.executable, "-m", module, *flags, "--plot", str(DOCS_IMG / picture)])
     return out
 
 
@@ -68,7 +67,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = parser().parse_args(argv)
     for cmd in commands(args.only or [*FIGURES, BENCH]):
-        print(" ".join(cmd[1:]) if args.dry_run else f"running: {' '.join(cmd[1:])}", flush=True)
+        shown = " ".join(["python", *cmd[1:]])
+        print(shown if args.dry_run else f"running: {shown}", flush=True)
         if not args.dry_run:
             subprocess.run(cmd, check=True, cwd=REPO)
 

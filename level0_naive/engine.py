@@ -14,9 +14,10 @@ that are never generated (level 1: paged blocks) and requests waiting behind a b
 longest member (level 2: continuous batching). `self.stats` measures the first; the
 per-request TTFT / latency in `RequestOutput.metrics` shows the second.
 
-What it is not: fast, or clever. The KV cache is six small methods, and level 1 replaces
-exactly those six (`check_fits`, `_admit_one`, `_make_room`, `_execute`, `_on_finish`,
-`_end_batch`) plus `kv_usage`; the batching loop stays.
+What it is not: fast, or clever. The KV cache is eight small methods (`_init_kv_cache`,
+`check_fits`, `_admit_one`, `_make_room`, `_execute`, `_on_finish`, `_end_batch`,
+`kv_usage`), and level 1 replaces exactly those eight, adding only `_evict` (what
+`_make_room` calls when the pool runs out); the batching loop stays.
 
 Reference: Yu et al., "Orca" (OSDI 2022) section 2 for static batching; the
 PagedAttention paper (Kwon et al., SOSP 2023) section 2.3 for reservation waste.

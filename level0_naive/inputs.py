@@ -1,11 +1,13 @@
 """Prompts in, validated sequences out: every check runs before any work starts.
 
 What it is: `InputProcessor`, shared by `LLM.generate` and `LLMEngine.add_request`. It
-tokenizes text prompts (or checks token ids against the vocabulary), refuses an empty
-prompt or one that leaves no room to generate, asks the engine whether the request
-could ever fit its KV cache, gives each of the `n` samples its own seeded generator,
-and names things with two separate counters: request ids ("0", "1", "2", ... for
-`generate`) and sequence ids (one per sample, what KV managers key on).
+tokenizes text prompts (or checks token ids against the vocabulary, as it does
+`stop_token_ids`), refuses an empty prompt or one that leaves no room to generate, asks
+the engine whether the request could ever fit its KV cache, gives each of the `n`
+samples its own seeded generator, and names things with two separate counters: request
+ids ("0", "1", "2", ... for `generate`) and sequence ids (one per sample, what KV
+managers key on). Ids and seeds are handed out only once every prompt of a call has
+passed every check, so a refused call changes nothing.
 
 What it is not: a tokenizer (the checkpoint's own is used) or a scheduler.
 
@@ -37,7 +39,9 @@ class InputProcessor:
         self._seq_ids = itertools.count()
 
     def make_requests(self, prompts, sampling_params) -> list[list[Sequence]]:
-        """Prompts -> one group of `n` sequences per prompt; every check runs before any work."""
+        """Prompts -> one group of `n` sequences per prompt. Every prompt is checked before any
+        is numbered: a bad prompt 3 raises having used no request id and no random draw, so
+        the next call numbers and seeds its requests as if the failed one never happened."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if not prompts:
@@ -49,25 +53,48 @@ class InputProcessor:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        return [self.make_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        groups = [self._checked_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        return [self._number(group) for group in groups]
 
     def make_group(
         self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None
     ) -> list[Sequence]:
         """One validated prompt -> its `n` sequences (the samples of one request)."""
+        return self._number(self._checked_group(prompt, params, i), request_id)
+
+    def _checked_group(self, prompt: Prompt, params: SamplingParams, i: int) -> list[Sequence]:
+        """Every check of one request; its sequences come back without ids or generators."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise ValueError(
                 f"sampling_params.stop for prompt {i} needs a tokenizer, and the model has none (use stop_token_ids)"
             )
+        # SamplingParams cannot know the vocabulary; an id past it would fail the whole batch
+        # later (the min_tokens ban indexes the logits row with it), so it is refused here.
+        if any(t >= self.vocab_size for t in params.stop_token_ids):
+            raise ValueError(
+                f"SamplingParams.stop_token_ids={params.stop_token_ids!r} for prompt {i} has ids outside the "
+                f"vocabulary [0, {self.vocab_size})"
+            )
         ids = self.tokenize(prompt, i)
         text = prompt if isinstance(prompt, str) else None
-        group = [self._new_sequence("", j, text, ids, params) for j in range(params.n)]
+        group = [
+            self.sequence_class(
+                -1, "", j, text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer
+            )
+            for j in range(params.n)
+        ]
         self.check_fits(group[0], i)
-        rid = request_id if request_id is not None else str(next(self._request_ids))  # only once all checks passed
+        return group
+
+    def _number(self, group: list[Sequence], request_id: str | None = None) -> list[Sequence]:
+        """Hand a checked group its request id, sequence ids and seeded generators (the only
+        place the counters and the random generator advance)."""
+        rid = request_id if request_id is not None else str(next(self._request_ids))
         for seq in group:
-            seq.request_id = rid
+            seq.request_id, seq.seq_id = rid, next(self._seq_ids)
+            seq.generator = self._generator(seq.index, seq.params)
         return group
 
     def tokenize(self, prompt: Prompt, i: int = 0) -> list[int]:
@@ -93,11 +120,9 @@ class InputProcessor:
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
-    def _new_sequence(self, rid: str, index: int, prompt: str | None, ids: list[int], p: SamplingParams) -> Sequence:
-        gen = None
-        if not p.greedy:
-            seed = p.seed + index if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
-            gen = torch.Generator(device=self.device).manual_seed(seed)
-        return self.sequence_class(
-            next(self._seq_ids), rid, index, prompt, ids, p, self.max_model_len, self.eos_token_ids, gen, self.tokenizer
-        )
+    def _generator(self, index: int, p: SamplingParams) -> torch.Generator | None:
+        """Sample `index`'s own generator: seeded by the request (`seed + index`), else by the engine's."""
+        if p.greedy:
+            return None
+        seed = p.seed + index if p.seed is not None else int(torch.randint(2**62, (1,), generator=self._rng))
+        return torch.Generator(device=self.device).manual_seed(seed)

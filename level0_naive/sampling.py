@@ -90,7 +90,7 @@ class SamplingParams:
             (
                 "stop_token_ids",
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
-                "must be non-negative integers",
+                "must be non-negative integers",  # and < the vocabulary: checked when the request is added
             ),
             ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer (or None)"),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
@@ -166,6 +166,7 @@ def process_row(row: torch.Tensor, st: SamplingState) -> torch.Tensor:
     """
     p = st.params
     if len(st.output_token_ids) < p.min_tokens:
+        # every id is < V: InputProcessor refuses a request whose stop_token_ids are not
         banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
         if banned:
             row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))

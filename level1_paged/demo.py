@@ -30,10 +30,10 @@ from rich.table import Table
 from rich.text import Text
 
 from ladder.cli import (
+    at_least_one,
     demo_parser,
     parse_demo_args,
     plot_path,
-    positive_float,
     positive_int,
     prompts_for,
     save_figure,
@@ -46,6 +46,7 @@ from level0_naive.sampling import SamplingParams
 from level0_naive.stats import EngineStats
 
 from .engine import LLM as PagedLLM
+from .paged_cache import blocks_for
 
 COLORS = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
           "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan"]  # fmt: skip
@@ -71,9 +72,9 @@ def parser():
     p.add_argument("--requests", type=positive_int, default=24, help="how many requests (default 24)")
     p.add_argument(
         "--budget-requests",
-        type=positive_float,
+        type=at_least_one,  # below one worst-case request, the longest request could never run
         default=4.0,
-        help="KV budget, in worst-case requests (longest prompt + max tokens; default 4)",
+        help="KV budget, in worst-case requests (longest prompt + max tokens; >= 1; default 4)",
     )
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block of level 1 (default 16)")
     p.add_argument(
@@ -108,6 +109,9 @@ def run(args, console: Console) -> dict:
     probe = NaiveLLM(model, kv_cache_memory=1, **common).llm_engine  # only to size the budget (allocates no KV)
     worst = max(len(probe.tokenizer(p)["input_ids"]) for p in prompts) + cap
     budget = int(args.budget_requests * worst * probe.bytes_per_token)
+    # At least one worst-case request in whole blocks: level 1's pool is whole blocks, so a
+    # budget of exactly `worst` tokens could hold one block too few for the longest request.
+    budget = max(budget, blocks_for(worst, args.block_size) * args.block_size * probe.bytes_per_token)
     del probe
     console.print(f"[bold]level 0 vs level 1[/]: {args.requests} requests, "
                   f"output lengths {min(lengths)}..{max(lengths)} (exact), KV budget {budget / 2**20:.2f} MiB = "

@@ -5,14 +5,14 @@ built once per step by `ModelInput.build` (the one place where a token's positio
 becomes a cache slot), and `Worker`, which owns the model, its paged KV cache, the
 attention implementation and its scale, and runs one `ModelInput`:
 
-    scheduled: A prefill 5 tokens from 0, table [3]   B decode at 7, table [0, 1]   (block_size 4)
+    scheduled: A prefill 5 tokens from 0, table [3, 2]   B decode at 7, table [0, 1]   (block_size 4)
     input_ids        [ a0 a1 a2 a3 a4 | b7 ]
     positions        [  0  1  2  3  4 |  7 ]
     query_start_loc  [ 0, 5, 6 ]          seq_lens [ 5, 8 ]
-    block_tables     [[3, 0], [0, 1]]     (padded with 0: never read past seq_len)
-    slot_mapping     [12 13 14 15 0 | 7]  slot = table[pos // bs] * bs + pos % bs
-                                          (A's position 4 needs a second block: here the
-                                           padding 0, so the engine must have grown A's table)
+    block_tables     [[3, 2], [0, 1]]     (a shorter table is padded with 0: never read past seq_len)
+    slot_mapping     [12 13 14 15 8 | 7]  slot = table[pos // bs] * bs + pos % bs
+                                          (A's position 4 is in its second block, 2: the engine
+                                           grows a table before the step that needs it)
     logits_indices   [ 4, 5 ]
 
 A `ModelInput` is plain CPU tensors with no reference to any request, scheduler or

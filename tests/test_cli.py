@@ -43,6 +43,7 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
     ("level0_naive.demo", ["--threads", "zero"], "--threads"),
     ("level1_paged.demo", ["--block-size", "0"], "--block-size"),
     ("level1_paged.demo", ["--budget-requests", "-2"], "--budget-requests"),
+    ("level1_paged.demo", ["--budget-requests", "0.5"], "--budget-requests"),  # less than one request: never runs
     ("level2_continuous.demo", ["--long-fraction", "1.5"], "--long-fraction"),
     ("level2_continuous.demo", ["--batch-size", "0"], "--batch-size"),
     ("level3_prefix.demo", ["--dtype", "int3"], "--dtype"),
@@ -61,6 +62,7 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
     ("benchmarks.throughput", ["--workload", "nope"], "--workload"),
     ("benchmarks.throughput", ["--model", "nope"], "--model"),
     ("benchmarks.throughput", ["--markdown", "missing.json"], "--markdown"),
+    ("benchmarks.detokenize", ["--tokens", "10"], "--tokens"),  # shorter than one 50-token window
     ("ladder.figures", ["--only", "level9"], "--only"),
 ]
 
@@ -90,6 +92,21 @@ def test_help_shows_the_command_and_explains_every_flag(module):
     parser = importlib.import_module(module).parser()
     undocumented = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
     assert not undocumented, f"flags without help: {undocumented}"
+
+
+def test_the_benchmark_turns_builtin_names_into_directories():
+    """`--model tiny-shakespeare` passes the flag check, so it must also reach HF's
+    `from_pretrained` and the roofline's `AutoConfig` as a directory, not as a hub id;
+    the built-in draft follows the built-in target whichever name it is given by."""
+    from benchmarks import roofline
+    from benchmarks.throughput import model_paths, parse_args
+    from ladder.models import BUILTIN, BUILTIN_DRAFT
+
+    for name in ("tiny-shakespeare", "models/tiny-shakespeare", str(BUILTIN)):
+        assert model_paths(parse_args(["--model", name])) == (str(BUILTIN), str(BUILTIN_DRAFT)), name
+    args = parse_args(["--model", "tiny-shakespeare-draft", "--draft-model", "tiny-shakespeare-draft"])
+    assert model_paths(args) == (str(BUILTIN_DRAFT), str(BUILTIN_DRAFT))
+    assert roofline.Dims.from_checkpoint(model_paths(args)[0]).vocab > 0  # what crashed on the bare name
 
 
 def git_status() -> str:

@@ -247,6 +247,34 @@ def test_bad_prompts_are_refused_before_any_work(llama_dir):
     assert len(ok.token_ids) == 30 and ok.finish_reason == "length"  # capped by max_model_len
 
 
+def test_stop_token_ids_outside_the_vocabulary_are_refused_when_added(llama_dir):
+    """An id >= V would fail the min_tokens ban inside a step, and with it every running
+    request; it is refused when the request is added (`make_group`, what level 2's
+    `add_request` calls), naming the field."""
+    llm = LLM(llama_dir, dtype="float64")
+    bad = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[3, VOCAB])
+    with pytest.raises(ValueError, match=r"stop_token_ids=\[3, 97\].*vocabulary \[0, 97\)"):
+        llm.llm_engine.inputs.make_group([1, 2], bad)
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        llm.generate([[1, 2], [3, 4]], [SamplingParams(max_tokens=4), bad], progress=False)
+    assert llm.stats.steps == 0  # nothing ran
+    edge = SamplingParams(max_tokens=4, min_tokens=2, stop_token_ids=[VOCAB - 1], **GREEDY)
+    assert len(llm.generate([[1, 2]], edge, progress=False)[0].outputs[0].token_ids) == 4
+
+
+def test_a_refused_call_uses_no_request_id_and_no_random_draw(llama_dir):
+    """Every prompt is checked before ids and seeds are handed out: after a call whose
+    last prompt is refused, the engine numbers and samples as if it never happened."""
+    q = SamplingParams(max_tokens=8, temperature=1.0, ignore_eos=True)
+    refused, fresh = LLM(llama_dir, dtype="float64", seed=5), LLM(llama_dir, dtype="float64", seed=5)
+    with pytest.raises(ValueError, match="prompt 3 is empty"):
+        refused.generate([[1, 2, 3]] * 3 + [[]], q, progress=False)
+    after, clean = (llm.generate([[1, 2, 3]] * 2, q, progress=False) for llm in (refused, fresh))
+    assert [o.request_id for o in after] == [o.request_id for o in clean] == ["0", "1"]
+    assert [o.outputs[0].token_ids for o in after] == [o.outputs[0].token_ids for o in clean]
+    assert refused.llm_engine.inputs.make_group([1], q)[0].seq_id == 2  # no sequence id was used either
+
+
 def test_unknown_model_path_names_where_it_looked(tmp_path):
     with pytest.raises(ValueError, match="looked in"):
         LLM(str(tmp_path / "nope"))
