@@ -115,3 +115,20 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# title") and text.endswith("## after\n")
     assert "| engine | out tok/s | x L0 | x HF |" in text and text.count("L0 naive") == len(data["workloads"])
+
+
+@pytest.mark.level5
+def test_parallel_benchmark_writes_well_formed_json(checkpoint_factory, tmp_path, capsys):
+    """Every layout once, tiny: a TP=2 run carries its all-reduce count, time and the model's prediction."""
+    from benchmarks import parallel
+
+    out = tmp_path / "parallel.json"
+    data = parallel.main(["--model", str(checkpoint_factory("llama")), "--max-tokens", "3", "--pp-batch", "2",
+                          "--tp-batches", "1", "--repeats", "1", "--dtype", "float64", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    layouts = [(r["tp"], r["pp"], r["batch"]) for r in data["runs"]]
+    assert layouts == [(1, 1, 2), (1, 2, 2), (1, 1, 1), (2, 1, 1)]
+    assert all(r["tokens_per_s"] > 0 and len(r["rounds_tokens_per_s"]) == 1 for r in data["runs"])
+    tp2 = data["runs"][-1]
+    assert tp2["all_reduce_calls"] > 0 and tp2["all_reduce_bytes"] > 0 and tp2["predicted_all_reduce_s"] > 0
+    assert "model error" in capsys.readouterr().out
