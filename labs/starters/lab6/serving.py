@@ -6,7 +6,8 @@
 
 What it is: `OpenAIServing`, the part of the server that speaks OpenAI. For one request:
 
-    body ─parse_body─> CompletionRequest ─> model known? n allowed? prompt fits? queue not full?
+    body ─parse_body─> CompletionRequest ─> model known? n allowed? n x prompts within the queue's size?
+         ─> prompt fits? queue not full?
          ─> AsyncLLMEngine.add_request (one engine request per prompt; n samples each)
          ─> stream: one SSE event per choice per engine output, then usage, then [DONE]
             or not: the deltas concatenated into one JSON response
@@ -40,6 +41,7 @@ import asyncio  # noqa: F401 (your code will need it)
 import contextlib  # noqa: F401 (your code will need it)
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -136,14 +138,40 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offse
     return out
 
 
-def chat_logprobs(token_ids: list[int], entries: list[dict], n: int) -> dict:
-    """The chat shape: one object per token, with its UTF-8 bytes and its top alternatives."""
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
+    the others are shifted to U+0100 on (as in Llama 3, Qwen and the built-in tokenizer)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    shifted = [b for b in range(256) if b not in keep]
+    return {**{chr(b): b for b in keep}, **{chr(256 + i): b for i, b in enumerate(shifted)}}
 
-    def item(lp) -> dict:
+
+BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(tokenizer, token_id: int, decoded: str) -> bytes:
+    """A token's own bytes. Its decoded text says, unless that is U+FFFD: a token that is part
+    of a character (one byte of "€") decodes to the replacement character, whose UTF-8 is
+    not the token's. Then the vocabulary entry does: SentencePiece's byte fallback `<0x82>`,
+    or a string in the byte-level alphabet. Any other vocabulary gets the decoded text's bytes."""
+    if "\ufffd" not in decoded:
+        return decoded.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id) or ""
+    if m := re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece):
+        return bytes([int(m[1], 16)])
+    if piece and all(ch in BYTE_LEVEL for ch in piece):
+        return bytes(BYTE_LEVEL[ch] for ch in piece)
+    return decoded.encode("utf-8")
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, tokenizer) -> dict:
+    """The chat shape: one object per token, with its bytes and its top alternatives."""
+
+    def item(tok: int, lp) -> dict:
         text = lp.decoded_token or ""
-        return {"token": text, "logprob": lp.logprob, "bytes": list(text.encode("utf-8"))}
+        return {"token": text, "logprob": lp.logprob, "bytes": list(token_bytes(tokenizer, tok, text))}
 
-    return {"content": [{**item(entry[tok]), "top_logprobs": [item(lp) for _, lp in _top(entry, n)]}
+    return {"content": [{**item(tok, entry[tok]), "top_logprobs": [item(t, lp) for t, lp in _top(entry, n)]}
                         for tok, entry in zip(token_ids, entries)]}  # fmt: skip
 
 
@@ -164,14 +192,23 @@ class OpenAIServing:
         if not 1 <= n <= self.max_n:
             raise APIError(400, f"n={n} must be between 1 and {self.max_n} (the server's --max-num-seqs)", "n")
 
+    def check_size(self, n: int, num_prompts: int) -> None:
+        """A request bigger than the whole queue could never be admitted: 400, before any prompt
+        is tokenized (10,000 prompts would otherwise be tokenized on the event loop first)."""
+        if n * num_prompts > self.max_num_waiting:
+            raise APIError(400, f"this request asks for {n * num_prompts} sequences (n={n} x {num_prompts} prompts); "
+                                f"the server queues at most {self.max_num_waiting} (--max-num-waiting)",
+                           "n" if num_prompts == 1 else "prompt")  # fmt: skip
+
     def admit(self, num_seqs: int) -> None:
-        """Backpressure: a bounded queue. Beyond it, 503 and Retry-After, never an unbounded wait."""
+        """Backpressure: a bounded queue. Beyond it, 503 and Retry-After, never an unbounded wait.
+        A request that fits the queue alone (`check_size`) is always admitted to an empty one."""
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.engine.is_running:
             raise APIError(503, f"the engine is not running ({self.engine.dead or 'stopped'})")
         waiting = self.engine.num_waiting
-        if waiting and waiting + num_seqs > self.max_num_waiting:
+        if waiting + num_seqs > self.max_num_waiting:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting "
                                 f"(--max-num-waiting {self.max_num_waiting}); retry later", None, "overloaded",
                            {"Retry-After": "1"})  # fmt: skip
@@ -208,6 +245,7 @@ class OpenAIServing:
         model = self.check_model(req.model)
         self.check_n(req.n)
         prompts = req.prompts()
+        self.check_size(req.n, len(prompts))
         ids = []
         for i, p in enumerate(prompts):
             try:
@@ -269,6 +307,7 @@ class OpenAIServing:
         req.validate_request()
         model = self.check_model(req.model)
         self.check_n(req.n)
+        self.check_size(req.n, 1)
         try:
             ids = self.engine.inputs.apply_chat_template([m.as_template_input() for m in req.messages])
         except ValueError as e:
@@ -305,7 +344,9 @@ class OpenAIServing:
                         continue
                     if c.finish_reason is not None:
                         done.add(c.index)
-                    lp = None if num_lp is None else chat_logprobs(c.token_ids, c.logprobs or [], num_lp)
+                    lp = None
+                    if num_lp is not None:
+                        lp = chat_logprobs(c.token_ids, c.logprobs or [], num_lp, self.engine.tokenizer)
                     delta = {"content": c.text} if c.text else {}
                     choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
                     yield sse({**ctx, "choices": [choice], **extra})
@@ -320,9 +361,9 @@ class OpenAIServing:
         async for _, out in merge_streams([stream]):
             for c in out.outputs:
                 choices[c.index].add(c)
-        num_lp = req.num_logprobs
+        num_lp, tok = req.num_logprobs, self.engine.tokenizer
         body = [{"index": i, "message": {"role": "assistant", "content": ch.text},
-                 "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp),
+                 "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
                  "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
                 for i, ch in enumerate(choices)]  # fmt: skip
         total = sum(len(c.token_ids) for c in choices)
