@@ -13,7 +13,8 @@ What it is:
   - stop rules cut inside an accepted run and nothing after the stop leaks;
   - both caches (target and draft) hold, for every computed position, what a fresh recomputation gives, after
     rollbacks; blocks are named only when verified in both caches; preemption resets the
-    draft's progress; a seeded request gives the same tokens whatever the batch;
+    draft's progress; a seeded request gives the same tokens whatever else is in its batch
+    (while its own k is the same: see docs/level4_speculative.md);
   - configuration errors name the key.
 """
 
