@@ -45,6 +45,11 @@ LABELS = {
     "level4_speculative:ngram": "L4 (n-gram)",
 }
 NUM_SPECULATIVE_TOKENS = 4  # level 4's k in the harness
+# Level 4 drafts only while at most this many requests run (vLLM's `disable_by_batch_size`):
+# measured with the built-in pair on a CPU, speculation pays 1.37x at batch 1 and breaks even
+# near batch 16 (`python -m level4_speculative.demo`); past that, verifying k + 1 tokens per
+# request costs more than it saves, so a busy engine decodes plainly.
+DISABLE_BY_BATCH_SIZE = 8
 
 
 def label(name: str) -> str:
@@ -98,7 +103,7 @@ class LevelEngine:
             if variant == "ngram" or draft_model is None:
                 spec.update(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
             else:
-                spec.update(model=str(draft_model))
+                spec.update(model=str(draft_model), disable_by_batch_size=DISABLE_BY_BATCH_SIZE)
             self.kwargs["speculative_config"] = spec
         self.model, self.progress = model, progress
 
@@ -151,6 +156,7 @@ class LevelEngine:
             res.stats["spec"] = {
                 "method": self.kwargs["speculative_config"].get("method", "draft_model"),
                 "k": NUM_SPECULATIVE_TOKENS,
+                "disable_by_batch_size": self.kwargs["speculative_config"].get("disable_by_batch_size"),
                 "acceptance_rate": sp.acceptance_rate,  # vLLM's: accepted / proposed
                 "per_token_acceptance": sp.per_token_acceptance,  # Leviathan's alpha
                 "mean_acceptance_length": sp.mean_acceptance_length,

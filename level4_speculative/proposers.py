@@ -7,9 +7,13 @@ may have this step, and two implementations:
   - `DraftModelProposer`: a small model with its own `Worker` and its own paged KV
     cache, which shares the target's block tables and slot mapping (same block ids,
     same slots, other tensors). Its first forward of a step catches up on every token
-    it has not seen, for every scheduled request (a prefill chunk, or the 1-2 tokens
+    it has not seen, for every request that drafts this step (normally the 1-2 tokens
     the last step verified), and its last row samples d_1; then k - 1 one-token
-    forwards sample d_2..d_k. It keeps the processed distributions q_i it sampled from:
+    forwards sample d_2..d_k. A request that does not draft this step (in prefill, or
+    speculation off in a crowded step: `disable_by_batch_size`) catches up on its prompt
+    only, so the prompt's blocks are named in both caches at once; its generated tokens
+    wait for its next drafting step, which costs nothing while the engine is too busy to
+    speculate (a draft forward per step over every request cost 0.2 of a level-3 step). It keeps the processed distributions q_i it sampled from:
     the rejection sampler needs them, and temperature, top-k/p, min-p and penalties
     shape q exactly as they shape the target's p.
 
@@ -80,6 +84,8 @@ class DraftModelProposer:
         for req, n in sched.scheduled:
             k = sched.num_spec.get(req.seq_id, 0)
             end = req.num_computed_tokens + n - k  # what the target holds after this step, drafts aside
+            if not k:  # not drafting this step: keep up with the prompt only (so its blocks are named,
+                end = min(end, len(req.prompt_token_ids))  # and shared, at once); the rest waits
             start = req.draft_num_computed
             if start >= end:
                 continue
