@@ -24,7 +24,7 @@ Without `--base-url` it runs the level-6 suite, every figure in one process run:
      and 100 concurrent streams (errors, p99 ITL).
 
 It writes JSON and a plot of latency against request rate outside the repository
-(`ladder.cli.output_dir()`, or `--out` / `--plot`) and prints the goals of issue 14 with
+(`ladder.cli.output_dir()`, or `--out` / `--plot`) and prints the performance goals with
 what was measured. Output lengths are exact (`min_tokens = max_tokens`, `ignore_eos`:
 vLLM's extensions; a server without them gets `--no-exact-lengths`). A server started with
 `--api-key` needs `OPENAI_API_KEY` set to the key, as vLLM's benchmark does.
@@ -504,7 +504,7 @@ def main(argv=None) -> dict:
         print_run(console, data["run"], args.percentiles)
     else:
         data = suite(args, console)
-        t = Table(title="issue 14's goals" + (" (a --quick smoke run: these figures say little)" if args.quick else ""))
+        t = Table(title="the performance goals" + (" (a --quick smoke run: these figures say little)" if args.quick else ""))
         for col in ("goal", "measured", "target", "met"):
             t.add_column(col)
         for g in data["goals"]:
