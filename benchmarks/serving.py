@@ -504,7 +504,9 @@ def main(argv=None) -> dict:
         print_run(console, data["run"], args.percentiles)
     else:
         data = suite(args, console)
-        t = Table(title="the performance goals" + (" (a --quick smoke run: these figures say little)" if args.quick else ""))
+        t = Table(
+            title="the performance goals" + (" (a --quick smoke run: these figures say little)" if args.quick else "")
+        )
         for col in ("goal", "measured", "target", "met"):
             t.add_column(col)
         for g in data["goals"]:

@@ -74,7 +74,9 @@ def main(argv=None) -> dict:
 
         layers = load_metadata(args.model or default_model()).config.num_layers
         if sum(args.pipeline_partition) != layers:
-            p.error(f"argument --pipeline-partition: {args.pipeline_partition} does not add up to the model's {layers} layers")
+            p.error(
+                f"argument --pipeline-partition: {args.pipeline_partition} does not add up to the model's {layers} layers"
+            )
     args.plot = plot_path(args.plot, "level5_pipeline.png")
     with torch_threads(args.threads):
         return run(args, Console())
