@@ -241,12 +241,13 @@ class LLMEngine(EngineBase):
                 self.append_token(req, tok, lp)
                 self.stats.generated_tokens += 1
                 if req.is_finished:
-                    break  # a stop inside a run of accepted tokens: nothing after it is kept
+                    break  # a stop inside a run of accepted tokens: nothing after it is kept,
+            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)  # nor computed
         for req, _ in sched.scheduled:
             # Level 3: name the blocks that became full. Only now, with the new tokens joined: at
             # level 4 an accepted draft run completes blocks whose last tokens were not in the
-            # request before this step, and a stop inside the run ends it before the verified count.
-            self.kv.cache_blocks(req, min(self.num_shareable_tokens(req), req.num_tokens))
+            # request before this step.
+            self.kv.cache_blocks(req, self.num_shareable_tokens(req))
             if req.is_finished:
                 self.scheduler.finish(req)
         return out.requests

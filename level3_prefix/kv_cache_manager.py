@@ -97,7 +97,7 @@ class PrefixCachingKVCacheManager:
         n = req.num_computed_tokens if num_tokens is None else num_tokens
         # the fill follows the target's cache; at level 4 a block is named later, once the
         # draft's cache holds it too (`num_tokens`), and the draft may lag behind
-        self._record_fill(req, min(req.num_computed_tokens, req.num_tokens))
+        self._record_fill(req, req.num_computed_tokens)
         if not self.enable_caching:
             return
         full = n // self.block_size
