@@ -86,8 +86,9 @@ class LLMEngine(SpeculativeEngine):
     config_class = ParallelEngineConfig
 
     def __init__(self, model: str, **kwargs):
-        self.in_flight: deque = deque()  # (SchedulerOutput, seconds to schedule it), oldest first
-        self.drafts_in_flight: deque = deque()  # level 4's drafts of each micro-batch in flight, same order
+        # per micro-batch in flight, oldest first: (SchedulerOutput, seconds to schedule it, level 4's
+        # drafts: the next micro-batch's drafting replaces `self._proposals`, so each keeps its own)
+        self.in_flight: deque = deque()
         self.executor: Executor | None = None
         try:
             super().__init__(model, **kwargs)
@@ -170,7 +171,7 @@ class LLMEngine(SpeculativeEngine):
     # --- the step: micro-batches in flight -------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Level 2's schedule over the requests that are not in flight."""
-        busy = {id(r) for sched, _ in self.in_flight for r, _ in sched.scheduled}
+        busy = {id(r) for sched, *_ in self.in_flight for r, _ in sched.scheduled}
         if not busy:
             return super().schedule()
         before = self.scheduler.running
@@ -193,14 +194,12 @@ class LLMEngine(SpeculativeEngine):
                         break
                     model_input = self.prepare_input(sched)
                 self.worker.submit(model_input)
-                self.in_flight.append((sched, t_sched.seconds))
-                self.drafts_in_flight.append(self._proposals)  # the next micro-batch's drafting replaces them
+                self.in_flight.append((sched, t_sched.seconds, self._proposals))
             if not self.in_flight:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                 return []
-            sched, sched_s = self.in_flight.popleft()
-            self._proposals = self.drafts_in_flight.popleft()  # what `sample` verifies: this micro-batch's drafts
+            sched, sched_s, self._proposals = self.in_flight.popleft()  # `sample` verifies this one's drafts
             logits = self.worker.collect()
             sampled = self.sample(sched, logits)
             self._skip_aborted(sched, sampled)

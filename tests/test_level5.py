@@ -112,7 +112,7 @@ def test_micro_batches_are_disjoint_and_an_abort_in_flight_is_clean(checkpoint_f
         submit, seen = engine.worker.submit, []
 
         def checked_submit(model_input):
-            groups = [{id(r) for r, _ in sched.scheduled} for sched, _ in engine.in_flight]
+            groups = [{id(r) for r, _ in sched.scheduled} for sched, *_ in engine.in_flight]
             assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :]), (
                 "a request in two micro-batches"
             )
@@ -127,7 +127,7 @@ def test_micro_batches_are_disjoint_and_an_abort_in_flight_is_clean(checkpoint_f
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out
-            in_flight = {r.request_id for sched, _ in engine.in_flight for r, _ in sched.scheduled}
+            in_flight = {r.request_id for sched, *_ in engine.in_flight for r, _ in sched.scheduled}
             if not aborted and "1" in in_flight:
                 free = engine.kv.num_free_blocks
                 engine.abort_request("1")  # while its micro-batch is in flight
@@ -195,7 +195,7 @@ def test_micro_batches_keep_admission_order_and_fill_from_the_front(checkpoint_f
         schedule, admitted, checked, problems = engine.schedule, [], [], []
 
         def checked_schedule():  # records what is wrong: an assert here would leave a micro-batch in flight
-            busy = {id(r) for sched, _ in engine.in_flight for r, _ in sched.scheduled}
+            busy = {id(r) for sched, *_ in engine.in_flight for r, _ in sched.scheduled}
             idle = [r for r in engine.scheduler.running if id(r) not in busy]
             sched = schedule()
             for r in [r for r in admitted if r not in engine.scheduler.running]:  # finished or preempted
