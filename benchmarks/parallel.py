@@ -75,6 +75,7 @@ def model_path(args) -> str:
 def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
     from level0_naive import SamplingParams
     from level5_multigpu import LLM
+    from level5_multigpu.parallel_state import predicted_seconds
 
     prompts = [[40 + (i % 50)] * 8 for i in range(batch)]
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0)
@@ -99,7 +100,7 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
         m = fit["all_reduce"]
         res.update(all_reduce_calls=calls, all_reduce_bytes=nbytes, all_reduce_s=secs,
                    all_reduce_s_per_rank={r: v[2] for r, v in per_rank.items()}, alpha_s=m["alpha_s"],
-                   beta_s_per_byte=m["beta_s_per_byte"], predicted_all_reduce_s=calls * m["alpha_s"] + nbytes * m["beta_s_per_byte"])  # fmt: skip
+                   beta_s_per_byte=m["beta_s_per_byte"], predicted_all_reduce_s=predicted_seconds(m, calls, nbytes))  # fmt: skip
     return res
 
 

@@ -53,6 +53,7 @@ def main(argv=None) -> list[dict]:
     from level0_naive.loader import load_metadata
     from level0_naive.sampling import SamplingParams
     from level5_multigpu import LLM
+    from level5_multigpu.parallel_state import predicted_seconds
 
     model = args.model or default_model()
     cfg = load_metadata(model).config
@@ -81,7 +82,7 @@ def main(argv=None) -> list[dict]:
             rows.append(dict(tp=tp, tok_s=tokens / seconds, tokens=tokens, steps=steps, ar_calls=ar[0],
                              ar_bytes=ar[1], ar_s=ar[2], gathers=ga[0], pred_calls=per_forward * steps,
                              pred_bytes=per_forward * fed * cfg.hidden_size * width,
-                             pred_s=(ar[0] * fit["alpha_s"] + ar[1] * fit["beta_s_per_byte"]) if fit else None,
+                             pred_s=predicted_seconds(fit, ar[0], ar[1]) if fit else None,
                              alpha_us=1e6 * fit["alpha_s"] if fit else None))  # fmt: skip
     print(f"\n{model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {args.requests} prompts x "
           f"{args.max_tokens} tokens, {args.dtype}, gloo on this CPU")  # fmt: skip

@@ -35,6 +35,7 @@ from ladder.models import default_model
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM
+from .parallel_state import predicted_seconds
 
 LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 
@@ -128,7 +129,7 @@ def _totals(stats: dict) -> tuple[int, int]:
 def _all_reduce_time(rank0, fit: dict | None) -> dict:
     """Rank 0's seconds inside all-reduces, and calls * alpha + bytes * beta for the same calls."""
     calls, nbytes, secs = rank0.by_kind.get("all_reduce", [0, 0, 0.0])
-    predicted = None if fit is None else calls * fit["alpha_s"] + nbytes * fit["beta_s_per_byte"]
+    predicted = None if fit is None else predicted_seconds(fit, calls, nbytes)
     return {"all_reduce_s": secs if calls else None, "predicted_s": predicted,
             "alpha_us": None if fit is None else 1e6 * fit["alpha_s"], "beta_ns_per_kib": None if fit is None else 1e9 * 1024 * fit["beta_s_per_byte"]}  # fmt: skip
 

@@ -61,7 +61,7 @@ from level1_paged.worker import ModelInput, Worker
 
 from .layers import ShardReader
 from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
-from .parallel_state import Comm, CommStats, Topology, alpha_beta, init_process_group, local_gpu
+from .parallel_state import Comm, CommStats, Topology, alpha_beta, fit_alpha_beta, init_process_group, local_gpu
 
 
 @dataclass
@@ -170,10 +170,7 @@ def p2p_alpha_beta(comm: Comm, peer: int, sizes=(1, 256, 4096, 65536), repeats: 
             w.wait()
         xs.append(4.0 * n)
         ts.append((time.perf_counter() - t0) / repeats / 2)
-    m = len(xs)
-    mx, mt = sum(xs) / m, sum(ts) / m
-    beta = sum((a - mx) * (b - mt) for a, b in zip(xs, ts)) / sum((a - mx) ** 2 for a in xs)
-    return {"alpha_s": max(mt - beta * mx, 0.0), "beta_s_per_byte": max(beta, 0.0), "sizes": list(sizes), "times_s": ts}
+    return fit_alpha_beta(sizes, xs, ts)
 
 
 def _echo(peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> None:

@@ -189,7 +189,17 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 2
             dist.all_reduce(x, group=comm.tp_group)
         xs.append(4.0 * n)
         ts.append((time.perf_counter() - t0) / repeats)
+    return fit_alpha_beta(sizes, xs, ts)
+
+
+def fit_alpha_beta(sizes, xs: list[float], ts: list[float]) -> dict:
+    """Least squares of t = alpha + beta * bytes over the measured (bytes, seconds) pairs."""
     n = len(xs)
     mx, mt = sum(xs) / n, sum(ts) / n
     beta = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
     return {"alpha_s": max(mt - beta * mx, 0.0), "beta_s_per_byte": max(beta, 0.0), "sizes": list(sizes), "times_s": ts}
+
+
+def predicted_seconds(fit: dict, calls: int, nbytes: int) -> float:
+    """What the latency-bandwidth model says `calls` messages of `nbytes` in all should take."""
+    return calls * fit["alpha_s"] + nbytes * fit["beta_s_per_byte"]
