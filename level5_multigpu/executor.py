@@ -28,7 +28,10 @@ counts its messages (`CommStats`).
 
 A rank that dies makes the driver raise, naming it, within `distributed_timeout_s`
 (gloo notices a closed connection at once; a hung rank is caught by the timeout); the
-driver's exit, in turn, closes every connection, so no worker outlives it.
+driver's exit, in turn, closes every connection, so no worker outlives it. A rank that
+dies before it starts (spawn runs the user's main module again in every new process, and
+a script without `if __name__ == "__main__":` builds its engine there) is caught by a
+start-up handshake instead, and the error names the guard.
 
 What it is not: Ray, or a multi-node launcher of its own: across machines every rank is
 started by `torchrun` (see docs/level5_multigpu.md for the commands).
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import multiprocessing
 import os
 import pickle
 import socket
@@ -48,6 +52,7 @@ import traceback
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from multiprocessing.connection import wait as wait_for_any
 
 import torch
 import torch.distributed as dist
@@ -221,8 +226,11 @@ def serve(worker: RankWorker, comm: Comm, spec: ParallelSpec) -> None:
             return
 
 
-def rank_main(rank: int, spec: ParallelSpec, init_method: str) -> None:
-    """Entry point of a worker process."""
+def rank_main(rank: int, spec: ParallelSpec, init_method: str, started=None) -> None:
+    """Entry point of a worker process; `started` (a pipe's end) tells the driver it got this far."""
+    if started is not None:
+        started.send(rank)
+        started.close()
     torch.set_num_threads(1)  # one thread per rank: ranks share the cores
     topo = Topology(spec.tp, spec.pp, rank)
     init_process_group(spec.backend, init_method, topo, spec.timeout_s)
@@ -256,12 +264,55 @@ class WorkerDiedError(RuntimeError):
     """A rank stopped answering: the engine cannot go on (its KV shards are gone)."""
 
 
+NO_MAIN_GUARD = (
+    "Python's spawn start method runs the main module again in every new process, so a script that "
+    "builds a multi-rank LLM at module level builds it again in each rank. Create the engine under "
+    '`if __name__ == "__main__":` (the "Safe importing of main module" rule of the multiprocessing docs).'
+)
+
+
+def _bootstrapping() -> bool:
+    """True while this process is a spawned child still running its parent's main module (its own
+    target has not started): the flag Python's `spawn._check_not_importing_main` reads."""
+    return getattr(multiprocessing.current_process(), "_inheriting", False)
+
+
+def _wait_until_started(procs: list, readers: list, timeout_s: float) -> None:
+    """Wait until every rank has reached `rank_main` (it sends its rank down its pipe), as vLLM's
+    `WorkerProc.wait_for_ready` does. A rank that dies before that (while spawn re-imports the
+    main module) never joins the rendezvous, which would wait out its whole timeout for it; here
+    its pipe reads end-of-file at once (the driver closed its copy of the writing end)."""
+    waiting = dict(zip(readers, procs))
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        ready = wait_for_any(list(waiting), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            names = ", ".join(p.name for p in waiting.values())
+            raise WorkerDiedError(f"{names} did not start within {timeout_s:.0f} s")
+        for conn in ready:
+            p = waiting.pop(conn)
+            try:
+                conn.recv()
+            except EOFError:
+                p.join(timeout=5)
+                raise WorkerDiedError(
+                    f"{p.name} (pid {p.pid}, exit code {p.exitcode}) exited before it ran any rank code "
+                    f"(its error is printed above). The usual cause: {NO_MAIN_GUARD}"
+                ) from None
+            finally:
+                conn.close()
+
+
 class Executor:
     def __init__(self, spec: ParallelSpec):
         self.spec, self.closed, self.owns_group = spec, False, False
         self.topo = Topology(spec.tp, spec.pp, 0)
         self.procs: list = []
         self.threads_before = torch.get_num_threads()
+        if self.topo.world > 1 and spec.ranks_started_by == "mp" and _bootstrapping():
+            raise RuntimeError(
+                f"a rank process, running the script again as it starts, reached its LLM(...). {NO_MAIN_GUARD}"
+            )
         if self.topo.world > 1 and dist.is_initialized():
             raise RuntimeError(
                 "a multi-rank engine is already running in this process: shut it down first (one per process)"
@@ -283,10 +334,13 @@ class Executor:
             else:
                 init_method = f"tcp://127.0.0.1:{free_port()}"
                 ctx = mp.get_context("spawn")
-                self.procs = [ctx.Process(target=rank_main, args=(r, spec, init_method), daemon=True, name=f"rank{r}")
-                              for r in range(1, self.topo.world)]  # fmt: skip
-                for p in self.procs:
+                pipes = [ctx.Pipe(duplex=False) for _ in range(1, self.topo.world)]  # (reader, writer) per rank
+                self.procs = [ctx.Process(target=rank_main, args=(r, spec, init_method, pipes[r - 1][1]), daemon=True,
+                                          name=f"rank{r}") for r in range(1, self.topo.world)]  # fmt: skip
+                for p, (_, writer) in zip(self.procs, pipes):
                     p.start()
+                    writer.close()  # the rank holds the only writing end now: its death reads as end-of-file
+                _wait_until_started(self.procs, [reader for reader, _ in pipes], spec.timeout_s)
             self._finalizer = weakref.finalize(self, _kill, self.procs)  # no orphan even if nobody calls shutdown()
             self._guard(lambda: init_process_group(spec.backend, init_method, self.topo, spec.timeout_s))
             self.owns_group = True  # only this executor may destroy it (a stale one's __del__ must not)

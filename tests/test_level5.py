@@ -6,7 +6,9 @@ What it is (the equivalence suite in test_equivalence.py runs the layouts agains
   - micro-batches: no request is ever in two micro-batches in flight; an abort while its
     request is in flight frees its blocks at once, and everyone else's answers stay exact;
   - a rank killed mid-run makes the driver raise WorkerDiedError quickly, and no process is
-    left behind;
+    left behind; a script that builds its engine without `if __name__ == "__main__":` fails
+    at once with an error naming the guard (spawn re-runs it in every rank), and with the
+    guard the same script works;
   - the message counters match the model: two all-reduces per layer, one for the embedding,
     one gather of the logits, with the bytes the shapes say.
 """
@@ -16,6 +18,9 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -156,6 +161,30 @@ def test_a_killed_rank_makes_the_driver_raise_and_leaves_no_process(checkpoint_f
     for p in procs:
         p.join(timeout=10)
     assert not any(p.is_alive() for p in procs) and not alive_children()
+
+
+@pytest.mark.parametrize("guarded", [False, True])
+def test_a_script_without_the_main_guard_fails_at_once_naming_it(checkpoint_factory, tmp_path, guarded):
+    """Spawn runs the user's script again in each new rank; unguarded, the rank builds the
+    engine again and dies while starting. That used to be a 2-minute wait for the rendezvous."""
+    body = textwrap.dedent(f"""\
+        llm = LLM({str(checkpoint_factory("llama"))!r}, dtype="float64", tensor_parallel_size=2, distributed_timeout_s=100)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, temperature=0, ignore_eos=True), progress=False)
+        print("tokens", out[0].outputs[0].token_ids)
+        llm.shutdown()
+    """)  # fmt: skip
+    if guarded:
+        body = 'if __name__ == "__main__":\n' + textwrap.indent(body, "    ")
+    script = tmp_path / "script.py"
+    script.write_text("from level5_multigpu import LLM, SamplingParams\n\n" + body)
+    t0 = time.monotonic()
+    run = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    seconds = time.monotonic() - t0
+    if guarded:
+        assert run.returncode == 0 and "tokens [" in run.stdout, run.stderr[-2000:]
+    else:
+        assert run.returncode != 0 and seconds < 60, (seconds, run.stderr[-2000:])  # not the 100 s rendezvous timeout
+        assert 'if __name__ == "__main__":' in run.stderr.splitlines()[-1], run.stderr[-2000:]  # the last line says it
 
 
 def test_message_accounting_matches_the_model(checkpoint_factory):
