@@ -92,7 +92,11 @@ class SamplingParams:
                 all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                 "must be non-negative integers",  # and < the vocabulary: checked when the request is added
             ),
-            ("seed", self.seed is None or isinstance(self.seed, int), "must be an integer (or None)"),
+            (
+                "seed",
+                self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**63),
+                "must be an integer in [-2**63, 2**63) (or None)",  # what a torch.Generator takes, with room for n
+            ),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
         ]
         for name, ok, why in checks:

@@ -164,6 +164,10 @@ class LLMEngine(EngineBase):
         """Ids of the requests added with add_request that have not finished (level 6 aborts them on failure)."""
         return list(self.requests)
 
+    def check_health(self) -> None:
+        """Raise if the engine can no longer run (vLLM's `check_health`). In one process nothing
+        can die but the process itself; an engine with worker processes checks them."""
+
     def num_waiting(self) -> int:
         """Requests (samples) not yet admitted: what a server's backpressure watches."""
         return len(self.scheduler.waiting)

@@ -236,6 +236,12 @@ class LLMEngine(SpeculativeEngine):
                         Counter("ladder:comm_seconds", labels, secs)]  # fmt: skip
         return out
 
+    def check_health(self) -> None:
+        """Level 2's, plus: every rank is still alive (WorkerDiedError names the one that is not)."""
+        super().check_health()
+        if self.parallel:
+            self.executor.check_health()
+
     def calibrate(self) -> dict:
         """This machine's alpha (per-message latency) and beta (per-byte cost) for all-reduce and send."""
         return self.executor.calibrate() if self.parallel else {}

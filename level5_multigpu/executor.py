@@ -306,6 +306,7 @@ def _wait_until_started(procs: list, readers: list, timeout_s: float) -> None:
 class Executor:
     def __init__(self, spec: ParallelSpec):
         self.spec, self.closed, self.owns_group = spec, False, False
+        self.died: str | None = None  # why the ranks are gone, once they are
         self.topo = Topology(spec.tp, spec.pp, 0)
         self.procs: list = []
         self.threads_before = torch.get_num_threads()
@@ -447,6 +448,15 @@ class Executor:
     def _dead(self) -> list[str]:
         return [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
 
+    def check_health(self) -> None:
+        """Raise WorkerDiedError if a rank this executor spawned has exited (cheap: no message is
+        sent, so a server can ask while the engine is idle). Ranks started by torchrun are not
+        this process's children: their death shows at the next step instead."""
+        if self.died is None and self._dead():
+            self.died = f"a worker rank died: {', '.join(self._dead())}; the engine cannot continue"
+        if self.died is not None:  # (after the first failure the others were killed: keep its reason)
+            raise WorkerDiedError(self.died)
+
     def _guard(self, fn):
         """Run a step that talks to other ranks; a dead rank becomes one clear error, not a hang."""
         try:
@@ -457,10 +467,9 @@ class Executor:
                     p.join(timeout=0.5)
             dead = self._dead()
             if dead or "closed" in str(e).lower() or "timed out" in str(e).lower():
+                self.died = f"a worker rank failed: {', '.join(dead) or str(e)[:200]}; the engine cannot continue"
                 self._abandon()
-                raise WorkerDiedError(
-                    f"a worker rank failed: {', '.join(dead) or str(e)[:200]}; the engine cannot continue"
-                ) from e
+                raise WorkerDiedError(self.died) from e
             raise
 
     def _wait(self, work) -> None:

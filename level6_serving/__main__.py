@@ -26,6 +26,8 @@ from dataclasses import fields
 
 from ladder.cli import LadderParser, check_device_and_models, nonneg_int, positive_float, positive_int, prog
 
+from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
+
 DTYPES = ["auto", "float32", "bfloat16", "float16", "float64"]
 
 
@@ -84,6 +86,15 @@ def parser() -> argparse.ArgumentParser:
       help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
     a("--drain-timeout", type=positive_float, default=30.0,
       help="on SIGTERM, seconds in-flight requests may take before they are aborted (default 30)")  # fmt: skip
+    a("--max-request-body-bytes", type=byte_size, default=MAX_REQUEST_BODY_BYTES,
+      help="a larger request body gets 413 before it is read (default 8MiB; also e.g. 512KiB)")  # fmt: skip
+    a("--timeout-keep-alive", type=positive_float, default=KEEP_ALIVE_S,
+      help="seconds an idle kept-alive connection stays open (default 30: above the 5 s after which httpx and "
+           "the openai client drop theirs, so a reused connection is never closed under a request)")  # fmt: skip
+    a("--exit-on-engine-death", action=argparse.BooleanOptionalAction, default=True,
+      help="when the engine dies (a worker rank killed, a step that cannot be recovered), drain and exit with "
+           "status 1 so a supervisor restarts the server (default on; --no-exit-on-engine-death keeps serving "
+           "503s)")  # fmt: skip
     a("--seed", type=nonneg_int, default=0, help="seeds every request that gives no seed (default 0)")
     a("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
@@ -145,16 +156,25 @@ def main(argv=None) -> None:
         m = re.match(r"(\w+)=", str(e))
         flag = f"argument --{m[1].replace('_', '-')}: " if m else ""
         parser().error(f"{flag}{e}")
-    app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting)
+    app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting,
+                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
     sock = bind(args.host, args.port)
     host, real_port = sock.getsockname()[:2]
     # Printed whatever the log level: the one line a user (and ServerProcess) needs.
     print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {type(engine.engine).__module__})",
           file=sys.stderr, flush=True)  # fmt: skip
-    server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log)
+    server = make_server(
+        app,
+        args.drain_timeout,
+        args.log_level,
+        access_log=not args.disable_uvicorn_access_log,
+        timeout_keep_alive=args.timeout_keep_alive,
+        exit_on_engine_death=args.exit_on_engine_death,
+    )
     server.run(sockets=[sock])
     # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean exit.
-    sys.exit(130 if server.force_exit else 0)
+    # An engine that died is not one either: a supervisor restarts a process that exits non-zero.
+    sys.exit(130 if server.force_exit else 1 if server.engine_died else 0)
 
 
 if __name__ == "__main__":

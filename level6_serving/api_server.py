@@ -12,12 +12,25 @@ SIGTERM (or Ctrl-C) that drains instead of cutting streams:
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (`serving.py`),
 `GET /v1/models`, `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`,
-`GET /metrics` (`metrics.py`). With `api_key`, every route but `/health`, `/metrics` and
-`/version` needs `Authorization: Bearer <key>` (401 otherwise), checked by a plain ASGI
-middleware (Starlette's BaseHTTPMiddleware would sit between a stream and its
-disconnect). Every error, a 404 for an unknown route included, is
-`{"error": {"message", "type", "param", "code"}}`; an exception inside one request is a
-500 for that request only.
+`GET /metrics` (`metrics.py`), and `GET /openapi.json` and `/docs`, which describe the real
+request bodies (`openapi.py`). With `api_key`, every route but OPEN_PATHS needs
+`Authorization: Bearer <key>` (401 otherwise). Every error, a 404 for an unknown route
+included, is `{"error": {"message", "type", "param", "code"}}`.
+
+Three plain ASGI middlewares wrap the routes (Starlette's BaseHTTPMiddleware would sit
+between a stream and its disconnect), outermost first:
+
+    BodySizeLimit   a body over max_request_body_bytes: 413 before it is read (Content-Length),
+                    or as soon as the bytes received pass it (chunked); memory stays bounded
+    APIKeyMiddleware
+    InternalErrors  an exception inside one request: a 500 for that request only, on a
+                    connection that stays usable (Starlette's own handler re-raises after its
+                    500, and uvicorn then drops the kept-alive connection without a word)
+
+A dead engine (a worker rank killed, a step that could not be recovered) makes `/health`
+503 at once, and every request 503 with `Retry-After` and the reason (which rank, its exit
+code); with `exit_on_engine_death` the server then drains and the process exits 1, so a
+supervisor restarts it.
 
 `ServerThread` runs the same server on a background thread, on a port the OS picks:
 what the tests, the docs and `benchmarks.serving` use.
@@ -41,18 +54,96 @@ from importlib import metadata
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from . import metrics
+from . import metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
-from .protocol import APIError, DetokenizeRequest, TokenizeRequest, parse_body
-from .serving import OpenAIServing
+from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
+from .protocol import APIError, DetokenizeRequest, TokenizeRequest
+from .serving import OpenAIServing, engine_unavailable
 
 log = logging.getLogger("level6_serving")
 
-OPEN_PATHS = ("/health", "/metrics", "/version")  # load balancers and Prometheus need no key
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # load balancers, Prometheus, readers
+
+
+class BodyTooLarge(Exception):
+    """Raised inside `receive` once a chunked body passes the limit (BodySizeLimit answers 413)."""
+
+
+def respond(error: APIError, scope, receive, send, close: bool = False):
+    headers = {**(error.headers or {}), **({"Connection": "close"} if close else {})}
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
+
+
+class BodySizeLimit:
+    """413 for a body over `max_bytes`, read no further than the limit."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    def too_large(self) -> APIError:
+        return APIError(413, f"the request body is larger than this server accepts ({self.max_bytes} bytes; "
+                             "--max-request-body-bytes)", None, "request_too_large")  # fmt: skip
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await respond(self.too_large(), scope, receive, send, close=True)  # the body is never read
+        received, started = 0, False
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise BodyTooLarge
+            return message
+
+        async def tracking_send(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except BodyTooLarge:
+            if started:
+                raise
+            await respond(self.too_large(), scope, receive, send, close=True)
+
+
+class InternalErrors:
+    """An unexpected exception: logged, and a 500 in OpenAI's shape for that request alone."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        started = False
+
+        async def tracking_send(message):
+            nonlocal started
+            started |= message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except BodyTooLarge:
+            raise  # BodySizeLimit's to answer
+        except Exception as e:
+            log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
+            if started:  # a stream already under way: nothing can be said any more; the connection ends
+                raise
+            await respond(APIError(500, f"internal error: {e!r}"), scope, receive, send)
 
 
 class APIKeyMiddleware:
@@ -73,7 +164,8 @@ class APIKeyMiddleware:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key: str | None = None,
-              max_num_waiting: int = 1024, max_n: int | None = None) -> FastAPI:  # fmt: skip
+              max_num_waiting: int = 1024, max_n: int | None = None,
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:  # fmt: skip
     """The ASGI app over a (not yet started) AsyncLLMEngine; the app's lifespan starts and stops it."""
     serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.engine.config.max_num_seqs)
 
@@ -88,11 +180,13 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
                 await drain
             await engine.shutdown()  # aborts what is left and joins the engine thread
 
-    app = FastAPI(title="inference-ladder level 6", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)  # fmt: skip
+    app = FastAPI(title="inference-ladder level 6", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.serving, app.state.engine = serving, engine
+    app.openapi = lambda: openapi.schema(app)
+    app.add_middleware(InternalErrors)  # added first: the innermost of the three
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimit, max_bytes=max_request_body_bytes)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, e: APIError):
@@ -100,24 +194,26 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
 
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, e: EngineDeadError):
-        return JSONResponse(APIError(503, str(e)).body(), status_code=503)
+        err = engine_unavailable(engine)
+        return JSONResponse(err.body(), status_code=503, headers=err.headers)
 
     @app.exception_handler(HTTPException)
-    async def http_error(_: Request, e: HTTPException):
-        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
+    async def http_error(_: Request, e: HTTPException):  # 404, 405 (its Allow header kept), ...
+        return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code,
+                            headers=e.headers)  # fmt: skip
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, e: Exception):
-        log.exception("request %s %s failed", request.method, request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {e!r}").body(), status_code=500)
-
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=openapi.body("CompletionRequest", "CompletionResponse", stream=True))
     async def completions(raw: Request) -> Response:
         return await serving.completions(raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=openapi.body("ChatCompletionRequest", "ChatCompletionResponse", stream=True))  # fmt: skip
     async def chat_completions(raw: Request) -> Response:
         return await serving.chat(raw)
+
+    @app.get("/docs", include_in_schema=False)
+    async def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
     @app.get("/v1/models")
     async def models():
@@ -126,7 +222,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
                 for name in served_model_names]  # fmt: skip
         return {"object": "list", "data": data}
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"description": "shutting down, or the engine is dead"}})
     async def health():
         ok = engine.is_running and not serving.draining
         return Response(status_code=200 if ok else 503)
@@ -139,30 +235,36 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             v = "unknown"
         return {"version": v}
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", openapi_extra=openapi.body("TokenizeRequest", "TokenizeResponse"))
     async def tokenize(raw: Request):
-        req: TokenizeRequest = parse_body(TokenizeRequest, await raw.body())
+        req: TokenizeRequest = await serving.parse(TokenizeRequest, raw)
         serving.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "give exactly one of prompt and messages", "prompt")
         if req.messages is not None:
             try:
-                ids = engine.inputs.apply_chat_template([m.as_template_input() for m in req.messages])
+                ids = await engine.apply_chat_template([m.as_template_input() for m in req.messages])
             except ValueError as e:
                 raise APIError(400, str(e), "messages") from None
         else:
-            ids = engine.tokenizer(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+            if len(req.prompt) > engine.max_prompt_chars:
+                raise APIError(400, f"prompt has {len(req.prompt)} characters; this server tokenizes at most "
+                                    f"{engine.max_prompt_chars} (what {engine.max_model_len} tokens can hold)",
+                               "prompt")  # fmt: skip
+            special = req.add_special_tokens is not False
+            ids = await engine.run_on_frontend(lambda: engine.tokenizer(req.prompt, add_special_tokens=special))
+            ids = ids["input_ids"]
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", openapi_extra=openapi.body("DetokenizeRequest", "DetokenizeResponse"))
     async def detokenize(raw: Request):
-        req: DetokenizeRequest = parse_body(DetokenizeRequest, await raw.body())
+        req: DetokenizeRequest = await serving.parse(DetokenizeRequest, raw)
         serving.check_model(req.model)
         vocab = engine.engine.model_config.vocab_size
         bad = [t for t in req.tokens if not 0 <= t < vocab]
         if bad:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
-        return {"prompt": engine.tokenizer.decode(req.tokens)}
+        return {"prompt": await engine.decode(req.tokens)}
 
     @app.get("/metrics")
     async def prometheus():
@@ -178,11 +280,30 @@ class Server(uvicorn.Server):
     (uvicorn's own handler re-raises the signal after its shutdown, so the process would
     die by SIGTERM, exit status 143, however cleanly it drained.)"""
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float):
+    def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float, exit_on_engine_death: bool = False):
         super().__init__(config)
-        self.app, self.drain_timeout = app, drain_timeout
+        self.app, self.drain_timeout, self.exit_on_engine_death = app, drain_timeout, exit_on_engine_death
         self.drain_task: asyncio.Task | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
+        self.engine_died = False  # the process should exit non-zero: the engine died under it
+        self._watch: asyncio.Task | None = None
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)  # runs the app's lifespan, which starts the engine
+        if self.exit_on_engine_death and not self.should_exit:
+            self._watch = asyncio.ensure_future(self._exit_when_the_engine_dies())
+
+    async def shutdown(self, sockets=None) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+        await super().shutdown(sockets)
+
+    async def _exit_when_the_engine_dies(self) -> None:
+        engine: AsyncLLMEngine = self.app.state.engine
+        await engine.died.wait()
+        log.error("the engine is dead (%s): draining, then exiting with status 1", engine.dead)
+        self.engine_died = True
+        self.drain()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -219,10 +340,12 @@ class Server(uvicorn.Server):
         self.drain_task = self.app.state.drain_task = asyncio.ensure_future(drain())
 
 
-def make_server(app: FastAPI, drain_timeout: float = 30.0, log_level: str = "info", access_log: bool = True) -> Server:
+def make_server(app: FastAPI, drain_timeout: float = 30.0, log_level: str = "info", access_log: bool = True,
+                timeout_keep_alive: float = KEEP_ALIVE_S, exit_on_engine_death: bool = False) -> Server:  # fmt: skip
     config = uvicorn.Config(app, log_level=log_level, access_log=access_log, lifespan="on",
+                            timeout_keep_alive=timeout_keep_alive,
                             timeout_graceful_shutdown=int(drain_timeout) + 10)  # a backstop after the drain  # fmt: skip
-    return Server(config, app, drain_timeout)
+    return Server(config, app, drain_timeout, exit_on_engine_death)
 
 
 def bind(host: str, port: int) -> socket.socket:

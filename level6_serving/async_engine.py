@@ -13,9 +13,14 @@ loop (the HTTP server's) never waits on a forward pass:
       (merged while behind)     call_soon_threadsafe,
     consumer gone ── ("abort", id) ──>                    one per step, at most 4 unread
 
-- Tokenizing and chat templating run on the event loop with the front end's own copy of
-  the tokenizer (as vLLM's front-end process has its own), through the engine's own
-  validation code (`InputProcessor`), so a bad prompt is refused before it is queued.
+- Tokenizing, chat templating and the server's own decoding run on one front-end thread
+  (`tokenize`, `apply_chat_template`, `decode`), never on the event loop, with the front
+  end's own copy of the tokenizer (as vLLM's front-end process has its own), through the
+  engine's own validation code (`InputProcessor`), so a bad prompt is refused before it is
+  queued and a 5 MB prompt does not stall `/health`. One thread, not a pool: a Hugging Face
+  tokenizer is not safe to call from two threads at once ("Already borrowed"). A text longer
+  than `max_prompt_chars` could not fit `max_model_len` whatever it tokenizes to, and is
+  refused before it is tokenized at all.
 - A `RequestStream` holds at most one pending output: a new delta is merged into it
   (text and tokens concatenated) when the consumer has not read the last one. A slow
   client costs one output's memory, however far behind it falls, and gets bigger deltas.
@@ -25,9 +30,11 @@ loop (the HTTP server's) never waits on a forward pass:
 - Cancelling the consumer (an HTTP client that disconnects) aborts the request: its
   blocks are free after the engine thread's next command drain, at most one step later.
 - An exception in `step()` fails the requests in flight (each gets the error) and aborts
-  them; if every KV block is free afterwards the engine keeps serving, otherwise it is
-  marked dead (`/health` says 503) and the engine thread ends: every open stream and
-  queued command gets `EngineDeadError`.
+  them; if every KV block is free afterwards and `engine.check_health()` passes, the engine
+  keeps serving; otherwise it is marked dead (`/health` says 503) and the engine thread ends:
+  every open stream and queued command gets `EngineDeadError`. While idle, the engine thread
+  calls `check_health()` every HEALTH_CHECK_S, so a worker rank that dies while nothing runs
+  is noticed within that time too, not at the next request.
 
 What it is not: a multi-process engine (vLLM runs its EngineCore in another process and
 talks over ZMQ; one thread is enough to keep the event loop free, though both share the
@@ -58,6 +65,7 @@ from .base import LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
 log = logging.getLogger("level6_serving")
 
 MAX_UNREAD_HANDOVERS = 4  # engine steps whose outputs the event loop has not dispatched yet
+HEALTH_CHECK_S = 0.5  # an idle engine thread checks its workers this often
 
 
 class EngineDeadError(RuntimeError):
@@ -143,6 +151,8 @@ class AsyncLLMEngine:
         self.inputs = InputProcessor(front, engine.max_model_len, 0, torch.device("cpu"), engine.sequence_class,
                                      engine.check_fits)  # fmt: skip
         self.max_model_len = engine.max_model_len
+        self.max_prompt_chars = max_model_len_in_chars(self.tokenizer, engine.max_model_len)
+        self._frontend = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._handovers = threading.Semaphore(MAX_UNREAD_HANDOVERS)
@@ -151,6 +161,7 @@ class AsyncLLMEngine:
         self._num_adding = 0  # sequences sent to the engine thread, not yet acknowledged (event loop only)
         self.num_waiting_in_engine = 0  # written by the engine thread after each drain and step
         self.dead: BaseException | None = None
+        self.died: asyncio.Event | None = None  # set on the event loop once the engine is dead
 
     @classmethod
     def from_engine_args(cls, model: str, **engine_kwargs) -> AsyncLLMEngine:
@@ -161,6 +172,7 @@ class AsyncLLMEngine:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already running")
         self._loop = asyncio.get_running_loop()
+        self.died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
         self._thread.start()
 
@@ -171,6 +183,7 @@ class AsyncLLMEngine:
         self._commands.put(("stop",))
         await asyncio.to_thread(self._thread.join, 30)
         self._thread = None
+        self._frontend.shutdown(wait=False, cancel_futures=True)
         close = getattr(self.engine, "shutdown", None)  # level 5: stop the ranks (level 4 has none)
         if close is not None:
             await asyncio.to_thread(close)
@@ -178,6 +191,37 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.dead is None
+
+    # --- the front end: tokenizer work on its own thread ----------------------------------------
+    async def _on_frontend(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._frontend, fn, *args)
+
+    async def tokenize(self, prompt: str | list[int], i: int = 0) -> list[int]:
+        """The prompt's token ids, checked (ValueError names prompt `i`), off the event loop."""
+        if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
+            raise ValueError(
+                f"prompt {i} has {len(prompt)} characters: more than any {self.max_model_len}-token "
+                f"context holds with this tokenizer ({self.max_prompt_chars}); it was not tokenized"
+            )
+        if not isinstance(prompt, str) and len(prompt) < 4096:
+            return self.inputs.tokenize(prompt, i)  # a short id list: checking it costs less than a hop
+        return await self._on_frontend(self.inputs.tokenize, prompt, i)
+
+    async def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        chars = sum(len(m["content"]) for m in messages)
+        if chars > self.max_prompt_chars:
+            raise ValueError(
+                f"the messages have {chars} characters: more than any {self.max_model_len}-token "
+                f"context holds with this tokenizer ({self.max_prompt_chars})"
+            )
+        return await self._on_frontend(self.inputs.apply_chat_template, messages)
+
+    async def decode(self, token_ids: list[int]) -> str:
+        return await self._on_frontend(self.tokenizer.decode, token_ids)
+
+    async def run_on_frontend(self, fn, *args):
+        """Any other front-end work too big for the event loop (parsing a large request body)."""
+        return await self._on_frontend(fn, *args)
 
     # --- requests ------------------------------------------------------------------------------
     @property
@@ -199,7 +243,7 @@ class AsyncLLMEngine:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         arrival = time.perf_counter()  # TTFT counts from here, not from when the engine thread gets to it
-        ids = self.inputs.tokenize(prompt)  # ValueError names the prompt; nothing is queued
+        ids = await self.tokenize(prompt)  # ValueError names the prompt; nothing is queued
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         stream = RequestStream(request_id, ids, self._abandon)
         self._streams[request_id] = stream
@@ -248,6 +292,11 @@ class AsyncLLMEngine:
         return await asyncio.wrap_future(done)
 
     async def get_metrics(self) -> list:
+        """The engine's metrics, read between steps. A dead engine's thread has ended, so nothing
+        else touches the engine any more: its last counters are read here directly (Prometheus
+        keeps seeing them, and an operator sees what it had done before it died)."""
+        if self.dead is not None and self._thread is not None and not self._thread.is_alive():
+            return self.engine.get_metrics()
         return await self.call(lambda engine: engine.get_metrics())
 
     async def drain(self, timeout: float) -> int:
@@ -301,6 +350,7 @@ class AsyncLLMEngine:
             why = "the engine has stopped" if self.dead is None else f"the engine is dead: {self.dead!r}"
             if self.dead is not None:
                 self._to_loop(self._fail_all, EngineDeadError(why))
+                self._to_loop(self.died.set)
             while True:
                 try:
                     cmd = self._commands.get_nowait()
@@ -314,7 +364,16 @@ class AsyncLLMEngine:
         while not stopping or engine.has_unfinished_requests():
             commands = []
             if not engine.has_unfinished_requests() and not stopping:
-                commands.append(self._commands.get())  # idle: sleep until there is something to do
+                try:  # idle: sleep until there is something to do, checking the workers now and then
+                    commands.append(self._commands.get(timeout=HEALTH_CHECK_S))
+                except queue.Empty:
+                    try:
+                        engine.check_health()
+                    except Exception as e:  # noqa: BLE001 - a dead worker: nothing more can run
+                        self.dead = e
+                        log.error("the engine is dead: %s", e)
+                        return
+                    continue
             while True:
                 try:
                     commands.append(self._commands.get_nowait())
@@ -374,10 +433,20 @@ class AsyncLLMEngine:
         self._to_loop(self._fail, ids, EngineStepError(f"the engine failed while running this request: {error!r}"))
         try:
             self.engine.abort_request(ids)
+            self.engine.check_health()  # a dead worker rank: the KV pool may look whole, yet nothing can run
             self.engine.step()  # flushes the aborted requests' final outputs (nobody reads them)
             whole = self.engine.kv.num_free_blocks == self.engine.kv.num_blocks
         except Exception as e:  # noqa: BLE001
             error, whole = e, False
         if not whole:
             self.dead = error
-            log.error("the engine could not recover (KV blocks lost or a second failure): it is dead")
+            log.error("the engine could not recover (KV blocks lost, a dead worker or a second failure): it is dead")
+
+
+def max_model_len_in_chars(tokenizer, max_model_len: int) -> int:
+    """The longest text that could still fit `max_model_len` tokens: every token covers at most
+    the longest vocabulary entry's characters (a byte-level entry's length counts its bytes,
+    which are at least its characters), doubled for normalizers that fold two characters
+    into one. Anything longer is refused without being tokenized."""
+    longest = max((len(piece) for piece in tokenizer.get_vocab()), default=1)
+    return 2 * max_model_len * max(longest, 1)

@@ -1,43 +1,51 @@
 """The OpenAI request bodies, validated, and OpenAI's error shape.
 
 What it is: pydantic models of `POST /v1/completions`, `/v1/chat/completions`, `/tokenize`
-and `/detokenize` (OpenAI's field names, plus vLLM's sampling extensions that the
-`openai` client sends through `extra_body`: `top_k`, `min_p`, `min_tokens`,
-`stop_token_ids`, `ignore_eos`, `repetition_penalty`, ...), their translation into a
-`SamplingParams`, and `APIError`, which every failure becomes:
+and `/detokenize` (OpenAI's field names, plus vLLM's sampling extensions that benchmark
+clients and the `openai` client's `extra_body` send: `top_k`, `min_p`, `min_tokens`,
+`stop_token_ids`, `ignore_eos`, `repetition_penalty`, `stream_options.continuous_usage_stats`,
+...), their translation into a `SamplingParams`, and `APIError`, which every failure becomes:
 
     HTTP 400  {"error": {"message": "max_tokens=0 must be an integer >= 1 (or None)",
                          "type": "invalid_request_error", "param": "max_tokens", "code": null}}
 
-Types are strict, as OpenAI's are: `"max_tokens": "5"` is a 400, not a 5. A field the
-API does not know is a 400 that names it ("Unrecognized request argument supplied"); a
-few OpenAI fields this server does not implement (`logit_bias`, `tools`, ...) are
-accepted at their neutral value only, so a client that always sends them still works.
+Types follow OpenAI's published schema, which is JSON Schema: `"max_tokens": "5"` is a 400,
+not a 5, but `101.0` is the integer 101 (JSON Schema's integers are numbers with no
+fraction), and every optional field may be `null`, meaning its default. Numbers must be
+finite, and finite in float32, the engine's arithmetic (`1e308` would be `inf` there), so
+`Infinity`, `NaN` and `1e308` are 400s naming their field. A field neither OpenAI's schema
+nor vLLM's extensions know is a 400 that names it ("Unrecognized request argument
+supplied"). Every field OpenAI's schema allows is accepted, in one of three ways:
+
+- honoured: sampling, stopping, streaming, logprobs, `n`, `seed`, `echo`, usage;
+- ignored, because it cannot change what this server returns (`IGNORED`: `user`, `store`,
+  `metadata`, `service_tier`, `priority`, ...), listed in docs/level6_serving.md;
+- accepted at its neutral value only (`NEUTRAL_ONLY`: `tools`, `logit_bias`, `response_format`
+  other than text, `audio`, ...): anything else is a 400 that says the server does not support it.
 
 What it is not: the response builder (`serving.py`) or a complete OpenAI schema (no
 tools, images, audio or JSON mode).
 
-Reference: the OpenAI API reference (completions, chat, error codes); vLLM
-`entrypoints/openai/protocol.py`.
+Reference: the OpenAI API reference and its OpenAPI document (completions, chat, error
+codes); vLLM `entrypoints/openai/protocol.py`.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
 
 from .base import RequestOutputKind, SamplingParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows 5 for completions, 20 for chat)
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class APIError(Exception):
-    """A failure as OpenAI reports it: an HTTP status and `{"error": {...}}`."""
-
-    TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-             500: "server_error", 503: "server_error"}  # fmt: skip
+    """A failure as OpenAI reports it: an HTTP status and `{"error": {...}}` (4xx: the client's
+    mistake, `invalid_request_error`; 5xx: ours, `server_error`)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):  # fmt: skip
@@ -45,8 +53,8 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "server_error"),
-                          "param": self.param, "code": self.code}}  # fmt: skip
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
 UNION_HELP = {
@@ -63,6 +71,7 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         loc = [str(x) for x in err["loc"] if not (isinstance(x, str) and ("[" in x or x in ("str", "int")))]
+        loc = [x for x in loc if not x.startswith("function-")]  # the name pydantic gives an Annotated validator
         param = ".".join(loc) or None
         if err["type"] == "json_invalid":
             raise APIError(400, f"the request body is not valid JSON ({err['msg']})") from None
@@ -73,57 +82,114 @@ def parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
         if err["type"] == "missing":
             raise APIError(400, f"{param} is required", param) from None
         field = loc[-1] if loc else ""
-        msg = UNION_HELP.get(field) or UNION_HELP.get(loc[0] if loc else "") or err["msg"][0].lower() + err["msg"][1:]
-        raise APIError(400, f"{param}: {msg} (got {err.get('input')!r:.80})", param) from None
+        msg = UNION_HELP.get(field) or UNION_HELP.get(loc[0] if loc else "") or err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param}: {msg[0].lower() + msg[1:]} (got {err.get('input')!r:.80})", param) from None
+
+
+def _integral(value):
+    """JSON Schema's integer: 101.0 is 101 (a float with a fraction stays a float, and fails)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+def _finite32(value: float) -> float:
+    if not abs(value) <= FLOAT32_MAX:
+        raise ValueError(f"must be a finite number, within float32's range (|x| <= {FLOAT32_MAX:.3g})")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_integral)]
+Float = Annotated[float, AfterValidator(_finite32)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(Strict):
-    include_usage: bool = False
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage so far in every chunk (guidellm sends it)
+    include_obfuscation: bool | None = None  # OpenAI pads chunks against length side channels; ignored here
+
+
+# Accepted and ignored: none of these can change the tokens or the shape of the answer here.
+IGNORED = {
+    "user": "an end-user id for abuse monitoring",
+    "store": "OpenAI's stored completions",
+    "metadata": "tags for stored completions",
+    "service_tier": "OpenAI's processing tiers",
+    "safety_identifier": "an end-user id for abuse monitoring",
+    "prompt_cache_key": "a routing hint; prefix caching here is automatic",
+    "prompt_cache_retention": "a routing hint; prefix caching here is automatic",
+    "priority": "vLLM's priority scheduling; this scheduler is first come, first served",
+    "spaces_between_special_tokens": "special tokens are skipped from the text here",
+    "prediction": "a latency hint (predicted outputs); the tokens are the same either way",
+    "reasoning_effort": "for reasoning models; the built-in models do not reason",
+    "verbosity": "for OpenAI's GPT-5 models",
+}
 
 
 class SamplingFields(Strict):
     """What completions and chat share: the model, sampling, stopping, streaming."""
 
     model: str | None = None  # optional here (curl users); the openai client always sends it
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    n: int = 1
-    seed: int | None = None
+    max_tokens: Int | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
+    top_k: Int | None = None
+    min_p: Float | None = None
+    n: Int | None = None
+    seed: Int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    include_stop_str_in_output: bool = False
-    skip_special_tokens: bool = True
-    stream: bool = False
+    stop_token_ids: list[Int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens: Int | None = None
+    presence_penalty: Float | None = None
+    frequency_penalty: Float | None = None
+    repetition_penalty: Float | None = None
+    include_stop_str_in_output: bool | None = None
+    skip_special_tokens: bool | None = None
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted; nothing is done with it
-    # OpenAI fields this server does not implement: accepted at their neutral value only.
-    logit_bias: dict[str, float] | None = None
+    # IGNORED (above): accepted, with no effect
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    priority: Int | None = None
+    spaces_between_special_tokens: bool | None = None
+    # NEUTRAL_ONLY (below): OpenAI fields this server does not implement, accepted at their neutral value
+    logit_bias: dict[str, Float] | None = None
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs (not computed by this engine)
+    use_beam_search: bool | None = None  # vLLM's
+
+    NEUTRAL_ONLY: ClassVar[dict] = {
+        "logit_bias": lambda v: not v,
+        "response_format": lambda v: v in (None, {"type": "text"}),
+        "tools": lambda v: not v,
+        "tool_choice": lambda v: v in (None, "none", "auto"),
+        "prompt_logprobs": lambda v: v is None,
+        "use_beam_search": lambda v: not v,
+    }
+
+    @property
+    def num_samples(self) -> int:
+        return 1 if self.n is None else self.n
+
+    def usage_in_stream(self) -> tuple[bool, bool]:
+        """(a usage chunk at the end, usage so far in every chunk), as asked."""
+        o = self.stream_options
+        return bool(o and (o.include_usage or o.continuous_usage_stats)), bool(o and o.continuous_usage_stats)
 
     def check_unsupported(self) -> None:
-        neutral = {
-            "logit_bias": not self.logit_bias,
-            "response_format": self.response_format in (None, {"type": "text"}),
-            "tools": not self.tools,
-            "tool_choice": self.tool_choice in (None, "none", "auto") and not self.tools,
-        }
-        for name, ok in neutral.items():
-            if not ok:
-                raise APIError(400, f"{name} is not supported by this server", name)
+        for name, neutral in self.NEUTRAL_ONLY.items():
+            if not neutral(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported by this server (only its default)", name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
@@ -132,13 +198,14 @@ class SamplingFields(Strict):
         pick = lambda value, default: default if value is None else value  # noqa: E731
         try:
             return SamplingParams(
-                n=self.n, max_tokens=max_tokens, min_tokens=self.min_tokens, temperature=pick(self.temperature, 1.0),
-                top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0), min_p=pick(self.min_p, 0.0), seed=self.seed,
-                stop=self.stop, stop_token_ids=self.stop_token_ids, ignore_eos=self.ignore_eos,
-                presence_penalty=pick(self.presence_penalty, 0.0), frequency_penalty=pick(self.frequency_penalty, 0.0),
+                n=self.num_samples, max_tokens=max_tokens, min_tokens=pick(self.min_tokens, 0),
+                temperature=pick(self.temperature, 1.0), top_p=pick(self.top_p, 1.0), top_k=pick(self.top_k, 0),
+                min_p=pick(self.min_p, 0.0), seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
+                ignore_eos=bool(self.ignore_eos), presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
                 repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
-                include_stop_str_in_output=self.include_stop_str_in_output,
-                skip_special_tokens=self.skip_special_tokens, output_kind=RequestOutputKind.DELTA,
+                include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                skip_special_tokens=pick(self.skip_special_tokens, True), output_kind=RequestOutputKind.DELTA,
             )  # fmt: skip
         except ValueError as e:
             m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e))
@@ -151,15 +218,15 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool = False
-    logprobs: int | None = None  # top-N logprobs per token (OpenAI: at most 5; here MAX_LOGPROBS)
-    best_of: int | None = None  # accepted only as n (no best-of search)
+    prompt: str | list[str] | list[Int] | list[list[Int]]
+    echo: bool | None = None
+    logprobs: Int | None = None  # top-N logprobs per token (OpenAI: at most 5; here MAX_LOGPROBS)
+    best_of: Int | None = None  # accepted only as n (no best-of search)
     suffix: str | None = None  # no insertion: must be absent
 
     def validate_request(self) -> None:
         self.check_unsupported()
-        if self.best_of is not None and self.best_of != self.n:
+        if self.best_of is not None and self.best_of != self.num_samples:
             raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
@@ -187,24 +254,49 @@ class ChatMessage(Strict):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    refusal: str | None = None  # an assistant turn that refused: its text stands in for content
+    tool_calls: list[dict[str, Any]] | None = None  # no tools here: must be empty
+    function_call: dict[str, Any] | None = None  # the deprecated form of tool_calls: must be absent
+    audio: dict[str, Any] | None = None  # no audio here: must be absent
 
     def as_template_input(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": self.role, "content": text}
+        return {"role": self.role, "content": text or self.refusal or ""}
 
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage]
-    max_completion_tokens: int | None = None  # OpenAI's newer name for max_tokens; it wins if both are set
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    parallel_tool_calls: bool | None = None
+    max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens; it wins if both are set
+    logprobs: bool | None = None
+    top_logprobs: Int | None = None
+    parallel_tool_calls: bool | None = None  # IGNORED: there are no tools
+    prediction: dict[str, Any] | None = None  # IGNORED
+    reasoning_effort: str | None = None  # IGNORED
+    verbosity: str | None = None  # IGNORED
+    modalities: list[str] | None = None  # NEUTRAL_ONLY: text
+    audio: dict[str, Any] | None = None  # NEUTRAL_ONLY
+    web_search_options: dict[str, Any] | None = None  # NEUTRAL_ONLY
+    functions: list[dict[str, Any]] | None = None  # NEUTRAL_ONLY (the deprecated form of tools)
+    function_call: str | dict[str, Any] | None = None  # NEUTRAL_ONLY
     logprobs_field: ClassVar[str] = "top_logprobs"
+    NEUTRAL_ONLY: ClassVar[dict] = {
+        **SamplingFields.NEUTRAL_ONLY,
+        "modalities": lambda v: v in (None, ["text"]),
+        "audio": lambda v: v is None,
+        "web_search_options": lambda v: v is None,
+        "functions": lambda v: not v,
+        "function_call": lambda v: v in (None, "none", "auto"),
+    }
 
     def validate_request(self) -> None:
         self.check_unsupported()
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
+        for i, m in enumerate(self.messages):
+            for name in ("tool_calls", "function_call", "audio"):
+                if getattr(m, name):
+                    raise APIError(400, f"messages.{i}.{name} is not supported by this server (no tools or audio)",
+                                   f"messages.{i}.{name}")  # fmt: skip
         if self.top_logprobs is not None:
             if not self.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs to be true", "top_logprobs")
@@ -221,9 +313,9 @@ class TokenizeRequest(Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: bool | None = None
 
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[Int]

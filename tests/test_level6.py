@@ -379,6 +379,20 @@ BAD = [  # (path, raw body, status, the param the error names)
     ("/v1/completions", '{"prompt": "x", "logprobs": 99}', 400, "logprobs"),
     ("/v1/completions", '{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
     ("/v1/completions", '{"prompt": "x", "frobnicate": 1}', 400, "frobnicate"),
+    ("/v1/completions", '{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
+    ("/v1/completions", '{"prompt": "x", "temperature": 1e308}', 400, "temperature"),  # inf in float32
+    ("/v1/completions", '{"prompt": "x", "top_p": NaN}', 400, "top_p"),
+    ("/v1/completions", '{"prompt": "x", "presence_penalty": -Infinity}', 400, "presence_penalty"),
+    ("/v1/completions", '{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed"),  # 2**70
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 101.5}', 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "max_tokens": true}', 400, "max_tokens"),
+    ("/v1/completions", '{"prompt": "x", "use_beam_search": true}', 400, "use_beam_search"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+     400, "tools"),
+    ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}', 400,
+     "messages.0.tool_calls"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "modalities": ["audio"]}', 400,
+     "modalities"),
     ("/v1/completions", '{"prompt": "x", "logit_bias": {"5": 10}}', 400, "logit_bias"),
     ("/v1/completions", '{"prompt": "x", "stream_options": {"include_usage": true}}', 400, "stream_options"),
     ("/v1/completions", '{"prompt": ""}', 400, "prompt"),
@@ -408,6 +422,50 @@ def test_bad_input_gets_its_status_and_an_openai_error(server, path, body, statu
     assert err["param"] == param, err
     assert err["type"] == "invalid_request_error"
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_a_message_names_the_field_without_pydantic_noise(server):
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "seed": 2**70})
+    assert r.json()["error"]["message"] == "seed=1180591620717411303424 must be an integer in [-2**63, 2**63) (or None)"
+    r = httpx.post(server.url + "/v1/completions", content='{"prompt": "x", "temperature": 1e308}')
+    assert r.json()["error"]["message"].startswith("temperature: must be a finite number, within float32's range")
+
+
+def test_the_spec_s_nullable_and_numeric_forms_and_vllm_s_extras_are_accepted(server, llm):
+    """What OpenAI's schema allows (null for any optional field, 101.0 for an integer) and what
+    benchmark clients send (vLLM's fields, stream_options they know) is a 200, not a 400."""
+    want = offline(llm, "ROMEO:\n", max_tokens=6, temperature=0).outputs[0].text
+    body = {"prompt": "ROMEO:\n", "max_tokens": 6.0, "temperature": 0, "stream": None, "n": None, "echo": None,
+            "best_of": None, "logprobs": None, "seed": None, "stop": None, "suffix": None, "user": "u1",
+            "presence_penalty": None, "frequency_penalty": None, "logit_bias": None, "top_p": None,
+            "ignore_eos": None, "min_tokens": None, "top_k": None, "repetition_penalty": None, "priority": 0,
+            "store": False, "metadata": {"k": "v"}, "service_tier": "auto"}  # fmt: skip
+    r = httpx.post(server.url + "/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    chat = {"messages": [{"role": "user", "content": "Hi", "name": None},
+                         {"role": "assistant", "content": None, "refusal": "I cannot", "tool_calls": None},
+                         {"role": "user", "content": [{"type": "text", "text": "Again"}]}],
+            "max_completion_tokens": 4.0, "stream": None, "logprobs": None, "top_logprobs": None, "tools": None,
+            "tool_choice": None, "parallel_tool_calls": None, "response_format": {"type": "text"},
+            "modalities": ["text"], "reasoning_effort": "low", "prediction": None, "audio": None}  # fmt: skip
+    r = httpx.post(server.url + "/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["refusal"] is None  # OpenAI's schema requires the key
+
+
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
+    body = {
+        "prompt": "ROMEO:\n",
+        "max_tokens": 8,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"continuous_usage_stats": True, "include_usage": True, "include_obfuscation": True},
+    }
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(d) for d in events(r.read().decode())[:-1]]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 8 and chunks[-1]["choices"] == []  # the usage chunk last
+    assert all(c["usage"]["prompt_tokens"] == chunks[-1]["usage"]["prompt_tokens"] for c in chunks)
 
 
 def test_the_queue_is_bounded_even_when_nothing_waits():

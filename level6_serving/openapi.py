@@ -1,0 +1,132 @@
+"""`/openapi.json`: the routes as they really are, request bodies and responses included.
+
+What it is: the routes read their bodies themselves (`protocol.parse_body`, so every error
+is OpenAI's shape and names its field), which leaves FastAPI nothing to describe. This file
+puts the pydantic models of `protocol.py` into the document (`body()` for one route,
+`schema()` for the whole), plus response models written only to describe what `serving.py`
+returns, so a client generator or a schema fuzzer (`schemathesis`, in the tests) sees the
+real contract: which fields, which types, which statuses.
+
+What it is not: validation. Requests are validated by `protocol.py` alone; the response
+models here are documentation, checked against real responses by the fuzzing test.
+
+Reference: FastAPI's `openapi_extra`; OpenAI's published OpenAPI document.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel
+
+from . import protocol
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ChatMessageOut(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+    refusal: None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: dict[str, Any] | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: Literal["invalid_request_error", "server_error"]
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+MODELS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
+          protocol.DetokenizeRequest, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
+          DetokenizeResponse, ErrorResponse]  # fmt: skip
+
+ERRORS = {
+    "400": "a malformed or unsupported request (the error names the field)",
+    "401": "a missing or wrong API key (--api-key)",
+    "404": "an unknown model",
+    "413": "a body over --max-request-body-bytes",
+    "503": "overloaded, shutting down, or the engine is dead (Retry-After says when to come back)",
+}
+
+
+def ref(name: str) -> dict:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def body(request: str, response: str, stream: bool = False) -> dict:
+    """A route's `openapi_extra`: its JSON body and its answers."""
+    ok = {"application/json": {"schema": ref(response)}}
+    if stream:  # "stream": true answers with Server-Sent Events
+        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    errors = {code: {"description": why, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+              for code, why in ERRORS.items()}  # fmt: skip
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {"200": {"description": "OK", "content": ok}, **errors}}  # fmt: skip
+
+
+def schema(app) -> dict:
+    """The whole document, made once per app."""
+    if app.openapi_schema is None:
+        doc = get_openapi(title=app.title, version=app.version, routes=app.routes,
+                          description="OpenAI-compatible completions and chat, served by inference-ladder's level 6")  # fmt: skip
+        components = doc.setdefault("components", {}).setdefault("schemas", {})
+        for model in MODELS:
+            js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(js.pop("$defs", {}))
+            components[model.__name__] = js
+        app.openapi_schema = doc
+    return app.openapi_schema
