@@ -7,7 +7,7 @@
 What it is: `OpenAIServing`, the part of the server that speaks OpenAI. For one request:
 
     body ─parse_body─> CompletionRequest ─> model known? n allowed? n x prompts within the queue's size?
-         ─> prompt fits? queue not full?
+         ─> prompt fits (in characters, then tokenized on the front-end thread)? queue not full?
          ─> AsyncLLMEngine.add_request (one engine request per prompt; n samples each)
          ─> stream: one SSE event per choice per engine output, then usage, then [DONE]
             or not: the deltas concatenated into one JSON response
@@ -20,6 +20,8 @@ A stream is framed exactly as OpenAI frames it, one `data: {json}\\n\\n` per eve
     data: {... "choices": [{"index": 0, "delta": {"content": " is"}, "finish_reason": "length"}]}
     data: {... "choices": [], "usage": {"prompt_tokens": 5, ...}}        (stream_options.include_usage)
     data: [DONE]
+
+With `stream_options.continuous_usage_stats` (vLLM's), every chunk carries the usage so far.
 
 The text of each event is the engine's delta output, so it never splits a character
 and never shows the start of a stop string that is then cut. Choice `index` is
@@ -175,6 +177,9 @@ def chat_logprobs(token_ids: list[int], entries: list[dict], n: int, tokenizer) 
                         for tok, entry in zip(token_ids, entries)]}  # fmt: skip
 
 
+LARGE_BODY = 64 << 10  # bytes: a body this big is parsed on the front-end thread, not the event loop
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str], max_num_waiting: int, max_n: int):
         self.engine, self.names = engine, served_model_names
@@ -182,6 +187,12 @@ class OpenAIServing:
         self.draining = False
 
     # --- checks before anything is queued ------------------------------------------------------
+    async def parse(self, model, raw: Request):
+        body = await raw.body()
+        if len(body) < LARGE_BODY:
+            return parse_body(model, body)
+        return await self.engine.run_on_frontend(parse_body, model, body)
+
     def check_model(self, name: str | None) -> str:
         if name is not None and name not in self.names:
             raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(self.names)})", "model",
@@ -206,7 +217,7 @@ class OpenAIServing:
         if self.draining:
             raise APIError(503, "the server is shutting down", headers={"Retry-After": "5"})
         if not self.engine.is_running:
-            raise APIError(503, f"the engine is not running ({self.engine.dead or 'stopped'})")
+            raise engine_unavailable(self.engine)
         waiting = self.engine.num_waiting
         if waiting + num_seqs > self.max_num_waiting:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting "
@@ -232,7 +243,7 @@ class OpenAIServing:
             for s in streams:
                 s.abandon()
             if isinstance(e, EngineDeadError):
-                raise APIError(503, str(e)) from None
+                raise engine_unavailable(self.engine) from None
             if isinstance(e, ValueError):  # the engine's own checks, e.g. more KV blocks than the pool holds
                 raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
             raise
@@ -240,18 +251,19 @@ class OpenAIServing:
 
     # --- /v1/completions -----------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
-        req: CompletionRequest = parse_body(CompletionRequest, await raw.body())
+        req: CompletionRequest = await self.parse(CompletionRequest, raw)
         req.validate_request()
         model = self.check_model(req.model)
-        self.check_n(req.n)
+        self.check_n(req.num_samples)
         prompts = req.prompts()
-        self.check_size(req.n, len(prompts))
+        self.check_size(req.num_samples, len(prompts))
         ids = []
         for i, p in enumerate(prompts):
             try:
-                ids.append(self.engine.inputs.tokenize(p, i))
+                ids.append(await self.engine.tokenize(p, i))
             except ValueError as e:
-                raise APIError(400, str(e), "prompt") from None
+                raise APIError(400, str(e), "prompt", "context_length_exceeded" if "characters" in str(e) else None
+                               ) from None  # fmt: skip
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         params = req.sampling_params(max_tokens, "max_tokens", req.logprobs)
         for x in ids:
@@ -260,8 +272,8 @@ class OpenAIServing:
         ctx = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                "model": model}  # fmt: skip
         streams = await self.add_all(ctx["id"], ids, params)
-        echo = [p if isinstance(p, str) else self.engine.tokenizer.decode(x) for p, x in zip(prompts, ids)]
-        echo = echo if req.echo else ["" for _ in prompts]
+        echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
+            else ["" for _ in prompts]  # fmt: skip
         if req.stream:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
@@ -285,7 +297,7 @@ class OpenAIServing:
         raise NotImplementedError("lab 6: write OpenAIServing.completion_events")
 
     async def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]) -> Response:
-        n = req.n
+        n = req.num_samples
         choices = [Choice(echo[i // n]) for i in range(len(streams) * n)]
         async for i, out in merge_streams(streams):
             for c in out.outputs:
@@ -303,15 +315,16 @@ class OpenAIServing:
 
     # --- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, raw: Request) -> Response:
-        req: ChatCompletionRequest = parse_body(ChatCompletionRequest, await raw.body())
+        req: ChatCompletionRequest = await self.parse(ChatCompletionRequest, raw)
         req.validate_request()
         model = self.check_model(req.model)
-        self.check_n(req.n)
-        self.check_size(req.n, 1)
+        self.check_n(req.num_samples)
+        self.check_size(req.num_samples, 1)
         try:
-            ids = self.engine.inputs.apply_chat_template([m.as_template_input() for m in req.messages])
+            ids = await self.engine.apply_chat_template([m.as_template_input() for m in req.messages])
         except ValueError as e:
-            raise APIError(400, str(e), "messages") from None
+            raise APIError(400, str(e), "messages", "context_length_exceeded" if "characters" in str(e) else None
+                           ) from None  # fmt: skip
         if len(ids) >= self.engine.max_model_len:
             raise APIError(400, f"the conversation has {len(ids)} tokens; max_model_len={self.engine.max_model_len} "
                                 "leaves no room to generate", "messages", "context_length_exceeded")  # fmt: skip
@@ -329,14 +342,14 @@ class OpenAIServing:
     async def chat_events(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream):
         ctx = {**ctx, "object": "chat.completion.chunk"}
         num_lp = req.num_logprobs
-        include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        extra = {"usage": None} if include_usage else {}
-        done, completion_tokens = set(), 0
+        include_usage, continuous = req.usage_in_stream()
+        prompt_tokens, done, completion_tokens = len(stream.prompt_token_ids), set(), 0
+        extra = lambda: stream_usage(include_usage, continuous, prompt_tokens, completion_tokens)  # noqa: E731
         try:
-            for index in range(req.n):  # the role comes first, in a chunk of its own, for every choice
+            for index in range(req.num_samples):  # the role comes first, in a chunk of its own, for every choice
                 delta = {"role": "assistant", "content": ""}
                 yield sse({**ctx, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
-                           **extra})  # fmt: skip
+                           **extra()})  # fmt: skip
             async for _, out in merge_streams([stream]):
                 for c in out.outputs:
                     completion_tokens += len(c.token_ids)
@@ -349,20 +362,20 @@ class OpenAIServing:
                         lp = chat_logprobs(c.token_ids, c.logprobs or [], num_lp, self.engine.tokenizer)
                     delta = {"content": c.text} if c.text else {}
                     choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-                    yield sse({**ctx, "choices": [choice], **extra})
+                    yield sse({**ctx, "choices": [choice], **extra()})
             if include_usage:
-                yield sse({**ctx, "choices": [], "usage": usage(len(stream.prompt_token_ids), completion_tokens)})
+                yield sse({**ctx, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         except Exception as e:  # noqa: BLE001
             yield sse(stream_error(e))
         yield sse("[DONE]")
 
     async def chat_response(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream) -> Response:
-        choices = [Choice() for _ in range(req.n)]
+        choices = [Choice() for _ in range(req.num_samples)]
         async for _, out in merge_streams([stream]):
             for c in out.outputs:
                 choices[c.index].add(c)
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
-        body = [{"index": i, "message": {"role": "assistant", "content": ch.text},
+        body = [{"index": i, "message": {"role": "assistant", "content": ch.text, "refusal": None},
                  "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
                  "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
                 for i, ch in enumerate(choices)]  # fmt: skip
@@ -374,6 +387,21 @@ class OpenAIServing:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def stream_usage(include_usage: bool, continuous: bool, prompt_tokens: int, completion_tokens: int) -> dict:
+    """The `usage` of one chunk: none unless asked; null until the last chunk (OpenAI); with
+    vLLM's `continuous_usage_stats`, the counts so far."""
+    if not include_usage:
+        return {}
+    return {"usage": usage(prompt_tokens, completion_tokens) if continuous else None}
+
+
+def engine_unavailable(engine: AsyncLLMEngine) -> APIError:
+    """503 + Retry-After for a dead or stopped engine: a supervisor restarts the process, and a
+    client that retries later reaches the new one. The message says why (which rank, its exit code)."""
+    why = f"the engine is dead: {engine.dead}" if engine.dead is not None else "the engine is not running"
+    return APIError(503, why, None, "engine_dead" if engine.dead is not None else None, {"Retry-After": "5"})
 
 
 def stream_error(e: Exception) -> dict:
