@@ -2,7 +2,8 @@
 
     python -m labs list                               the labs, their checks and handouts
     python -m labs start 2 ~/labs/lab2                copy lab 2's starter(s) there
-    python -m labs check 2 ~/labs/lab2/scheduler.py   run lab 2's checks on your file (--json for autograding)
+    python -m labs check 2 ~/labs/lab2/scheduler.py   run lab 2's checks on your file (--json for autograding,
+                                                      --hints full|short|none: how much a failed check says)
     python -m labs experiment 2 ~/labs/lab2           the handout's experiment, with your code swapped in
     python -m labs run 2 ~/labs/lab2 -m level2_continuous.demo --requests 8
                                                       any module (a demo, a benchmark), with your code swapped in
@@ -13,6 +14,10 @@ What it is: the command line over `labs.grading` and `labs.runner`. Your file re
 the reference module under the reference's name, in a subprocess, so the rest of the
 engine (the real one) runs your piece; nothing you run here changes the repository.
 
+`check --json` prints exactly one JSON object, whatever happens: when the checks cannot run
+(a file that does not parse, a missing file, an unknown lab), it is the usual report with
+score 0 and the reason in `problem`, so an autograder's `json.load` never fails.
+
 What it is not: the checks (each lab's `labs/lab<id>.py` lists them) or a sandbox.
 """
 
@@ -20,10 +25,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import traceback
 from pathlib import Path
 
 from . import grading, spec
@@ -43,9 +51,12 @@ def parser() -> argparse.ArgumentParser:
     c = sub.add_parser("check", help="run a lab's checks on your file(s)")
     c.add_argument("lab")
     c.add_argument("paths", nargs="+", help="your file, or the directory holding your files")
-    c.add_argument("--json", action="store_true", help="print only the JSON report (for autograding)")
+    c.add_argument("--json", action="store_true", help="print only the JSON report: one object, whatever happens")
     c.add_argument("--timeout", type=float, default=900, help="seconds before the checks are stopped (default 900)")
     c.add_argument("--verbose", action="store_true", help="also print pytest's full output")
+    c.add_argument("--hints", choices=spec.HINTS, default=spec.DEFAULT_HINTS,
+                   help="what a failed check says: full (where to look, close to the code), short (the rule it "
+                        f"breaks), none (only that it failed); default {spec.DEFAULT_HINTS}")  # fmt: skip
     e = sub.add_parser("experiment", help="run the handout's experiment with your code swapped in")
     e.add_argument("lab")
     e.add_argument("path", help="your file, or the directory holding your files")
@@ -109,18 +120,46 @@ def cmd_start(args) -> int:
 
 
 def cmd_check(args) -> int:
+    if args.json:
+        return check_json(args)
     lab = _lab(args.lab)
     swaps = grading.resolve(lab, args.paths)
-    if not args.json:
-        for module, path in swaps.items():
-            print(f"lab {lab.id} ({lab.topic}): {path} replaces {module}")
-        print(f"running {len(lab.checks)} checks...", flush=True)
-    report = grading.check(lab, args.paths, timeout=args.timeout)
-    if args.json:
-        print(json.dumps(report.as_dict(), indent=1))
-    else:
-        print_report(report, verbose=args.verbose)
+    for module, path in swaps.items():
+        print(f"lab {lab.id} ({lab.topic}): {path} replaces {module}")
+    print(f"running {len(lab.checks)} checks...", flush=True)
+    report = grading.check(lab, args.paths, timeout=args.timeout, hints=args.hints)
+    if report.score < report.total and not args.verbose:
+        report.log = keep_log(lab, report.output)
+    print_report(report, verbose=args.verbose)
     return 0 if report.score == report.total else 1
+
+
+def check_json(args) -> int:
+    """`check --json`: one JSON object on stdout whatever happens. Exit 0 all passed, 1 some failed, 2 the
+    checks could not run (as without --json), 130 interrupted; the reason is in `problem`, the trace on stderr."""
+    try:
+        report = grading.check(_lab(args.lab), args.paths, timeout=args.timeout, hints=args.hints)
+        code = 0 if report.score == report.total else 1
+    except LabsError as e:  # what the student handed in: one line says it
+        report, code = grading.not_run(args.lab, str(e), args.hints), 2
+    except Exception as e:  # noqa: BLE001 - the runner failed: still a report, and the whole story on stderr
+        traceback.print_exc()
+        first = (str(e).strip().splitlines() or [""])[0]
+        report, code = grading.not_run(args.lab, f"the checks could not run: {type(e).__name__}: {first}",
+                                       args.hints), 2  # fmt: skip
+    except KeyboardInterrupt:
+        report, code = grading.not_run(args.lab, "interrupted before the checks finished", args.hints), 130
+    print(json.dumps(report.as_dict(), indent=1))
+    return code
+
+
+def keep_log(lab: spec.Lab, text: str) -> str:
+    """pytest's output of a check that failed, as one file that outlives the command: the report prints its
+    path for the student to open. Everything else the check wrote is gone by now."""
+    fd, path = tempfile.mkstemp(prefix=f"labs-{lab.id}-check-", suffix=".log")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 def print_report(report: grading.Report, verbose: bool = False) -> None:
@@ -131,17 +170,16 @@ def print_report(report: grading.Report, verbose: bool = False) -> None:
         print(f"  {'PASS' if c.passed else 'FAIL'}  {c.id:<{width}}  {c.title}")
         if not c.passed:
             for line in textwrap.wrap(
-                c.hint, 100, initial_indent="hint: ", subsequent_indent="      ", break_on_hyphens=False
+                c.hint or "", 100, initial_indent="hint: ", subsequent_indent="      ", break_on_hyphens=False
             ):
                 print(f"        {line}")
-            for d in c.details[:3]:
+            for d in c.details[:3]:  # the failing test's own message: what went wrong, at every level of hints
                 print(f"        - {textwrap.shorten(d, 160)}")
     print(f"score: {report.score}/{report.total}")
-    if report.log:
-        if verbose:
-            print(Path(report.log).read_text())
-        elif report.score < report.total:
-            print(f"pytest's full output: {report.log}")
+    if verbose:
+        print(report.output or (Path(report.log).read_text() if report.log else ""))
+    elif report.log and report.score < report.total:
+        print(f"pytest's full output: {report.log}")
 
 
 def cmd_experiment(args) -> int:

@@ -9,8 +9,11 @@ What it is: the part `python -m labs check` and tests/test_labs.py share.
   - `check_variant(...)`: one plan variant, the lab's checks under the student's swaps.
   - `run_plan(variants)`: `python -m labs.runner plan` in a subprocess; returns when all
     variants have run.
-  - `grade(lab, results)`: each check passed or not, with its hint and the first failure
-    message, and the score: the JSON `--json` prints.
+  - `grade(lab, results, hints=...)`: each check passed or not, with its hint at the
+    teacher's level (`--hints`) and the first failure message, and the score: the JSON
+    `--json` prints. `not_run(lab_id, problem)` is the same report when the checks could not
+    run at all (a file that does not parse): score 0, and the reason in `problem`.
+  - `check(lab, paths)`: all of it, in a temporary folder that is gone when it returns.
 
 What it is not: the checks themselves (the level's tests and `labs/lab<id>_checks.py`).
 
@@ -28,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .runner import matches
-from .spec import REPO, Check, Lab
+from .spec import DEFAULT_HINTS, REPO, Check, Lab, get
 
 
 class LabsError(ValueError):
@@ -95,11 +98,17 @@ def subprocess_env(extra: dict | None = None) -> dict:
 
 
 def run_plan(variants: list[dict], workdir: Path, jobs: int = 1) -> dict[str, dict]:
-    """Run the variants in one warm `python -m labs.runner plan` process; {name: summary}."""
+    """Run the variants in one warm `python -m labs.runner plan` process; {name: summary}.
+
+    The runner's temporary folder is `workdir/tmp`: what the checks write there (pytest's
+    tmp_path, multiprocessing's folders, which a forked variant's `os._exit` never removes)
+    goes when the workdir goes."""
     plan = dict(variants=variants, jobs=jobs, summary=str(workdir / "summary.json"))
     path = workdir / "plan.json"
     path.write_text(json.dumps(plan, indent=1))
-    proc = subprocess.run([sys.executable, "-m", "labs.runner", "plan", str(path)], cwd=REPO, env=subprocess_env(),
+    (workdir / "tmp").mkdir(exist_ok=True)
+    env = subprocess_env({"TMPDIR": str(workdir / "tmp")})
+    proc = subprocess.run([sys.executable, "-m", "labs.runner", "plan", str(path)], cwd=REPO, env=env,
                           capture_output=True, text=True)  # fmt: skip
     if proc.returncode != 0 or not Path(plan["summary"]).is_file():
         raise RuntimeError(f"the labs runner failed (exit {proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -116,7 +125,7 @@ class CheckResult:
     id: str
     title: str
     passed: bool
-    hint: str
+    hint: str | None  # at the report's level of hints: None under --hints none
     details: list[str] = field(default_factory=list)  # what failed, one line per test
 
     def as_dict(self) -> dict:
@@ -128,8 +137,10 @@ class CheckResult:
 class Report:
     lab: str
     checks: list[CheckResult]
-    problem: str | None = None  # the student's file did not import, or the run timed out
-    log: str | None = None
+    problem: str | None = None  # the checks could not run, the student's file did not import, or the run timed out
+    log: str | None = None  # pytest's output, while it exists (`check` removes it; `labs check` may keep a copy)
+    hints: str = DEFAULT_HINTS
+    output: str = field(default="", repr=False)  # the log's text, read before its folder went (not in the JSON)
 
     @property
     def score(self) -> int:
@@ -140,13 +151,15 @@ class Report:
         return len(self.checks)
 
     def as_dict(self) -> dict:
-        return dict(lab=self.lab, score=self.score, total=self.total, passed=self.score == self.total,
-                    problem=self.problem, checks=[c.as_dict() for c in self.checks], log=self.log)  # fmt: skip
+        passed = self.problem is None and self.score == self.total  # an unknown lab has 0 of 0 checks
+        return dict(lab=self.lab, score=self.score, total=self.total, passed=passed,
+                    problem=self.problem, hints=self.hints, checks=[c.as_dict() for c in self.checks],
+                    log=self.log)  # fmt: skip
 
 
 def grade(lab: Lab, records: list[dict], summary: dict | None = None, checks: list[Check] | None = None,
-          log: str | None = None) -> Report:  # fmt: skip
-    """Each check passes when every test it names ran and passed."""
+          log: str | None = None, hints: str = DEFAULT_HINTS) -> Report:  # fmt: skip
+    """Each check passes when every test it names ran and passed; a failed one says `hints` much."""
     outcomes: dict[str, list[dict]] = {}
     for r in records:
         if "nodeid" in r:
@@ -177,14 +190,31 @@ def grade(lab: Lab, records: list[dict], summary: dict | None = None, checks: li
                     r = bad[0]
                     where = "" if r["when"] == "call" else f" (in {r['when']})"
                     details.append(f"{nid.split('::')[-1]}{where}: {r['outcome']}: {r['message']}")
-        results.append(CheckResult(c.id, c.title, ok, c.hint, details))
-    return Report(lab.id, results, problem, log)
+        results.append(CheckResult(c.id, c.title, ok, c.hint_at(hints), details))
+    return Report(lab.id, results, problem, log, hints)
 
 
-def check(lab: Lab, paths: list[str | Path], timeout: float = 900) -> Report:
-    """Everything `python -m labs check` does, but printing nothing."""
+def not_run(lab_id: str, problem: str, hints: str = DEFAULT_HINTS) -> Report:
+    """The report when the checks could not run at all (a file that does not parse, a missing one, the
+    runner failing): every check of the lab failed with the reason, score 0, in the shape of any other."""
+    try:
+        lab_checks = get(lab_id).checks
+    except ValueError:  # no such lab: no checks to list
+        lab_checks = ()
+    results = [CheckResult(c.id, c.title, False, c.hint_at(hints), [f"not run: {problem}"]) for c in lab_checks]
+    return Report(str(lab_id), results, problem, hints=hints)
+
+
+def check(lab: Lab, paths: list[str | Path], timeout: float = 900, hints: str = DEFAULT_HINTS) -> Report:
+    """Everything `python -m labs check` does, but printing nothing and leaving nothing behind: the
+    plan, the results and pytest's log live in a temporary folder removed before this returns (on an
+    error or Ctrl-C too). The log's text stays in `report.output`; `report.log` is None."""
     swaps = resolve(lab, paths)
-    workdir = Path(tempfile.mkdtemp(prefix=f"labs-{lab.id}-"))
-    variant = check_variant(f"lab{lab.id}", lab, swaps, workdir, timeout=timeout)
-    summary = run_plan([variant], workdir)[variant["name"]]
-    return grade(lab, read_results(variant["results"]), summary, log=variant["log"])
+    # ignore_cleanup_errors: after Ctrl-C a dying variant may still be writing; the interrupt matters more.
+    with tempfile.TemporaryDirectory(prefix=f"labs-{lab.id}-", ignore_cleanup_errors=True) as work:
+        workdir = Path(work)
+        variant = check_variant(f"lab{lab.id}", lab, swaps, workdir, timeout=timeout)
+        summary = run_plan([variant], workdir)[variant["name"]]
+        report = grade(lab, read_results(variant["results"]), summary, hints=hints)
+        report.output = Path(variant["log"]).read_text(errors="replace")
+    return report

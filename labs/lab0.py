@@ -52,25 +52,37 @@ CHECKS = (
           (L0 + "test_causal_attention_offset_against_full_recompute", OWN + "test_a_decode_sees_the_whole_context"),
           "Query i of a chunk sits at position context_len + i: it sees keys 0 .. context_len + i. A mask built "
           "from i alone is right for a prefill from an empty cache (so the logits check still passes) and wrong "
-          "for every decode."),
+          "for every decode.",
+          rule="A query sits after everything already cached: it may see every earlier token of its sequence, the "
+               "cached ones included, and no later one. A decode sees the whole context."),
     Check("attention", "causal_attention equals softmax(q k^T / sqrt(D)) v, GQA included",
           (OWN + "test_causal_attention_equals_dense_attention",),
           "Compare with the formula: scale by D**-0.5, -inf above the (offset) diagonal, softmax over the keys. "
           "GQA: query head h reads KV head h // (Hq // Hkv), which is what repeat_interleave gives (repeat "
-          "interleaves the wrong way). Compute in float32 or wider and return q's dtype."),
+          "interleaves the wrong way). Compute in float32 or wider and return q's dtype.",
+          rule="Attention is the softmax of the scaled query-key scores over the keys a query may see, weighting the "
+               "values; under GQA each group of neighbouring query heads shares one key/value head. The arithmetic is at "
+               "least float32."),
     Check("slab-writes", "a forward writes each layer's new K/V at slab.used and attends over the prefix",
           (OWN + "test_prefill_then_decodes_equal_one_forward",),
           "Write layer L's new k/v to slab.k[L, used : used + n] and attend over slab.k[L, : used + n]. Advance "
-          "slab.used in commit() only, once per forward: advancing it per layer shifts every later layer."),
+          "slab.used in commit() only, once per forward: advancing it per layer shifts every later layer.",
+          rule="Each layer stores its new keys and values after what the cache already holds and attends over all of "
+               "it; the cache's length grows once per forward, when every layer is done, not once per layer."),
     Check("batch", "sequences of one flattened batch stay apart", (OWN + "test_sequences_in_one_batch_stay_apart",),
-          "Sequence i owns rows query_start_loc[i] : query_start_loc[i+1] of q, k, v, and only its own slab."),
+          "Sequence i owns rows query_start_loc[i] : query_start_loc[i+1] of q, k, v, and only its own slab.",
+          rule="Sequences in one flattened batch are independent: each reads only its own rows and its own cache."),
     Check("hf-logits", "the model's logits equal Hugging Face's (a prefill through your cache)",
           (L0 + "test_logits_match_transformers[llama]", L0 + "test_logits_match_transformers[llama3]"),
           "A whole-prompt forward through SlabAttention differs from transformers: check the scale, the mask, "
-          "the GQA mapping (llama3 here has a single KV head) and the dtype of the accumulation."),
+          "the GQA mapping (llama3 here has a single KV head) and the dtype of the accumulation.",
+          rule="A prompt run through your cache must give Hugging Face's logits (to float tolerance): any departure "
+               "from the attention formula shows up here."),
     Check("waste", "KV waste is measured from slab.used", (L0 + "test_kv_waste_is_measured_exactly",),
           "The engine counts the tokens a slab holds as slab.used: commit() must add each sequence's new tokens, "
-          "once per step."),
+          "once per step.",
+          rule="The cache's count of stored tokens is what the engine's accounting trusts: after each step it equals "
+               "exactly the tokens computed so far."),
 )  # fmt: skip
 
 BUGS = (

@@ -73,22 +73,31 @@ CHECKS = (
     Check("allocator", "the allocator hands out and takes back blocks, loud on misuse",
           (L1 + "test_allocator_is_loud_on_misuse", OWN + "test_allocator_order_and_reuse"),
           "allocate() pops from self._free (OutOfBlocks when empty); free() raises ValueError for an id out of "
-          "range ('not in this pool') and for a block already free ('double free'), and pushes it back."),
+          "range ('not in this pool') and for a block already free ('double free'), and pushes it back.",
+          rule="Every block is either free or handed out, never both: the pool runs out loudly, and freeing a block "
+               "that is not out (or not in the pool) is an error, not a silent no-op."),
     Check("tables", "block tables grow all-or-nothing, at the end, and never leak or share a block",
           (L1 + "TestBlockTables",),
           "grow() must check that enough blocks are free before taking any (OutOfBlocks, table unchanged, and "
           "no empty table left behind for a new sequence); free() must return every block of the table; "
-          "blocks_for is a ceiling division."),
+          "blocks_for is a ceiling division.",
+          rule="Growing a table is all or nothing: when the pool cannot cover the new tokens, nothing changes. A "
+               "sequence holds just enough blocks for its tokens, no block is in two tables, and a freed table gives "
+               "every block back."),
     Check("slot-mapping", "slot = table[pos // block_size] * block_size + pos % block_size, for every new token",
           (L1 + "test_slots_follow_the_block_table", OWN + "test_model_input_on_random_batches"),
           "For a new token at position p (the chunk's start + its index), the slot is table[p // bs] * bs + "
           "p % bs; seq_lens is start + len(tokens); block tables are padded with 0 to the longest; "
-          "positions and logits_indices come from FlatBatch.geometry."),
+          "positions and logits_indices come from FlatBatch.geometry.",
+          rule="Each new token's key and value go to the slot its sequence's block table assigns to its position in "
+               "the whole sequence (not in the chunk); the batch's metadata describes every sequence's full length."),
     Check("engine", "level 1 runs out of blocks mid-batch, evicts, recomputes, and answers exactly",
           (L1 + "test_running_out_of_blocks_mid_batch_evicts_and_recomputes",
            L1 + "test_a_request_larger_than_the_pool_is_refused_up_front"),
           "The engine's answers changed, or blocks were left behind: a K/V written to the wrong slot, a block "
-          "not returned when a request finishes or is evicted, or a table that shrank."),
+          "not returned when a request finishes or is evicted, or a table that shrank.",
+          rule="Running out of blocks mid-batch may cost recomputation, never an answer: outputs stay exact, and "
+               "every block comes back when a request finishes or is evicted."),
 )  # fmt: skip
 
 BUGS = (

@@ -51,24 +51,34 @@ CHECKS = (
           "One query per sequence over its whole context, itself included: it sees every key with k_pos <= "
           "context_len + q_pos (<=, not <). Look up each key's physical block through the table "
           "(k_pos // BLOCK_SIZE) and its slot (k_pos % BLOCK_SIZE); a NaN in the output means a key outside "
-          "the sequence was read (mask the loads with k_ok)."),
+          "the sequence was read (mask the loads with k_ok).",
+          rule="A decode query attends to its sequence's whole context, itself included, and reads only keys of its "
+               "own sequence, found through its block table."),
     Check("prefill-chunk", "a prefill chunk over a cached context (causal, several q blocks and tiles)",
           (OWN + "test_prefill_chunk_over_a_cached_context",),
           "Query row r is token q_pos = q_block_local * BLOCK_Q + r // G of the chunk, at position context_len + "
           "q_pos: it sees keys k_pos <= context_len + q_pos. Across tiles keep the online softmax exact: when the "
-          "max grows, rescale l and acc by exp(m_old - m_new)."),
+          "max grows, rescale l and acc by exp(m_old - m_new).",
+          rule="Each query of a chunk sees the cached context and the chunk's tokens up to and including itself; a "
+               "softmax computed tile by tile must equal the softmax over all keys at once."),
     Check("tiles-and-blocks", "tile and block sizes are independent (bs 1, bs 32 with tile 16, head dim 80)",
           (OWN + "test_tiles_and_blocks_are_independent",),
           "A tile may span several blocks (bs < TILE) or part of one (bs > TILE): look the block up per key, "
-          "never per tile. Head dims that are not powers of two are padded: mask the loads with dim_ok."),
+          "never per tile. Head dims that are not powers of two are padded: mask the loads with dim_ok.",
+          rule="The tile size and the block size are independent: a key is found through its own block whatever tile "
+               "it falls in, and padding (of a tile or of the head dimension) contributes nothing."),
     Check("dtypes", "fp16/bf16 inputs are upcast after every load; the output has q's dtype",
           (OWN + "test_half_precision_inputs", K + "test_triton_default_entry_point_and_bf16"),
           "The interpreter has no bf16 arithmetic: .to(ACC_DTYPE) right after each tl.load, and store "
-          "out.to(out_ptr.dtype.element_ty)."),
+          "out.to(out_ptr.dtype.element_ty).",
+          rule="The arithmetic runs in the accumulation precision whatever the inputs' dtype, and the output comes "
+               "back in the query's dtype."),
     Check("engine-order", "write K/V, then attend (the engine's order)", (K + "test_write_then_attend_matches_dense",
                                                                            K + "test_triton_empty_batch"),
           "After write_kv_cache_triton put the new tokens' K/V in their slots, attention over them must equal "
-          "dense causal attention."),
+          "dense causal attention.",
+          rule="Attention must read the cache exactly as the engine's writer laid it out: over freshly written keys "
+               "and values it equals dense causal attention."),
 )  # fmt: skip
 
 BUGS = (

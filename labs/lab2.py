@@ -73,46 +73,68 @@ CHECKS = (
           (L2 + "test_chunked_prefill_mixes_prefill_and_decode", OWN + "test_budget_goes_to_running_requests_first"),
           "Each running request, in order, gets min(its uncomputed tokens, budget left); a prompt longer than what "
           "is left is cut and the rest comes next step. Every scheduled token (n + k) counts against "
-          "max_num_batched_tokens, and waiting requests only get what the running ones left."),
+          "max_num_batched_tokens, and waiting requests only get what the running ones left.",
+          rule="A step never schedules more tokens than its budget; running requests are served before waiting ones, "
+               "and a prompt larger than what is left is split across steps rather than held back."),
     Check("seats", "never more than max_num_seqs requests running", (OWN + "test_seats_are_limited",),
-          "_admit stops when len(self.running) reaches self.max_num_seqs."),
+          "_admit stops when len(self.running) reaches self.max_num_seqs.",
+          rule="At most max_num_seqs requests run at once, however much token budget is left."),
     Check("recompute", "a preempted request frees its blocks, restarts from token 0, waits at the head",
           (OWN + "test_a_preempted_request_starts_over",),
           "_preempt: remove it from self.running, self.kv.free(req), req.set_computed(0), num_preemptions += 1, "
           "RUNNING -> PREEMPTED -> WAITING, self.waiting.appendleft(req), out.preempted.append(req). It keeps "
-          "its output tokens, and it is not in out.scheduled."),
+          "its output tokens, and it is not in out.scheduled.",
+          rule="A preempted request gives back all its memory, will compute everything again from the start, keeps "
+               "the tokens it generated, runs nothing this step, and is the first to come back (it arrived before "
+               "everyone still waiting)."),
     Check("self-preempt", "a request that must preempt itself waits for the next step",
           (OWN + "test_a_request_that_preempts_itself_waits",),
           "When the victim is the request asking for room, it was just preempted: leave the allocation loop "
-          "(break), do not schedule it, and carry on with the requests after it."),
+          "(break), do not schedule it, and carry on with the requests after it.",
+          rule="A request that had to preempt itself to make room gets nothing this step, and the step goes on with "
+               "the requests after it."),
     Check("fcfs-victim", "FCFS preempts the most recently admitted request",
           (L2 + "test_fcfs_preempts_the_most_recently_admitted_request",),
           "Under FCFS the victim is the last admitted running request, self.running[-1]. Preempting the oldest "
-          "throws away the most work, and the output tokens stay right, so only this check notices."),
+          "throws away the most work, and the output tokens stay right, so only this check notices.",
+          rule="Under FCFS, preemption undoes the newest admission, which has the least work to lose. The tokens "
+               "come out right either way: only this check notices."),
     Check("no-admit-after-preempt", "a step that preempted admits nobody",
           (L2 + "test_a_step_that_preempts_admits_nobody",),
           "Call _admit only if out.preempted is empty: a step that had to preempt is short of memory, and "
-          "admitting anyone (even the victim's first chunk) makes the next step preempt again: thrashing."),
+          "admitting anyone (even the victim's first chunk) makes the next step preempt again: thrashing.",
+          rule="A step that had to preempt is short of memory: it admits no one, or the next step preempts again "
+               "(thrashing)."),
     Check("head-of-line", "admission is head-of-line: nobody jumps the queue", (L2 + "test_admission_is_head_of_line",),
           "When the request at the head of the queue does not fit, stop admitting (undo its set_computed); do "
-          "not skip to a smaller one behind it, or big requests starve."),
+          "not skip to a smaller one behind it, or big requests starve.",
+          rule="Admission is strictly in queue order: when the request at the head does not fit, nobody behind it is "
+               "admitted, or big requests starve."),
     Check("priority", "policy='priority' preempts the lowest priority, latest arrival",
           (L2 + "test_priority_policy_preempts_the_lowest_priority",),
           "_pick_victim under 'priority': max over self.running of (priority, arrival_time). If that victim was "
           "already scheduled this step, out.remove(victim) gives its tokens back to the budget, and your index "
-          "into self.running moves back by one."),
+          "into self.running moves back by one.",
+          rule="Under 'priority', the victim is the least urgent, latest-arriving running request, even one already "
+               "scheduled this step, whose tokens then go back to the budget."),
     Check("continuous", "a freed seat is refilled at the next step", (L2 + "test_continuous_batching_admits_into_freed_seats",),
           "schedule() admits waiting requests every step (unless it preempted): a request that finished leaves "
-          "a seat, and the next schedule() fills it."),
+          "a seat, and the next schedule() fills it.",
+          rule="Batching is continuous: a finished request's seat goes to the waiting queue at the very next step, "
+               "not when the whole batch is done."),
     Check("exact-outputs", "with preemption by recompute, every answer is the naive engine's",
           (L2 + "test_preemption_by_recompute_keeps_answers",),
           "Greedy outputs changed or the engine stopped: a preempted request must restart from 0 with its output "
-          "tokens kept, and every scheduled chunk must start at num_computed_tokens. Read the test's message."),
+          "tokens kept, and every scheduled chunk must start at num_computed_tokens. Read the test's message.",
+          rule="Preemption by recompute may cost time, never an answer: a request that starts over reproduces "
+               "exactly the state it lost, and every chunk continues where the request's computation stands."),
     Check("invariants", "random workloads: budgets hold, no block leaks, everyone finishes",
           (OWN + "test_random_workloads_keep_every_invariant",),
           "On random workloads a step must never exceed the token budget or the seats, a waiting request must "
           "hold no block, blocks must never leak, and every request must finish (no endless loop, no "
-          "starvation). The failing example is in the details."),
+          "starvation). The failing example is in the details.",
+          rule="On any workload, at every step: the budget and the seats hold, a waiting request holds no memory, no "
+               "block leaks, and in the end every request finishes."),
 )  # fmt: skip
 
 BUGS = (

@@ -82,27 +82,37 @@ CHECKS = (
           (L3 + "test_hash_is_stable_and_chained", OWN + "test_names_chain_through_the_parent"),
           "hash_block hashes the parent's name (32 zero bytes for the first block), then the tokens as "
           "little-endian int64, then repr() of each extra key. Without the parent, two different prefixes "
-          "ending in the same block would share its K/V."),
+          "ending in the same block would share its K/V.",
+          rule="A block's name depends on its tokens and on everything before them (its parent's name), and is the "
+               "same in every process."),
     Check("queue", "the free queue: O(1) append, remove from the middle, popleft of the oldest",
           (OWN + "test_free_queue_is_a_linked_list",),
           "append links b before the tail sentinel, remove links b's neighbours to each other (and clears b's "
-          "links), popleft removes head.next; keep size in step, and raise OutOfBlocks on an empty popleft."),
+          "links), popleft removes head.next; keep size in step, and raise OutOfBlocks on an empty popleft.",
+          rule="The free queue keeps idle blocks in the order they were freed; adding one, taking one out of the "
+               "middle and taking the oldest each take constant time, however long the queue."),
     Check("ref-counts", "reference counts: touch +1, free -1, an idle block is queued with its name kept",
           (L3 + "test_prefix_cache_state_machine", OWN + "test_reference_counts_and_stored_tokens"),
           "touch: ref_cnt + 1, out of the free queue if it was idle; free: ref_cnt - 1 (ValueError on a double "
           "free), to the queue's tail when it reaches 0, name and contents kept; num_stored follows blocks in "
-          "use. A missing decrement leaks the block forever."),
+          "use. A missing decrement leaks the block forever.",
+          rule="A block's reference count is the number of requests using it and never goes below zero; at zero the "
+               "block is evictable but keeps its name and contents."),
     Check("eviction", "eviction is LRU, lazy, and takes a request's tail first",
           (L3 + "test_eviction_takes_the_least_recent_and_a_requests_tail_first",
            L3 + "test_eviction_order_is_one_lru_queue_and_a_requests_tail_goes_first"),
           "allocate() takes the head of the free queue (the least recently freed), whatever it holds (never "
           "prefer empty blocks), and only then drops its name (_evict). A cache hit (touch) takes a block out "
-          "of the middle of the queue."),
+          "of the middle of the queue.",
+          rule="The block reused first is the one idle the longest (LRU), whatever it holds; its name is dropped "
+               "only when it is reused; a request's blocks become evictable tail first."),
     Check("hits", "a repeated prompt, a conversation's next turn: the cache is hit, the answers unchanged",
           (L3 + "test_a_repeated_prompt_skips_its_cached_prefill", L3 + "test_block_aligned_prompt_still_computes_its_last_token",
            L3 + "test_conversation_turns_hit_the_previous_answer"),
           "Hits are found by walking the chain of names; a block must keep its name while it sits idle in the "
-          "queue, and lose it only when allocate() hands it out again."),
+          "queue, and lose it only when allocate() hands it out again.",
+          rule="A cached prefix is found again as long as its blocks were not reused, and an answer with a cache hit "
+               "equals the answer without."),
 )  # fmt: skip
 
 BUGS = (

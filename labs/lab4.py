@@ -65,28 +65,40 @@ CHECKS = (
     Check("residual", "after a rejection the token is drawn from norm(max(0, p - q))",
           (OWN + "test_final_distribution",),
           "_final_distribution(p, q) is (p - q).clamp(min=0) divided by its sum (p if the sum is 0); with q None "
-          "(the bonus token) it is p. Drawing from p again after a rejection counts the tokens where q > p twice."),
+          "(the bonus token) it is p. Drawing from p again after a rejection counts the tokens where q > p twice.",
+          rule="After a rejection, the replacement makes up exactly what rejecting took away: only a token the draft "
+               "under-proposed can come out, in proportion to its shortfall."),
     Check("exactness", "the emitted token is distributed exactly as p (chi-square, with a negative control)",
           (L4 + "test_the_emitted_token_is_distributed_as_p",),
           "Accept with probability min(1, p(d)/q(d)): u * q(d) < p(d). On a rejection draw from the residual "
-          "max(0, p - q), normalised. Either mistake tilts the output toward the draft: the chi-square test sees it."),
+          "max(0, p - q), normalised. Either mistake tilts the output toward the draft: the chi-square test sees it.",
+          rule="Speculative sampling must leave the output distribution exactly the target's, whatever the draft "
+               "proposes."),
     Check("loop", "the readable loop: k uniforms, accept a prefix, then one more token",
           (OWN + "test_reference_loop_on_hand_made_cases",),
           "Draw all k uniforms first. Accept d_i when u_i * q_i(d_i) < p_i(d_i); stop at the first rejection and "
-          "draw from the residual; if all k pass, draw the bonus token from p[k]."),
+          "draw from the residual; if all k pass, draw the bonus token from p[k].",
+          rule="Acceptance is a prefix: draft tokens are judged in order, the first rejection ends the run with a "
+               "replacement token, and a fully accepted run earns one bonus token from the target."),
     Check("batched", "the batched sampler equals the loop, draw for draw",
           (L4 + "test_vectorised_sampler_equals_the_loop",),
           "Per request, draw exactly k_i uniforms from its own generator (none for padding), then one final draw; "
-          "the accepted count is the leading run of accepted positions (cumprod), not the number accepted."),
+          "the accepted count is the leading run of accepted positions (cumprod), not the number accepted.",
+          rule="The batched sampler consumes each request's random numbers exactly as the loop does, and so accepts "
+               "and emits the same tokens; padding consumes nothing."),
     Check("greedy", "greedy verification accepts exactly the matching prefix", (L4 + "test_greedy_verify_accepts_exactly_the_matching_prefix",
                                                                                   OWN + "test_greedy_respects_num_draft"),
           "Accept while draft == argmax, only for j < num_draft[i]; emit the argmax at the first mismatch, or "
-          "the bonus target_argmax[i, k_i]."),
+          "the bonus target_argmax[i, k_i].",
+          rule="Greedy verification accepts a draft token exactly when the target would have chosen it, among the "
+               "real drafts only, and always adds the target's own next token."),
     Check("engine", "in the engine: draft = target is accepted every time; a seeded request ignores its batch",
           (L4 + "test_draft_equal_to_target_is_accepted_every_time",
            L4 + "test_a_seeded_request_gives_the_same_tokens_whatever_the_batch"),
           "Speculation changed what the engine emits: check the greedy path's bonus token and the number "
-          "accepted (it rolls num_computed_tokens back), and that each request draws only from its own generator."),
+          "accepted (it rolls num_computed_tokens back), and that each request draws only from its own generator.",
+          rule="Speculation never changes what the engine emits: a draft equal to the target is always accepted, and "
+               "a seeded request's tokens do not depend on its batch."),
 )  # fmt: skip
 
 BUGS = (

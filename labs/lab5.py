@@ -80,17 +80,23 @@ CHECKS = (
     Check("column", "a column-parallel linear gives its slice of the outputs, no communication",
           (OWN + "test_column_parallel_is_a_slice",),
           "Rank r's ColumnParallelLinear holds rows of W and b: return linear(x, weight, bias). Its outputs are "
-          "columns r*out/tp .. (r+1)*out/tp of the full y, and it sends nothing."),
+          "columns r*out/tp .. (r+1)*out/tp of the full y, and it sends nothing.",
+          rule="A column-parallel layer computes its own slice of the outputs from the full input, and communicates "
+               "nothing."),
     Check("row-bias", "a row-parallel linear all-reduces once and adds its bias once",
           (OWN + "test_row_parallel_sums_and_adds_the_bias_once",),
           "RowParallelLinear: all_reduce(linear(x, weight)) and then + bias. Adding the bias inside the linear "
           "puts it on every rank, and the all-reduce sums it tp times. Checkpoints without o/down biases never "
-          "show this: the check uses one with them."),
+          "show this: the check uses one with them.",
+          rule="A row-parallel layer's partial sums are combined once across the ranks, and its bias counts once in "
+               "the total, not once per rank."),
     Check("vocab", "the vocabulary-parallel embedding and LM head (97 tokens padded to 98)",
           (OWN + "test_vocab_parallel_embedding_and_lm_head",),
           "Embedding: zero the rows of ids outside [lo, hi) before the all-reduce (a clamped lookup returns a "
           "real row for them). LM head: gather_to_first the local logits, drop the padding columns on TP rank 0, "
-          "return None elsewhere."),
+          "return None elsewhere.",
+          rule="Each rank contributes only the vocabulary rows it owns (nothing for tokens outside its range), and "
+               "the logits come back whole and without padding, on one rank only."),
     Check("shards", "every rank's shards put together give back the checkpoint (QKV by heads, gate/up per segment)",
           (L5 + "test_gathering_the_shards_gives_back_the_checkpoint[llama-2]",
            L5 + "test_gathering_the_shards_gives_back_the_checkpoint[llama3-2]",
@@ -98,16 +104,22 @@ CHECKS = (
            L5 + "test_gathering_the_shards_gives_back_the_checkpoint[llama-4]", OWN + "test_kv_heads_of_each_rank"),
           "QKV: rank r reads the q rows of its query heads and the k, v rows of kv_heads_of_rank(...), "
           "head_dim rows per head, in one weight [q; k; v] with layer.sizes set. Gate/up: the same rows of "
-          "both. With fewer KV heads than ranks, a head is replicated: rank r holds head r // (tp // Hkv)."),
+          "both. With fewer KV heads than ranks, a head is replicated: rank r holds head r // (tp // Hkv).",
+          rule="The ranks' shards together are exactly the checkpoint: a rank holds whole attention heads, the "
+               "key/value heads its query heads read, and matching slices of fused weights."),
     Check("model", "the whole model on 2 and 4 simulated ranks equals the model on one",
           (OWN + "test_whole_model_on_simulated_ranks",),
           "The sharded model's logits differ from level 0's (biases on o/down and gate/up included). If a "
-          "rank waits forever, the ranks did not call the same collectives in the same order."),
+          "rank waits forever, the ranks did not call the same collectives in the same order.",
+          rule="The sharded model computes the unsharded model's logits, and every rank calls the same collectives "
+               "in the same order."),
     Check("gloo", "TP=2 over gloo: two all-reduces per layer plus one, with the bytes the shapes say",
           (L5 + "test_message_accounting_matches_the_model",),
           "Count the all-reduces: one in each row-parallel linear (o_proj, down_proj) and one in the "
           "embedding, of [T, hidden] each; the LM head gathers. Any other collective, or one missing, "
-          "changes the count (and a missing one, the answer)."),
+          "changes the count (and a missing one, the answer).",
+          rule="The layout dictates the communication: exactly the collectives it needs, no more and no fewer, with "
+               "the message sizes the shapes imply."),
 )  # fmt: skip
 
 BUGS = (

@@ -76,34 +76,47 @@ CHECKS = (
     Check("framing", "a stream is framed as OpenAI frames it (raw bytes)",
           (L6 + "test_stream_is_framed_as_openai_frames_it",),
           "Every event is `data: <json>` and a blank line (sse()), the chunks carry the choice index, text, "
-          "finish_reason and stop_reason, and the stream ends with `data: [DONE]`."),
+          "finish_reason and stop_reason, and the stream ends with `data: [DONE]`.",
+          rule="The stream follows OpenAI's server-sent events byte for byte, from the first event to its "
+               "terminator."),
     Check("same-text", "streamed, unstreamed and offline give the same text; deltas never split a character",
           (L6 + "test_completion_streamed_equals_unstreamed_equals_offline",
            L6 + "test_stream_deltas_concatenate_to_the_one_shot_decode"),
           "Send each completion's delta text as it comes (c.text), once per choice, and nothing after a choice "
-          "finished; the concatenated deltas must equal the non-streamed text."),
+          "finished; the concatenated deltas must equal the non-streamed text.",
+          rule="A client gets the same text streamed, unstreamed or offline: each delta is sent once, nothing after "
+               "a choice has finished, and no character is split."),
     Check("choices", "n samples, several prompts, echo, stop and logprobs stream as offline",
           (L6 + "test_echo_and_several_prompts", L6 + "test_n_and_seed_sample_as_offline",
            L6 + "test_stop_as_offline", L6 + "test_logprobs_as_offline"),
           "index = prompt index * n + c.index; echo sends the prompt first, one event per choice; logprobs' "
-          "text_offset counts from the start of the choice's text (the echo included)."),
+          "text_offset counts from the start of the choice's text (the echo included).",
+          rule="Every choice of every prompt streams what the offline engine produces for it, under its own index, "
+               "with echo, stop and logprobs as offline."),
     Check("merge", "several streams merge as outputs come; leaving early abandons them all",
           (OWN + "test_merge_streams",),
           "merge_streams: one pump task per stream into a queue, (i, None) when a stream ends, the exception "
-          "re-raised; in a finally, cancel the pumps, so that a reader who stops early aborts every request."),
+          "re-raised; in a finally, cancel the pumps, so that a reader who stops early aborts every request.",
+          rule="Merged streams deliver each output as it comes and pass errors on; when the reader stops, every "
+               "source stops."),
     Check("left-before-first-byte", "a client gone before the first byte still aborts its requests",
           (OWN + "test_a_client_gone_before_the_first_byte_aborts",),
           "EventStream.__call__: abandon every stream in a finally around super().__call__: when the client "
-          "leaves before the body starts, the body generator never runs, so its cleanup cannot abort anything."),
+          "leaves before the body starts, the body generator never runs, so its cleanup cannot abort anything.",
+          rule="A client that leaves before the response has started still aborts its requests."),
     Check("disconnect", "clients that leave (mid-stream, or waiting for a plain response) abort their requests",
           (OWN + "test_clients_that_leave_abort_their_requests",),
           "Closing the body generator must reach the request streams: iterate them with `async for` (their "
           "finally abandons) and cancel merge_streams' pumps when it is closed; a non-streaming response must "
-          "race the work against http.disconnect (unless_disconnected), cancel it and abandon the streams."),
+          "race the work against http.disconnect (unless_disconnected), cancel it and abandon the streams.",
+          rule="A client that leaves, at any moment, streaming or not, aborts its requests: nothing keeps generating "
+               "for nobody."),
     Check("concurrency", "100 concurrent streams get their solo runs' texts; the counters add up",
           (L6 + "test_100_concurrent_streams_equal_their_solo_runs_and_counters_add_up",),
           "With include_usage, every chunk carries usage None and a last chunk carries the usage; nothing may "
-          "block the event loop while a stream waits for its next output."),
+          "block the event loop while a stream waits for its next output.",
+          rule="Concurrent streams each get what they would get alone, the usage counters add up, and nothing blocks "
+               "the event loop."),
 )  # fmt: skip
 
 BUGS = (

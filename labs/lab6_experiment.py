@@ -7,7 +7,8 @@ own (started through the labs' runner, so the swap reaches it), and `benchmarks.
 client against it, once per request rate (Poisson arrivals; `inf` sends everything at
 once). One table row per rate: requests done and failed, time to first token (p50,
 p99), time per output token (p50), inter-token latency (p99), end-to-end latency (p50)
-and output tokens/s. The server's own log is kept (its path is printed).
+and output tokens/s. The server's log and the client's JSON live in a temporary folder,
+removed when the experiment ends (the log's path is printed, to follow it while it runs).
 
 What it is not: the level-6 benchmark suite (`python -m benchmarks.serving` without
 `--base-url` compares server configurations against level 2's capacity).
@@ -71,9 +72,10 @@ def main(argv=None) -> list[dict]:
     from benchmarks import serving as bench
 
     model = str(args.model or default_model())
-    rows, out = [], Path(tempfile.mkdtemp(prefix="lab6-")) / "run.json"
-    with server_class()(["--model", model, "--disable-uvicorn-access-log", "--log-level", "warning"]) as server:
-        print(f"server up at {server.url} (log: {server.log})", flush=True)
+    rows, flags = [], ["--model", model, "--disable-uvicorn-access-log", "--log-level", "warning"]
+    with tempfile.TemporaryDirectory(prefix="lab6-") as tmp, server_class()(flags, Path(tmp) / "server.log") as server:
+        print(f"server up at {server.url} (log, while it runs: {server.log})", flush=True)
+        out = Path(tmp) / "run.json"
         for r in args.rates:
             argv = ["--base-url", server.url, "--workload", args.workload, "--num-prompts", str(args.num_prompts),
                     "--request-rate", str(r), "--out", str(out), *(["--quick"] if args.quick else [])]  # fmt: skip

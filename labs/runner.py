@@ -285,28 +285,32 @@ def run_plan(plan: dict) -> list[dict]:
     preload()
     pending, running, done = list(plan["variants"]), {}, {}
     jobs = max(1, int(plan.get("jobs", 1)))
-    while pending or running:
-        while pending and len(running) < jobs:
-            v = pending.pop(0)
-            for key in ("results", "log"):
-                Path(v[key]).parent.mkdir(parents=True, exist_ok=True)
-                Path(v[key]).touch()
-            running[_fork(v)] = (v, time.monotonic())
-        pid, status = os.waitpid(-1, os.WNOHANG)
-        if pid in running:
-            v, t0 = running.pop(pid)
-            done[v["name"]] = dict(name=v["name"], exit_code=os.waitstatus_to_exitcode(status),
-                                   seconds=round(time.monotonic() - t0, 2), timed_out=False)  # fmt: skip
-            _reap_group(pid)
-            continue
-        for pid, (v, t0) in list(running.items()):
-            if time.monotonic() - t0 > v.get("timeout", 900):
+    try:
+        while pending or running:
+            while pending and len(running) < jobs:
+                v = pending.pop(0)
+                for key in ("results", "log"):
+                    Path(v[key]).parent.mkdir(parents=True, exist_ok=True)
+                    Path(v[key]).touch()
+                running[_fork(v)] = (v, time.monotonic())
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid in running:
+                v, t0 = running.pop(pid)
+                done[v["name"]] = dict(name=v["name"], exit_code=os.waitstatus_to_exitcode(status),
+                                       seconds=round(time.monotonic() - t0, 2), timed_out=False)  # fmt: skip
                 _reap_group(pid)
-                os.waitpid(pid, 0)
-                running.pop(pid)
-                done[v["name"]] = dict(name=v["name"], exit_code=-9, seconds=round(time.monotonic() - t0, 2),
-                                       timed_out=True)  # fmt: skip
-        time.sleep(0.02)
+                continue
+            for pid, (v, t0) in list(running.items()):
+                if time.monotonic() - t0 > v.get("timeout", 900):
+                    _reap_group(pid)
+                    os.waitpid(pid, 0)
+                    running.pop(pid)
+                    done[v["name"]] = dict(name=v["name"], exit_code=-9, seconds=round(time.monotonic() - t0, 2),
+                                           timed_out=True)  # fmt: skip
+            time.sleep(0.02)
+    finally:  # Ctrl-C: each variant is a process group of its own, which the terminal's SIGINT never reaches
+        for pid in running:
+            _reap_group(pid)
     return [done[v["name"]] for v in plan["variants"]]
 
 

@@ -11,7 +11,9 @@ loading the engine it is about to swap a piece of.
     student's file for it is named like the reference (`scheduler.py`).
   - `Check`: what the student sees, one line each: a title, the tests behind it (pytest
     ids, from the level's own tests, the curriculum, or from `labs/lab<id>_checks.py`),
-    and the hint printed when one of them fails.
+    and what a failure prints, at the teacher's choice of `HINTS` (`--hints`): the full
+    hint (where to look, the usual mistake: close to the code to write), the rule (the
+    property the failure breaks, and not how to keep it), or nothing.
   - `Bug`: a planted bug, made from the reference source by one string replacement, and
     the check that must catch it (tests/test_labs.py plants each one).
   - `Experiment`: the command of the handout's experiment, and the small arguments the
@@ -31,6 +33,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 LAB_IDS = ["0", "1", "1b", "2", "3", "4", "5", "6"]
+HINTS = ("full", "short", "none")  # how much a failed check says (`python -m labs check --hints`)
+# The rule, not the code: a student who is handed the lines to write passes without reading the
+# reference (one did a lab, 11/11, in ten minutes). `--hints full` is one flag away when stuck.
+DEFAULT_HINTS = "short"
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,12 @@ class Check:
     id: str  # short and stable: what --json and the tests refer to
     title: str  # what is checked, in the student's words
     tests: tuple[str, ...]  # pytest ids relative to the repository (a family or a file also works)
-    hint: str  # printed when it fails: where to look, the usual mistake
+    hint: str  # --hints full: where to look, the usual mistake
+    rule: str  # --hints short: the rule a failure breaks (an invariant, a property), never the code to write
+
+    def hint_at(self, level: str) -> str | None:
+        """What a failure of this check says under `--hints level`."""
+        return {"full": self.hint, "short": self.rule, "none": None}[level]
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,13 @@ What it is (marker `labs`):
   - every lab's checks pass against the reference: the reference modules, copied out of
     the tree, are swapped in exactly as a student's files would be;
   - every untouched starter fails every check of its lab (lab 2's through the real
-    command line, `python -m labs check 2 ... --json`);
+    command line, `python -m labs check 2 ... --json`, which leaves nothing in the
+    temporary folder);
+  - `--json` prints one JSON object whatever happens: a file that does not parse, a
+    runner that crashes, Ctrl-C are a report with a `problem` and score 0;
   - each planted bug (labs/lab<id>.py: one string replaced in the reference) fails the
-    checks it names, and the failure prints the hint that points at it;
+    checks it names, and the failure prints the hint that points at it, as much of it as
+    `--hints` asks for; every check has a short hint (its rule) that is not its full one;
   - the handouts' commands run: every `python -m labs ...` line of docs/labs/*.md parses,
     `start` copies the starters, `check` finds the files, and `experiment` runs (with the
     lab's small smoke arguments appended) on the reference;
@@ -28,12 +32,13 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from labs import cli, grading
-from labs.spec import REPO, all_labs, get
+from labs.spec import HINTS, REPO, all_labs, get
 from labs.starters import starter_files
 
 pytestmark = pytest.mark.labs
@@ -94,9 +99,10 @@ def runs(tmp_path_factory):
     return {v["name"]: (v, summary[v["name"]]) for v in variants}, refs
 
 
-def report(runs, name, lab, checks=None) -> grading.Report:
+def report(runs, name, lab, checks=None, hints="full") -> grading.Report:
     variant, summary = runs[0][name]
-    return grading.grade(lab, grading.read_results(variant["results"]), summary, checks=checks, log=variant["log"])
+    records = grading.read_results(variant["results"])
+    return grading.grade(lab, records, summary, checks=checks, log=variant["log"], hints=hints)
 
 
 def explain(rep: grading.Report) -> str:
@@ -119,18 +125,91 @@ def test_an_untouched_starter_fails_every_check(runs, lab_id):
     assert any("NotImplementedError" in d for c in rep.checks for d in c.details), explain(rep)
 
 
+REPORT_KEYS = {"lab", "score", "total", "passed", "problem", "hints", "checks", "log"}
+CHECK_KEYS = {"id", "title", "passed", "hint", "details"}
+
+
 def test_the_command_line_checks_lab_2s_starter_and_says_why(tmp_path):
-    """`python -m labs check 2 <untouched starter> --json`, as a student or an autograder runs it."""
-    mine = tmp_path / "lab2"
+    """`python -m labs check 2 <untouched starter> --json --hints short`, as an autograder runs it; the run
+    leaves nothing in the temporary folder (its own, the runner's, pytest's tmp_path: all removed)."""
+    mine, tmp = tmp_path / "lab2", tmp_path / "tmp"
+    tmp.mkdir()
     assert cli.main(["start", "2", str(mine)]) == 0
-    proc = subprocess.run([sys.executable, "-m", "labs", "check", "2", str(mine / "scheduler.py"), "--json"], cwd=REPO,
-                          env=grading.subprocess_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
+    argv = [sys.executable, "-m", "labs", "check", "2", str(mine / "scheduler.py"), "--json", "--hints", "short"]
+    proc = subprocess.run(argv, cwd=REPO, env=grading.subprocess_env({"TMPDIR": str(tmp)}), capture_output=True,
+                          text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     rep = json.loads(proc.stdout)
+    assert set(rep) == REPORT_KEYS and rep["problem"] is None and rep["hints"] == "short"
     assert rep["lab"] == "2" and rep["score"] == 0 and rep["total"] == len(get("2").checks) and not rep["passed"]
     for c in rep["checks"]:
-        assert not c["passed"] and c["hint"], c
+        assert set(c) == CHECK_KEYS and not c["passed"] and c["hint"] == get("2").check(c["id"]).rule, c
         assert any("NotImplementedError: lab 2: write Scheduler." in d for d in c["details"]), c
+    assert sorted(p.name for p in tmp.iterdir()) == [], "a labs check left files in the temporary folder"
+
+
+def broken_starter(tmp_path) -> Path:
+    """Lab 2's starter with a syntax error on its last line."""
+    assert cli.main(["start", "2", str(tmp_path / "lab2")]) == 0
+    path = tmp_path / "lab2" / "scheduler.py"
+    path.write_text(path.read_text() + "\ndef broken(:\n")
+    return path
+
+
+def json_check(capsys, *argv) -> tuple[int, dict]:
+    """`python -m labs check ... --json` in this process: its exit code and the one JSON object it printed."""
+    capsys.readouterr()
+    code = cli.main(["check", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)  # json.loads refuses anything after the object
+
+
+def test_json_reports_a_file_that_does_not_parse(tmp_path, capsys):
+    path = broken_starter(tmp_path)
+    line = len(path.read_text().splitlines())
+    code, rep = json_check(capsys, "2", str(path))
+    assert code == 2 and set(rep) == REPORT_KEYS and f"{path}:{line}:" in rep["problem"] and "parse" in rep["problem"]
+    assert rep["score"] == 0 and rep["total"] == len(get("2").checks) and not rep["passed"]
+    assert all(set(c) == CHECK_KEYS and not c["passed"] and rep["problem"] in c["details"][0] for c in rep["checks"])
+    code, rep = json_check(capsys, "7", str(path))  # no such lab: still one object
+    assert code == 2 and "there is no lab" in rep["problem"] and rep["checks"] == [] and not rep["passed"]
+
+
+@pytest.mark.parametrize("failure", [RuntimeError("the labs runner failed (exit 1):\nsome trace"), KeyboardInterrupt()])
+def test_json_reports_a_run_that_broke_and_leaves_no_temporary_folder(tmp_path, capsys, monkeypatch, failure):
+    def run_plan(variants, workdir, jobs=1):
+        (workdir / "tmp").mkdir()  # what a run leaves in its folder
+        raise failure
+
+    monkeypatch.setattr(grading, "run_plan", run_plan)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    code, rep = json_check(capsys, "2", str(copy_reference(get("2"), tmp_path / "mine")))
+    assert set(rep) == REPORT_KEYS and rep["score"] == 0 and not rep["passed"]
+    if isinstance(failure, KeyboardInterrupt):
+        assert code == 130 and "interrupted" in rep["problem"]
+    else:
+        assert code == 2 and rep["problem"].startswith("the checks could not run: RuntimeError: the labs runner")
+        assert "some trace" not in rep["problem"]  # one line; the whole message went to stderr
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+@pytest.mark.parametrize("hints", HINTS)
+def test_hints_say_as_much_as_asked(tmp_path, capsys, hints):
+    """`--hints full|short|none`, in the JSON (here on a file that does not parse: no engine starts)."""
+    code, rep = json_check(capsys, "2", str(broken_starter(tmp_path)), "--hints", hints)
+    assert rep["hints"] == hints
+    for c in rep["checks"]:
+        check = get("2").check(c["id"])
+        assert c["hint"] == {"full": check.hint, "short": check.rule, "none": None}[hints]
+
+
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_every_check_has_a_rule_that_is_not_its_full_hint(lab_id):
+    """The short hint names the rule a failure breaks, not the code to write: no calls, attributes, indexing."""
+    for c in get(lab_id).checks:
+        assert c.rule.strip() and c.hint.strip() and c.rule != c.hint and c.rule != c.title, c.id
+        code = re.findall(r"\w\(|\w\.\w|\w\[|==|\+=", c.rule)
+        assert not code, f"lab {lab_id}, {c.id}: the short hint reads like code ({code}): {c.rule}"
 
 
 @pytest.mark.parametrize("lab_id,bug", BUGS)
@@ -141,10 +220,14 @@ def test_a_planted_bug_fails_its_checks_with_their_hints(runs, lab_id, bug, caps
     rep = report(runs, f"bug-{lab_id}-{bug}", lab, checks)
     assert rep.problem is None, explain(rep)
     assert all(not c.passed for c in rep.checks), f"planted bug {bug} went unnoticed:\n{explain(rep)}"
-    cli.print_report(rep)
-    printed = " ".join(capsys.readouterr().out.split())
-    for c in checks:
-        assert f"FAIL {c.id}" in printed and " ".join(c.hint.split())[:60] in printed
+    for hints in HINTS:  # what the student sees at each level of --hints
+        cli.print_report(report(runs, f"bug-{lab_id}-{bug}", lab, checks, hints=hints))
+        printed = " ".join(capsys.readouterr().out.split())
+        assert ("hint:" in printed) == (hints != "none"), printed
+        for c in checks:
+            full, rule = " ".join(c.hint.split())[:60], " ".join(c.rule.split())[:60]
+            assert f"FAIL {c.id}" in printed
+            assert (full in printed, rule in printed) == (hints == "full", hints == "short"), (hints, printed)
 
 
 @pytest.mark.parametrize("lab_id", LAB_IDS)
