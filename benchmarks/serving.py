@@ -262,6 +262,7 @@ def suite(args, console) -> dict:
 
     flags = ["--model", model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(kv),
              "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads), "--seed", str(args.seed),
+             "--max-model-len", "-1",  # as offline: every position (the workloads pass the 256-token window)
              "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
     for cfg in args.configs:
         extra = (["--no-enable-prefix-caching"] if cfg.startswith("nocache") else []) + (
@@ -315,7 +316,7 @@ class OfflineLevel6:
 
         self.wl = wl
         self.llm = LLM(model, dtype=args.dtype, device=args.device, kv_cache_memory=args.kv_cache_memory,
-                       max_num_seqs=args.max_num_seqs, seed=args.seed)  # fmt: skip
+                       max_num_seqs=args.max_num_seqs, seed=args.seed, max_model_len=-1)  # as served  # fmt: skip
         self.params = [SamplingParams(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True,
                                       temperature=0) for r in wl.first]  # fmt: skip
         self.llm.generate([r.prompt for r in wl.first[:4]], self.params[:4], progress=False)  # warm-up

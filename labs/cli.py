@@ -88,7 +88,15 @@ def parse(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> int:
-    args = parse(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        args = parse(argv)
+    except SystemExit as e:  # argparse's usage error: on stderr, and with check --json one JSON object too
+        if e.code == 2 and argv[:1] == ["check"] and "--json" in argv:
+            lab = argv[1] if len(argv) > 1 and not argv[1].startswith("-") else "?"
+            problem = "the command line is wrong (argparse's message is on stderr): " + " ".join(argv)
+            print(json.dumps(grading.not_run(lab, problem).as_dict(), indent=1))
+        raise
     try:
         return COMMANDS[args.command](args)
     except LabsError as e:

@@ -71,7 +71,8 @@ def main(argv=None) -> list[dict]:
                   for r in wl.first]  # fmt: skip
         budget = args.kv_requests * wl.max_seq_len * per_token
         prompt_total = sum(len(p) for p in prompts)
-        kw = dict(kv_cache_memory=budget, max_num_seqs=256, seed=args.seed)
+        # max_model_len -1: every position; spread's longest requests run past the built-in model's 256-token window
+        kw = dict(kv_cache_memory=budget, max_num_seqs=256, seed=args.seed, max_model_len=-1)
         print(f"{args.requests} spread requests ({wl.description}), {sum(r.max_tokens for r in wl.first)} output "
               f"tokens; KV budget {budget / 2**20:.1f} MiB = {args.kv_requests} worst-case requests; model {model}")  # fmt: skip
         if not hasattr(LLM(model, **kw).llm_engine.scheduler, "watermark"):

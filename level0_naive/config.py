@@ -26,7 +26,9 @@ class EngineConfig:
     model: str
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto": CUDA if available, else CPU
-    max_model_len: int | None = None  # default: the checkpoint's max_position_embeddings
+    # None: what the model was trained for (the tokenizer's model_max_length, when it says less than the
+    # checkpoint's max_position_embeddings); -1: max_position_embeddings, however far past training that is
+    max_model_len: int | None = None
     max_num_seqs: int = 256  # the most sequences in one batch
     kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
@@ -39,8 +41,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.max_model_len is not None and self.max_model_len < 2:
-            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (or -1: the model's positions)")
 
 
 def resolve_device(device: str) -> torch.device:

@@ -42,7 +42,12 @@ class EngineBase:
         self.loaded = self.load_model()
         self.model_config, self.tokenizer = self.loaded.config, self.loaded.tokenizer
         limit = self.model_config.max_position_embeddings
-        self.max_model_len = self.config.max_model_len or limit
+        # A checkpoint's positions can exceed what it was trained on (the built-in models: 2048
+        # positions, 256-token windows). The tokenizer's model_max_length is Hugging Face's
+        # "inputs up to": the default when it says less. Past it, ask explicitly (-1: all positions).
+        trained = getattr(self.tokenizer, "model_max_length", None)
+        default = min(limit, trained) if isinstance(trained, int) and trained >= 2 else limit
+        self.max_model_len = {None: default, -1: limit}.get(self.config.max_model_len, self.config.max_model_len)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         self.kv_budget = resolve_kv_budget(self.config, self.device)

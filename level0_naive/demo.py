@@ -36,12 +36,13 @@ def run(args, console: Console):
     model = args.model or default_model()
     cap = args.max_tokens or 256
     lengths = spread_lengths(args.requests, min(16, cap), cap, seed=args.seed)
-    probe = LLM(
-        model, dtype=args.dtype, device=args.device, seed=args.seed, kv_cache_memory=1
-    )  # only to size the budget
+    # -1: every position the checkpoint has; the built-in model's default is its 256-token training window,
+    # and these requests run past it (the text grows weaker there; the memory is the point)
+    common = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=-1)
+    probe = LLM(model, kv_cache_memory=1, **common)  # only to size the budget
     # A KV budget that holds about four requests' worst case: tight, as real GPUs are.
     budget = 4 * (cap + 16) * probe.llm_engine.bytes_per_token
-    llm = LLM(model, dtype=args.dtype, device=args.device, kv_cache_memory=budget, seed=args.seed)
+    llm = LLM(model, kv_cache_memory=budget, **common)
     del probe
     prompts = prompts_for(args.requests)
     params = [SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for n in lengths]

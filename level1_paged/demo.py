@@ -105,7 +105,9 @@ def run(args, console: Console) -> dict:
     lengths = spread_lengths(args.requests, min(16, cap), cap, seed=args.seed)
     prompts = prompts_for(args.requests)
     params = [SamplingParams(max_tokens=n, temperature=args.temperature, ignore_eos=True) for n in lengths]
-    common = dict(dtype=args.dtype, device=args.device, seed=args.seed)
+    # -1: every position the checkpoint has; the built-in model's default is its 256-token training window,
+    # and the longest requests run past it (the text grows weaker there; the memory is the point)
+    common = dict(dtype=args.dtype, device=args.device, seed=args.seed, max_model_len=-1)
     probe = NaiveLLM(model, kv_cache_memory=1, **common).llm_engine  # only to size the budget (allocates no KV)
     worst = max(len(probe.tokenizer(p)["input_ids"]) for p in prompts) + cap
     budget = int(args.budget_requests * worst * probe.bytes_per_token)

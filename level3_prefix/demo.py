@@ -62,7 +62,7 @@ SHOWN = 5  # requests drawn in the shared-blocks panel
 def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
     """Admit the first SHOWN questions one step apart, and draw each one's block table by ref
     count while all of them are still running (each generates more tokens than there are steps)."""
-    engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size)
+    engine = LLMEngine(model, dtype=args.dtype, device=args.device, block_size=args.block_size, max_model_len=-1)
     for i, p in enumerate(prompts[:SHOWN]):
         engine.add_request(f"q{i}", p, SamplingParams(max_tokens=SHOWN + 2, temperature=0, ignore_eos=True))
         engine.step()  # one at a time, so each finds the blocks of those before it
@@ -115,6 +115,7 @@ def run_demo(args, console: Console) -> dict:
             block_size=args.block_size,
             enable_prefix_caching=caching,
             seed=args.seed,
+            max_model_len=-1,  # the system prompt alone is 632 tokens: past the built-in model's 256-token window
         )
         prompts = [
             llm.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}])

@@ -41,6 +41,15 @@ def port(text: str) -> int:
     return value
 
 
+def model_len(text: str) -> int:
+    if text.strip() == "-1":
+        return -1
+    value = positive_int(text)
+    if value < 2:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a context length (an integer >= 2, or -1)")
+    return value
+
+
 def byte_size(text: str) -> int:
     """`--kv-cache-memory`: bytes, or a number with KiB / MiB / GiB."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(|B|KiB|MiB|GiB)\s*", text)
@@ -71,7 +80,9 @@ def parser() -> argparse.ArgumentParser:
     a("--api-key", default=None, help="require 'Authorization: Bearer KEY' (/health, /metrics, /version stay open)")
     a("--dtype", default="auto", choices=DTYPES, help="weights and KV cache dtype (default auto)")
     a("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto: CUDA if available")
-    a("--max-model-len", type=positive_int, default=None, help="context length (default: the model's)")
+    a("--max-model-len", type=model_len, default=None,
+      help="context length (default: what the model was trained for, its tokenizer's model_max_length when that "
+           "is less than its positions; -1: every position the checkpoint has)")  # fmt: skip
     a("--max-num-seqs", type=positive_int, default=256, help="sequences in one batch (default 256)")
     a("--max-num-batched-tokens", type=positive_int, default=2048, help="token budget of one step (default 2048)")
     a("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")

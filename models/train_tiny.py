@@ -84,7 +84,7 @@ def bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars)}
 
 
-def build_tokenizer():
+def build_tokenizer(model_max_length: int = 2048):
     """A `PreTrainedTokenizerFast` whose ids 0..255 are the byte values.
 
     Pipeline: ByteLevel pre-tokenizer (no regex split, no prefix space, so the
@@ -113,12 +113,14 @@ def build_tokenizer():
         # The default cleanup deletes the space in " ," and " ." on decode,
         # which would break the exact round trip.
         clean_up_tokenization_spaces=False,
-        model_max_length=2048,
+        # What engines default their context to (level 0's core.py): the training window for the
+        # built-in models, so a server does not advertise positions the model never learned.
+        model_max_length=model_max_length,
     )
 
 
-def save_tokenizer(out: Path) -> None:
-    tokenizer = build_tokenizer()
+def save_tokenizer(out: Path, model_max_length: int = 2048) -> None:
+    tokenizer = build_tokenizer(model_max_length)
     tokenizer.save_pretrained(out)
     # transformers 5 folds the special tokens into tokenizer_config.json; older
     # readers (and humans) look for this file too.
@@ -436,7 +438,7 @@ def train(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(out, safe_serialization=True)
     GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID).save_pretrained(out)
-    save_tokenizer(out)
+    save_tokenizer(out, model_max_length=p.block_size)
     saved = load_hf(out, dtype=torch.float32)
     val_full = evaluate(saved, val_ids, p.block_size, limit=None, autocast=False)
     report = {

@@ -174,6 +174,19 @@ def test_json_reports_a_file_that_does_not_parse(tmp_path, capsys):
     assert code == 2 and "there is no lab" in rep["problem"] and rep["checks"] == [] and not rep["passed"]
 
 
+@pytest.mark.parametrize("argv", [["check", "2", "--json"], ["check", "2", "x.py", "--json", "--hints", "most"]],
+                         ids=["no-path", "bad-hints"])  # fmt: skip
+def test_json_reports_a_wrong_command_line_too(argv, capsys):
+    from labs.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    out = capsys.readouterr()
+    rep = json.loads(out.out)  # one object on stdout; argparse's usage message stays on stderr
+    assert e.value.code == 2 and set(rep) == REPORT_KEYS and rep["score"] == 0 and not rep["passed"]
+    assert "command line is wrong" in rep["problem"] and "usage:" in out.err
+
+
 @pytest.mark.parametrize("failure", [RuntimeError("the labs runner failed (exit 1):\nsome trace"), KeyboardInterrupt()])
 def test_json_reports_a_run_that_broke_and_leaves_no_temporary_folder(tmp_path, capsys, monkeypatch, failure):
     def run_plan(variants, workdir, jobs=1):

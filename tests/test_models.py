@@ -150,6 +150,20 @@ def test_checkpoint_files_and_config(path):
     assert (gen["bos_token_id"], gen["eos_token_id"]) == (256, 257)
 
 
+@pytest.mark.parametrize("name", ["tiny-shakespeare", "tiny-shakespeare-draft"])
+def test_the_default_context_is_the_training_window(name):
+    """The models were trained on 256-byte windows (train_tiny's block_size): an engine, and so
+    a server's /v1/models, defaults to that, not to the 2048 positions the checkpoint has;
+    -1 asks for every position, any other length up to them is honoured."""
+    from level0_naive import LLM
+
+    window = train_tiny_module().PRESETS["draft" if name.endswith("draft") else "target"].block_size
+    assert window == 256
+    assert LLM(name, kv_cache_memory=1).llm_engine.max_model_len == window
+    assert LLM(name, kv_cache_memory=1, max_model_len=-1).llm_engine.max_model_len == 2048
+    assert LLM(name, kv_cache_memory=1, max_model_len=1000).llm_engine.max_model_len == 1000
+
+
 def test_sizes_flops_and_gqa():
     from transformers import AutoConfig
 
