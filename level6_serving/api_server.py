@@ -57,7 +57,7 @@ from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from . import metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
@@ -215,19 +215,20 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     async def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title=app.title)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=openapi.answer("ModelList"))
     async def models():
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "inference-ladder",
                  "root": str(engine.engine.loaded.path), "max_model_len": engine.max_model_len}
                 for name in served_model_names]  # fmt: skip
         return {"object": "list", "data": data}
 
-    @app.get("/health", responses={503: {"description": "shutting down, or the engine is dead"}})
+    @app.get("/health", response_class=Response, responses={200: {"description": "serving", "content": None},
+             503: {"description": "shutting down, or the engine is dead", "content": None}})  # fmt: skip
     async def health():
         ok = engine.is_running and not serving.draining
         return Response(status_code=200 if ok else 503)
 
-    @app.get("/version")
+    @app.get("/version", openapi_extra=openapi.answer("Version"))
     async def version():
         try:
             v = metadata.version("inference-ladder")
@@ -266,7 +267,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await engine.decode(req.tokens)}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus():
         records = await engine.get_metrics()  # a snapshot taken on the engine thread, between steps
         return Response(metrics.render(records, served_model_names[0]), media_type=metrics.CONTENT_TYPE)

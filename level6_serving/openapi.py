@@ -79,6 +79,24 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Version(BaseModel):
+    version: str
+
+
 class ErrorBody(BaseModel):
     message: str
     type: Literal["invalid_request_error", "server_error"]
@@ -92,7 +110,7 @@ class ErrorResponse(BaseModel):
 
 MODELS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
           protocol.DetokenizeRequest, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
-          DetokenizeResponse, ErrorResponse]  # fmt: skip
+          DetokenizeResponse, ModelList, Version, ErrorResponse]  # fmt: skip
 
 ERRORS = {
     "400": "a malformed or unsupported request (the error names the field)",
@@ -110,12 +128,18 @@ def ref(name: str) -> dict:
 def body(request: str, response: str, stream: bool = False) -> dict:
     """A route's `openapi_extra`: its JSON body and its answers."""
     ok = {"application/json": {"schema": ref(response)}}
-    if stream:  # "stream": true answers with Server-Sent Events
-        ok["text/event-stream"] = {"schema": {"type": "string"}}
+    if stream:  # "stream": true answers with Server-Sent Events; in OpenAPI 3.1 the schema is one event's
+        ok["text/event-stream"] = {"schema": {"type": "object", "required": ["data"],
+                                              "properties": {"data": {"type": "string"}}}}  # fmt: skip
     errors = {code: {"description": why, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
               for code, why in ERRORS.items()}  # fmt: skip
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {"200": {"description": "OK", "content": ok}, **errors}}  # fmt: skip
+
+
+def answer(response: str) -> dict:
+    """A GET route's `openapi_extra`: its JSON answer."""
+    return {"responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref(response)}}}}}
 
 
 def schema(app) -> dict:

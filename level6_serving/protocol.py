@@ -120,6 +120,7 @@ IGNORED = {
     "safety_identifier": "an end-user id for abuse monitoring",
     "prompt_cache_key": "a routing hint; prefix caching here is automatic",
     "prompt_cache_retention": "a routing hint; prefix caching here is automatic",
+    "prompt_cache_options": "a routing hint; prefix caching here is automatic",
     "priority": "vLLM's priority scheduling; this scheduler is first come, first served",
     "spaces_between_special_tokens": "special tokens are skipped from the text here",
     "prediction": "a latency hint (predicted outputs); the tokens are the same either way",
@@ -158,6 +159,7 @@ class SamplingFields(Strict):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    prompt_cache_options: dict[str, Any] | None = None
     priority: Int | None = None
     spaces_between_special_tokens: bool | None = None
     # NEUTRAL_ONLY (below): OpenAI fields this server does not implement, accepted at their neutral value
@@ -277,6 +279,7 @@ class ChatCompletionRequest(SamplingFields):
     audio: dict[str, Any] | None = None  # NEUTRAL_ONLY
     web_search_options: dict[str, Any] | None = None  # NEUTRAL_ONLY
     functions: list[dict[str, Any]] | None = None  # NEUTRAL_ONLY (the deprecated form of tools)
+    moderation: dict[str, Any] | None = None  # NEUTRAL_ONLY: OpenAI's moderation of input and output
     function_call: str | dict[str, Any] | None = None  # NEUTRAL_ONLY
     logprobs_field: ClassVar[str] = "top_logprobs"
     NEUTRAL_ONLY: ClassVar[dict] = {
@@ -286,6 +289,7 @@ class ChatCompletionRequest(SamplingFields):
         "web_search_options": lambda v: v is None,
         "functions": lambda v: not v,
         "function_call": lambda v: v in (None, "none", "auto"),
+        "moderation": lambda v: v is None,
     }
 
     def validate_request(self) -> None:
