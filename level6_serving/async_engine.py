@@ -72,6 +72,10 @@ class EngineDeadError(RuntimeError):
     """The engine failed in a way it could not recover from; nothing more will run."""
 
 
+class PromptTooLongError(ValueError):
+    """A prompt refused by its length in characters, before it was tokenized."""
+
+
 class EngineStepError(RuntimeError):
     """`step()` raised while this request was in flight; the request was aborted."""
 
@@ -199,7 +203,7 @@ class AsyncLLMEngine:
     async def tokenize(self, prompt: str | list[int], i: int = 0) -> list[int]:
         """The prompt's token ids, checked (ValueError names prompt `i`), off the event loop."""
         if isinstance(prompt, str) and len(prompt) > self.max_prompt_chars:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"prompt {i} has {len(prompt)} characters: more than any {self.max_model_len}-token "
                 f"context holds with this tokenizer ({self.max_prompt_chars}); it was not tokenized"
             )
@@ -210,7 +214,7 @@ class AsyncLLMEngine:
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)
         if chars > self.max_prompt_chars:
-            raise ValueError(
+            raise PromptTooLongError(
                 f"the messages have {chars} characters: more than any {self.max_model_len}-token "
                 f"context holds with this tokenizer ({self.max_prompt_chars})"
             )

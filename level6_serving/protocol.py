@@ -184,9 +184,11 @@ class SamplingFields(Strict):
         return 1 if self.n is None else self.n
 
     def usage_in_stream(self) -> tuple[bool, bool]:
-        """(a usage chunk at the end, usage so far in every chunk), as asked."""
+        """(a usage chunk at the end, usage so far in every chunk), as asked; as in vLLM, the
+        second only with the first."""
         o = self.stream_options
-        return bool(o and (o.include_usage or o.continuous_usage_stats)), bool(o and o.continuous_usage_stats)
+        include = bool(o and o.include_usage)
+        return include, include and bool(o.continuous_usage_stats)
 
     def check_unsupported(self) -> None:
         for name, neutral in self.NEUTRAL_ONLY.items():
