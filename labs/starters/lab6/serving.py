@@ -51,7 +51,7 @@ from collections.abc import AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from .async_engine import AsyncLLMEngine, EngineDeadError, PromptTooLongError, RequestStream
 from .base import CompletionOutput, RequestOutput, SamplingParams
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 
@@ -262,8 +262,7 @@ class OpenAIServing:
             try:
                 ids.append(await self.engine.tokenize(p, i))
             except ValueError as e:
-                raise APIError(400, str(e), "prompt", "context_length_exceeded" if "characters" in str(e) else None
-                               ) from None  # fmt: skip
+                raise APIError(400, str(e), "prompt", too_long(e)) from None
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
         params = req.sampling_params(max_tokens, "max_tokens", req.logprobs)
         for x in ids:
@@ -323,8 +322,7 @@ class OpenAIServing:
         try:
             ids = await self.engine.apply_chat_template([m.as_template_input() for m in req.messages])
         except ValueError as e:
-            raise APIError(400, str(e), "messages", "context_length_exceeded" if "characters" in str(e) else None
-                           ) from None  # fmt: skip
+            raise APIError(400, str(e), "messages", too_long(e)) from None
         if len(ids) >= self.engine.max_model_len:
             raise APIError(400, f"the conversation has {len(ids)} tokens; max_model_len={self.engine.max_model_len} "
                                 "leaves no room to generate", "messages", "context_length_exceeded")  # fmt: skip
@@ -387,6 +385,10 @@ class OpenAIServing:
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+
+
+def too_long(e: ValueError) -> str | None:
+    return "context_length_exceeded" if isinstance(e, PromptTooLongError) else None
 
 
 def stream_usage(include_usage: bool, continuous: bool, prompt_tokens: int, completion_tokens: int) -> dict:
