@@ -2,7 +2,8 @@
 
 What it is: `make_all(data, img_dir)` writes
 
-  bench_throughput.png   output tokens/s per engine, per workload; labels: x HF
+  bench_throughput.png   output tokens/s per engine, per workload; labels (upright, so
+                         neighbours never overlap): x HF
   bench_latency_cdf.png  CDFs of TTFT and end-to-end latency per engine (what fraction of
                          requests finished within t seconds: further left is better)
   bench_kv_waste.png     time-averaged KV waste per engine, and peak KV reserved vs used
@@ -11,6 +12,7 @@ What it is: `make_all(data, img_dir)` writes
   bench_prefix_ttft.png  level 3's TTFT with the prefix cache on and off (when level 3 ran)
 
 Because the plots read only the JSON, `--plots-from results.json` redraws them anywhere.
+A `--quick` run's plots say in their titles that they are a smoke run.
 
 What it is not: interactive, or styled beyond what makes them readable.
 
@@ -48,15 +50,20 @@ def _once(seen: set[str], name: str) -> str | None:
     return name
 
 
+SMOKE = "smoke run (--quick): tiny workloads, not the committed results"
+
+
 def _subtitle(data: dict) -> str:
+    """The run's model, dtype, machine and date, and, for a --quick run, that it says nothing."""
     m, c = data["machine"], data["config"]
-    return f"{c['model_name']}, {c['dtype']}, {m['cpu'][:40]} x{m['torch_threads']} threads, {m['date'][:10]}"
+    line = f"{c['model_name']}, {c['dtype']}, {m['cpu'][:40]} x{m['torch_threads']} threads, {m['date'][:10]}"
+    return f"{line}\n{SMOKE}" if c.get("quick") else line
 
 
 def throughput(data: dict, path: Path) -> None:
     names, wls = _engines(data), list(data["workloads"])
     col, width = _colors(names), 0.8 / max(len(names), 1)
-    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(wls)), 4))
+    fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(wls)) + 1.5, 4))
     seen: set[str] = set()
     for i, n in enumerate(names):
         for j, w in enumerate(wls):
@@ -65,12 +72,14 @@ def throughput(data: dict, path: Path) -> None:
                 continue
             x = j + (i - (len(names) - 1) / 2) * width
             ax.bar(x, f["output_tokens_per_s"], width, color=col[n], label=_once(seen, f["label"]))
-            if f.get("vs_hf") and n != "hf":
-                ax.text(x, f["output_tokens_per_s"], f"{f['vs_hf']:.1f}x", ha="center", va="bottom", fontsize=7)
+            if f.get("vs_hf") and n != "hf":  # upright, a label is wider than its bar and runs into the next
+                ax.annotate(f"{f['vs_hf']:.1f}x", (x, f["output_tokens_per_s"]), xytext=(0, 2), textcoords="offset points",
+                            rotation=90, ha="center", va="bottom", fontsize=7)  # fmt: skip
+    ax.margins(y=0.12)  # room above the tallest bar for its label
     ax.set_xticks(range(len(wls)), wls)
     ax.set_ylabel("output tokens / s")
     ax.set_title(f"Throughput by level (labels: x HF generate)\n{_subtitle(data)}", fontsize=9)
-    ax.legend(fontsize=7, ncols=2)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))  # outside: never over a bar or its label
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -134,7 +143,8 @@ def kv_waste(data: dict, path: Path) -> None:
     b.set_xticks(xs, [f["label"] for f in res.values()], rotation=20, fontsize=7)
     b.set_ylabel("MiB")
     b.set_title(f"{focus}: peak KV memory", fontsize=9)
-    b.legend(fontsize=7)
+    b.set_ylim(top=1.3 * b.get_ylim()[1])  # room for the legend above the bars
+    b.legend(fontsize=7, loc="upper center", ncols=3)
     fig.suptitle(f"KV memory waste by level\n{_subtitle(data)}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

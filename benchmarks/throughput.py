@@ -4,7 +4,7 @@ What it is: the one command behind the committed results and plots.
 
     python -m benchmarks.throughput --quick                # every workload, tiny: a smoke run (about a minute)
     python -m benchmarks.throughput --workload latency     # one workload, full size (minutes)
-    python -m benchmarks.throughput --all --repeats 2 --plots --readme --out benchmarks/results/latest.json
+    python -m benchmarks.throughput --all --repeats 2 --plots --img-dir docs/img --readme --out benchmarks/results/latest.json
                                                            # the committed results, plots and README tables
     python -m benchmarks.throughput --markdown benchmarks/results/latest.json
 
@@ -17,8 +17,10 @@ on the same requests in this one process, in alternating order across `--repeats
 keeping each engine's fastest run.
 
 By default it runs with one torch thread (the most stable figures on a shared machine,
-and what a tiny model runs fastest with) and writes its JSON outside the repository, so
-a run never modifies a tracked file unless asked to (`--out`, `--plots`, `--readme`).
+and what a tiny model runs fastest with) and writes its JSON, and with `--plots` its
+pictures, outside the repository (`ladder.cli.output_dir()`), so a run never modifies a
+tracked file unless asked to (`--out`, `--img-dir docs/img`, `--readme`). A `--quick`
+run's plot titles say it is a smoke run.
 
 What it is not: a speed test that can fail. It reports; `goals` says which targets were
 met, and nothing exits non-zero because of a number.
@@ -50,7 +52,6 @@ from .workloads import NAMES, make_workload
 LABELS_KNOWN = [n for n in LABELS if n != "hf" and ":" not in n]
 
 HERE = Path(__file__).resolve().parent
-IMG = HERE.parent / "docs" / "img"
 README = HERE.parent / "README.md"
 PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its cache off
 
@@ -105,7 +106,9 @@ def parser() -> argparse.ArgumentParser:
                    help="results JSON (default: throughput.json or quick.json in a folder outside the repository; "
                         "the committed results are benchmarks/results/latest.json)")  # fmt: skip
     p.add_argument("--plots", action="store_true", help="also draw the bench_*.png pictures (into --img-dir)")
-    p.add_argument("--img-dir", type=Path, default=IMG, help="where --plots and --plots-from draw (default docs/img)")
+    p.add_argument("--img-dir", type=Path, default=None,
+                   help="where --plots and --plots-from draw (default: the folder outside the repository where the "
+                        "JSON goes without --out; docs/img rewrites the committed pictures)")  # fmt: skip
     p.add_argument("--img-prefix", default="bench_", help="file name prefix of the PNGs (default bench_)")
     p.add_argument("--plots-from", metavar="JSON", type=existing_file, help="only redraw the plots from a results JSON")
     p.add_argument(
@@ -303,6 +306,12 @@ def print_goals(console: Console, goals: list[dict], quick: bool) -> None:
     console.print(t)
 
 
+def img_dir(args) -> Path:
+    """`--img-dir`, else the output folder: only an explicit `--img-dir docs/img` rewrites the committed
+    pictures, so a smoke run's plots never replace them."""
+    return Path(args.img_dir) if args.img_dir else output_dir()
+
+
 def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -316,7 +325,7 @@ def main(argv=None) -> dict | None:
     if args.plots_from:
         from . import plots
 
-        for path in plots.make_all(json.loads(Path(args.plots_from).read_text()), Path(args.img_dir), args.img_prefix):
+        for path in plots.make_all(json.loads(Path(args.plots_from).read_text()), img_dir(args), args.img_prefix):
             print(path)
         return None
     console = make_console()
@@ -329,7 +338,7 @@ def main(argv=None) -> dict | None:
     if args.plots:
         from . import plots
 
-        for path in plots.make_all(data, Path(args.img_dir), args.img_prefix):
+        for path in plots.make_all(data, img_dir(args), args.img_prefix):
             console.print(f"wrote {path}")
     if args.readme:
         report.write_readme(data, README)

@@ -3,8 +3,8 @@
 What it is: `demo_parser()` (the flags every demo has), argparse types that reject a bad
 value with one line naming the flag (`positive_int`, `at_least_one`, `fraction`, ...),
 `check_device_and_models` (an unavailable device is an error before any weight is loaded),
-`torch_threads`, where pictures go (`plot_path`: outside the tracked tree unless asked),
-`save_figure`, and the demos' prompts and seeded lengths.
+`torch_threads`, where pictures and results go (`output_dir`, `plot_path`: outside the
+tracked tree unless asked), `save_figure`, and the demos' prompts and seeded lengths.
 
 What it is not: an engine. No level's `engine.py` imports it.
 """
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import getpass
 import os
 import random
 import tempfile
@@ -149,11 +150,28 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
-# --- pictures -------------------------------------------------------------------------------------
+# --- pictures and other outputs -------------------------------------------------------------------
 def output_dir() -> Path:
-    """Where demos put their pictures unless told otherwise: outside the repository, so a run
-    never modifies a tracked file (`INFERENCE_LADDER_OUT` overrides)."""
-    return Path(os.environ.get("INFERENCE_LADDER_OUT") or Path(tempfile.gettempdir()) / "inference-ladder")
+    """Where the files a run tells its user about go unless told otherwise (a demo's picture, a
+    benchmark's JSON and plots): `$INFERENCE_LADDER_OUT`, else `inference-ladder-USER` in the
+    system's temporary folder.
+
+    Outside the repository, so a run never modifies a tracked file. Stable, so the path a demo
+    printed still opens after it exits and a rerun replaces its own picture instead of piling up
+    new ones. One per user: a folder another user made first is not writable by you.
+
+    Scratch files nobody is told to open (a server's log) do not belong here: their owner keeps
+    them in a `tempfile.TemporaryDirectory` of its own and removes it when it ends.
+    """
+    env = os.environ.get("INFERENCE_LADDER_OUT")
+    return Path(env) if env else Path(tempfile.gettempdir()) / f"inference-ladder-{_user()}"
+
+
+def _user() -> str:
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):  # a container's user id with no name
+        return str(os.getuid()) if hasattr(os, "getuid") else "user"
 
 
 def plot_path(requested: Path | None, name: str) -> Path:

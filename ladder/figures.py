@@ -13,7 +13,8 @@ throughput benchmark's plots from the committed results (`latest.json`,
     python -m ladder.figures --dry-run       # the commands, and so the pictures, without running them
 
 What it is not: a throughput benchmark run (`python -m benchmarks.throughput ... --out
-benchmarks/results/latest.json --plots` refreshes the results the benchmark plots draw).
+benchmarks/results/latest.json --plots --img-dir docs/img` refreshes the results the
+benchmark plots draw, and the plots; without `--img-dir` its plots go outside the repository).
 """
 
 from __future__ import annotations

@@ -6,14 +6,17 @@ It prints
 
   - the generated text, each token colored by where it came from: an accepted draft
     token (green), a recovered token after a rejection (yellow), a bonus token after a
-    fully accepted draft (cyan); and whether level 3 and level 4 wrote the same text;
+    fully accepted draft (cyan); without colours (piped, or NO_COLOR) the recovered
+    tokens are [bracketed] and the bonus ones {braced}; and whether level 3 and level 4
+    wrote the same text;
   - the acceptance per draft position against Leviathan's alpha**i, where alpha is the
     measured per-token acceptance probability;
   - the costs measured on this machine, c_draft (one draft forward, per token) and
     c_verify(k) (a verifying step without its drafting), both as fractions of a level-3
     step, and the measured speedup against Leviathan's prediction
         S = E[N] / (k * c_draft + c_verify(k)),   E[N] = (1 - alpha**(k+1)) / (1 - alpha);
-  - a plot of tokens/s against k, measured and predicted (to a folder outside the
+  - a plot of the speedup over level 3 against k, measured and predicted, on an axis
+    from 0 with level 3 at 1.0x (to a folder outside the
     repository, printed at the end; `--plot PATH` to choose; `python -m ladder.figures`
     regenerates the committed `docs/img/level4_speedup.png`).
 
@@ -42,6 +45,15 @@ from .engine import LLM, SpecDecodeStats
 
 PROMPTS = ["ROMEO:\n", "JULIET:\nO Romeo, Romeo!", "KING RICHARD III:\nNow is the winter", "First Citizen:\n"]
 COLORS = {"accepted": "green", "recovered": "yellow", "bonus": "cyan", "plain": "default"}
+MARKS = {"accepted": "{}", "recovered": "[{}]", "bonus": "{{{}}}", "plain": "{}"}  # the same, without colour
+PLAIN_LEGEND = ("   accepted draft tokens unmarked, [recovered] after a rejection, {bonus} after a fully accepted "
+                "draft (the first token of each request comes from its prefill)")  # fmt: skip
+COSTS = """\
+  c_draft:  a draft forward per draft token, over a level-3 step (batch 1)
+  c_verify: a level-4 step minus its drafting (the target checks k + 1
+            tokens at once), over the same level-3 step
+  E[N]:     tokens per step predicted, (1 - alpha**(k+1)) / (1 - alpha)
+  S:        speedup predicted, E[N] / (k c_draft + c_verify); meas.: measured"""
 
 
 def parser():
@@ -143,18 +155,9 @@ def run(args, console: Console) -> dict:
 
     show_text(console, main_run, args, same)
     show_positions(console, s, alpha)
-    table = Table(title=f"batch 1 on this machine: measured vs Leviathan's S (alpha = {alpha:.3f} per token)")
-    for col in (
-        "k",
-        "c_draft",
-        "c_verify(k)",
-        "E[N] predicted",
-        "tokens/step measured",
-        "S predicted",
-        "speedup measured",
-        "error",
-    ):
-        table.add_column(col, justify="right")
+    table = Table(title=f"batch 1: measured vs Leviathan (alpha = {alpha:.3f} per token)")
+    for col in ("k", "c_draft", "c_verify", "E[N]", "N meas.", "S pred.", "S meas.", "error"):  # fits 80 columns
+        table.add_column(col, justify="right", no_wrap=True)
     for kk, r in sweep.items():
         e_n, pred = leviathan(alpha, kk, r["c_draft"], r["c_verify"])
         st = r["llm"].spec_decode_stats()
@@ -163,6 +166,7 @@ def run(args, console: Console) -> dict:
         table.add_row(str(kk), f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}", f"{e_n:.2f}", f"{measured_len:.2f}", f"{pred:.2f}x",
                       f"[bold]{r['speedup']:.2f}x[/]", f"{100 * (r['speedup'] / pred - 1):+.0f} %")  # fmt: skip
     console.print(table)
+    console.print(COSTS, style="dim", markup=False, highlight=False)
 
     # a larger batch: speculation helps less when the target is already busy
     bs = args.batch_size
@@ -188,11 +192,16 @@ def run(args, console: Console) -> dict:
 
 def show_text(console: Console, run: dict, args, same: bool) -> None:
     tok = run["llm"].get_tokenizer()
+    plain = console.no_color or console.color_system is None  # piped: a colour legend would mean nothing
     for out in run["outs"][:2]:
         text = Text(out.prompt, style="dim")
         for t, kind in zip(out.outputs[0].token_ids, run["kinds"][out.request_id]):
-            text.append(tok.decode([t]), style=COLORS[kind])
+            piece = tok.decode([t])
+            text.append(MARKS[kind].format(piece) if plain else piece, style=COLORS[kind])
         console.print(text)
+    if plain:
+        console.print(PLAIN_LEGEND, markup=False, highlight=False)
+        return
     legend = Text("  ")
     for kind, color in COLORS.items():
         if kind != "plain":
@@ -203,9 +212,9 @@ def show_text(console: Console, run: dict, args, same: bool) -> None:
 
 
 def show_positions(console: Console, s, alpha: float) -> None:
-    t = Table(title="acceptance by draft position: measured P(d_i accepted) vs alpha**i")
-    t.add_column("position i", justify="right")
-    t.add_column("measured", justify="right")
+    t = Table(title="acceptance by draft position i")
+    t.add_column("i", justify="right")
+    t.add_column("P(d_i accepted)", justify="right")
     t.add_column("alpha**i", justify="right")
     for i, rate in enumerate(s.per_position(), 1):
         t.add_row(str(i), f"{rate:.3f}", f"{alpha**i:.3f}")
@@ -222,20 +231,19 @@ def plot(path: Path, sweep: dict, base_tps: float, alpha: float) -> None:
 
     ks = sorted(sweep)
     fig, ax = plt.subplots(figsize=(7, 3.8))
-    ax.plot(ks, [base_tps * sweep[k]["speedup"] for k in ks], "o-", color="tab:green", label="level 4, measured")
-    ax.plot(
-        ks,
-        [base_tps * sweep[k]["predicted"] for k in ks],
-        "s--",
-        color="tab:gray",
-        label=f"Leviathan's S x level 3 (alpha {alpha:.2f})",
-    )
-    ax.axhline(base_tps, color="tab:red", label="level 3 (no speculation)")
+    measured, predicted = [sweep[k]["speedup"] for k in ks], [sweep[k]["predicted"] for k in ks]
+    ax.plot(ks, measured, "o-", color="tab:green", label="level 4, measured")
+    ax.plot(ks, predicted, "s--", color="tab:gray", label=f"Leviathan's S (alpha {alpha:.2f})")
+    ax.axhline(1.0, color="tab:red", label=f"level 3, no speculation (1.0x = {base_tps:.0f} tok/s)")
+    # From 0: a speed-up read off a clipped axis looks many times larger than it is.
+    ax.set_ylim(0, 1.15 * max(1.0, *measured, *predicted))
+    ax.yaxis.set_major_formatter("{x:.2f}x")
+    ax.set_xticks(ks)
     ax.set_xlabel("k (draft tokens per step)")
-    ax.set_ylabel("output tokens/s at batch 1")
+    ax.set_ylabel("speed-up over level 3, batch 1")
     ax.set_title("Speculative decoding with the built-in pair: measured and predicted")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     save_figure(fig, path, dpi=120)
 
 

@@ -157,27 +157,48 @@ def show_table(console: Console, rows: dict) -> None:
 
 
 def plot(path: Path, timeline: dict) -> None:
-    """One row per rank (= stage here), one box per forward, colored by micro-batch."""
+    """One row per rank (= stage here), one box per forward, colored by micro-batch, the idle
+    time between boxes hatched: the bubble."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     events = {r: ev[-24:] for r, ev in timeline.items()}  # the last micro-batches: a steady pipeline
     t0 = min(s for ev in events.values() for _, s, _ in ev)
-    cmap = plt.get_cmap("tab10")
-    fig, ax = plt.subplots(figsize=(10, 2.6))
+    span = 1e3 * (max(e for ev in events.values() for _, _, e in ev) - t0)  # ms
+    cmap, fontsize = plt.get_cmap("tab10"), 7
+    fig, ax = plt.subplots(figsize=(10, 2.8))
+    idle = dict(facecolor="whitesmoke", hatch="///", edgecolor="silver", linewidth=0)
+    boxes = []  # (rank, micro-batch, left, width) in ms, numbered once the layout is known
     for rank, ev in sorted(events.items()):
+        free = 0.0  # where this stage's previous forward ended
         for mb, s, e in ev:
-            ax.barh(rank, (e - s) * 1e3, left=(s - t0) * 1e3, color=cmap(mb % 10), edgecolor="black", height=0.6)
-            ax.text((s + e - 2 * t0) / 2 * 1e3, rank, str(mb), ha="center", va="center", fontsize=7)
+            left, width = 1e3 * (s - t0), 1e3 * (e - s)
+            if left > free:
+                ax.barh(rank, left - free, left=free, height=0.6, **idle)
+            ax.barh(rank, width, left=left, color=cmap(mb % 10), edgecolor="black", height=0.6)
+            boxes.append((rank, mb, left, width))
+            free = left + width
+    ax.set_xlim(0, span)
     ax.set_yticks(sorted(events), [f"stage {r}" for r in sorted(events)])
     ax.set_ylim(len(events) - 0.5, -0.5)
     ax.set_xlabel("milliseconds")
-    ax.set_title(
-        "PP=2: each box is one micro-batch's forward on one stage (numbers: micro-batch); gaps are the bubble",
-        fontsize=9,
-    )
+    ax.set_title(f"PP=2: the last {max(map(len, events.values()))} forwards of each stage", fontsize=9)
+    legend = [
+        Patch(facecolor=cmap(0), edgecolor="black",
+              label="one micro-batch's forward on one stage (number: the micro-batch; one colour per micro-batch)"),
+        Patch(**idle, label="stage idle: the bubble"),
+    ]  # fmt: skip
+    ax.legend(handles=legend, loc="upper center", bbox_to_anchor=(0.5, -0.32), ncols=2, fontsize=8, frameon=False)
+    fig.tight_layout()
+    renderer, px_per_ms = fig.canvas.get_renderer(), ax.get_window_extent().width / span
+    for rank, mb, left, width in boxes:
+        label = ax.text(left + width / 2, rank, str(mb), ha="center", va="center", fontsize=fontsize)
+        # A number only where it fits inside its box: in a narrow one it would print over its neighbours.
+        if label.get_window_extent(renderer).width + 6 > width * px_per_ms:
+            label.remove()
     save_figure(fig, path, dpi=120)
 
 

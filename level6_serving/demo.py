@@ -11,7 +11,9 @@ What it is: what a user of level 6 does, in one run of well under a minute on a 
   4. open a long stream and walk away after a few chunks: /metrics shows the request
      aborted and its KV blocks free;
   5. read the Prometheus counters, and check that they add up to what the clients received;
-  6. send SIGTERM: the server drains and exits 0. Nothing is left running, whatever happens.
+  6. send SIGTERM: the server drains and exits 0. Nothing is left running, whatever happens,
+     and its log (a scratch file) is removed with it. The last lines say how to start a
+     server of your own (the demo's is gone by then) and send it a request.
 
 What it is not: a benchmark (`python -m benchmarks.serving` is).
 
@@ -34,6 +36,10 @@ from .process import ServerProcess
 
 MODULE = "level6_serving.demo"
 ABORT_TIMEOUT = 30.0  # seconds step 3 waits for the abandoned request to stop running
+SHOW_CLIENTS = 16  # rows of the clients table; more would scroll the rest of the demo away
+START = "to try it yourself, start a server that stays up (port 8000, until Ctrl-C): python -m level6_serving"
+CURL = ("and send it a request from another terminal: curl http://127.0.0.1:8000/v1/completions "
+        "-H \"Content-Type: application/json\" -d '{\"prompt\": \"ROMEO:\\n\", \"max_tokens\": 32}'")  # fmt: skip
 
 
 def parser():
@@ -53,13 +59,17 @@ def main(argv=None) -> dict:
     flags = ["--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads), "--seed", str(args.seed),
              "--max-model-len", "512", "--disable-uvicorn-access-log"] + (["--model", args.model] if args.model else [])  # fmt: skip
     server = ServerProcess(flags)
-    console.print(f"[bold]$ python -m level6_serving --port 0 {' '.join(flags)}[/]\n(log: {server.log})")
+    console.print(f"[bold]$ python -m level6_serving --port 0 {' '.join(flags)}[/]\n"
+                  f"(log, removed when the server stops: {server.log})")  # fmt: skip
     with server:
         console.print(f"server up at {server.url}\n")
         result = asyncio.run(talk(server.url, args, console))
         console.print("\n[bold]SIGTERM[/]: the server drains and exits")
     result["exit_code"] = server.returncode
     console.print(f"exit status {server.returncode}; last log line: {server.tail().strip().splitlines()[-1]}")
+    # The demo's server is gone: point at one the reader starts, never at the stopped one's URL.
+    for line in (START, CURL):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)  # unbroken: copied whole
     return result
 
 
@@ -109,10 +119,7 @@ async def talk(url: str, args, console: Console) -> dict:
     results = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts_for(args.clients))))
     wall = time.perf_counter() - t0
     tokens = sum(n for n, _ in results)
-    table = Table("client", "TTFT", "tokens", "text (start)")
-    for i, (n, text) in enumerate(results[:8]):
-        table.add_row(str(i), f"{1000 * arrivals[i][0]:.0f} ms" if arrivals[i] else "-", str(n), repr(text[:40]))
-    console.print(table)
+    console.print(client_table(results, arrivals))
     console.print(f"{tokens} tokens to {args.clients} clients in {wall:.2f} s: [bold]{tokens / wall:.0f} tokens/s[/]")
     draw(arrivals, args.plot)
     console.print(f"timeline of every chunk: {args.plot}")
@@ -151,12 +158,20 @@ async def talk(url: str, args, console: Console) -> dict:
     gen = value(after, "vllm:generation_tokens_total") - value(before, "vllm:generation_tokens_total")
     console.print(f"generation tokens counted by the server: {gen:.0f} (the {args.clients} clients received "
                   f"{tokens}, plus the chat answer and the abandoned stream)")  # fmt: skip
-    console.print(f'[dim]try it: curl {url}/v1/completions -H "Content-Type: application/json" '
-                  f"-d '{{\"prompt\": \"ROMEO:\\n\", \"max_tokens\": 32}}'[/]")  # fmt: skip
     await http.aclose()
     await client.close()
     return {"tokens": tokens, "tokens_per_s": tokens / wall, "freed_seconds": freed, "kv_after_abort": kv,
             "generation_tokens_counted": gen}  # fmt: skip
+
+
+def client_table(results: list[tuple[int, str]], arrivals: list[list[float]], limit: int = SHOW_CLIENTS) -> Table:
+    """One row per client, at most `limit`; the title says how many of how many are shown."""
+    n = len(results)
+    title = f"all {n} clients" if n <= limit else f"the first {limit} of {n} clients (the rest are in the picture)"
+    table = Table("client", "TTFT", "tokens", "text (start)", title=title)
+    for i, (used, text) in enumerate(results[:limit]):
+        table.add_row(str(i), f"{1000 * arrivals[i][0]:.0f} ms" if arrivals[i] else "-", str(used), repr(text[:40]))
+    return table
 
 
 def draw(arrivals: list[list[float]], path: Path) -> None:

@@ -4,8 +4,10 @@ What it is: what the demo, the tests and `benchmarks.serving` share to run the s
 a user does, in its own process (its own GIL: a benchmark client in the same process
 would slow the server down). It picks a free port (`--port 0`, read back from the log),
 waits for `/health`, and on exit sends SIGTERM (the server drains) and kills the process
-if it has not gone after a timeout. The log goes to a temporary file outside the
-repository unless a path is given. The server runs in a session of its own, so a kill
+if it has not gone after a timeout. The log goes to `log=PATH` if given (and stays there);
+otherwise to a temporary folder of this ServerProcess's own, removed when it stops (its
+last lines stay readable through `tail()`, and a server that fails to start puts them in
+the error). The server runs in a session of its own, so a kill
 (after a drain that did not end) reaches the ranks a parallel engine spawned as well.
 
     with ServerProcess(["--model", "tiny-shakespeare"]) as server:
@@ -33,7 +35,10 @@ from ladder.models import REPO
 class ServerProcess:
     def __init__(self, args: list[str], log: Path | None = None, startup_timeout: float = 120.0):
         self.args, self.startup_timeout = list(args), startup_timeout
-        self.log = Path(log) if log else Path(tempfile.mkstemp(prefix="level6-server-", suffix=".log")[1])
+        # A scratch log nobody asked for is removed with its folder in stop(); a given path is the caller's.
+        self._scratch = None if log else tempfile.TemporaryDirectory(prefix="level6-server-")
+        self.log = Path(log) if log else Path(self._scratch.name) / "server.log"
+        self._last_tail = ""  # what tail() answers once the scratch log is gone
         self.proc: subprocess.Popen | None = None
         self.url = ""
         self.returncode: int | None = None
@@ -67,7 +72,7 @@ class ServerProcess:
         raise RuntimeError(f"the server did not come up in {self.startup_timeout:.0f} s:\n{self.tail()}")
 
     def tail(self, chars: int = 3000) -> str:
-        return self.log.read_text()[-chars:] if self.log.exists() else ""
+        return self.log.read_text()[-chars:] if self.log.exists() else self._last_tail[-chars:]
 
     def signal(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -75,17 +80,24 @@ class ServerProcess:
 
     def stop(self, timeout: float = 60.0) -> int | None:
         """SIGTERM (the server drains), then wait; kill it if it is still there after `timeout`."""
-        if self.proc is None:
-            return None
-        self.signal(signal.SIGTERM)
-        try:
-            self.returncode = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every process it started
-            self.proc.wait()
-            self.returncode = None
+        if self.proc is not None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.returncode = self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(self.proc.pid, signal.SIGKILL)  # the server and every process it started
+                self.proc.wait()
+                self.returncode = None
+        self._remove_scratch()
         return self.returncode
+
+    def _remove_scratch(self) -> None:
+        """Keep the log's tail in memory, then delete the scratch folder (no-op for a given log)."""
+        if self._scratch is not None:
+            self._last_tail = self.tail(chars=20_000)
+            self._scratch.cleanup()
+            self._scratch = None
 
     def __enter__(self) -> ServerProcess:
         try:

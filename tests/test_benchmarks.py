@@ -3,21 +3,25 @@
 The harness runs in `--quick` mode on a tiny random checkpoint, in this process, over
 two workloads (spread: one round; chat: several rounds on one LLM), with every level
 that imports plus Hugging Face. Checked: the keys, the types, positive numbers, one
-entry per selected engine, exact output-token counts, plots and the markdown table.
+entry per selected engine, exact output-token counts, plots and the markdown table; and
+that the plots go outside the repository unless `--img-dir` says otherwise, say when they
+are a smoke run, and print no label over another.
 """
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
-from benchmarks import report, roofline, throughput
+from benchmarks import plots, report, roofline, throughput
 from benchmarks.engines import available_levels
 from benchmarks.workloads import NAMES, make_workload
-from ladder.models import train_tiny_module
+from ladder.cli import output_dir
+from ladder.models import REPO, train_tiny_module
 
 pytestmark = pytest.mark.bench
 
@@ -104,6 +108,8 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
         "bench_roofline.png",
     }
 
+    assert plots.SMOKE in plots._subtitle(data)  # a --quick run's plots say so in their titles
+
     capsys.readouterr()
     throughput.main(["--markdown", str(out)])
     md = capsys.readouterr().out
@@ -115,6 +121,25 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# title") and text.endswith("## after\n")
     assert "| engine | out tok/s | x L0 | x HF |" in text and text.count("L0 naive") == len(data["workloads"])
+
+
+def test_plots_go_outside_the_repository_unless_asked():
+    assert throughput.img_dir(throughput.parser().parse_args(["--plots"])) == output_dir()
+    explicit = throughput.parser().parse_args(["--plots-from", __file__, "--img-dir", "docs/img"])
+    assert throughput.img_dir(explicit) == Path("docs/img")
+
+
+def test_throughput_bar_labels_do_not_overprint(tmp_path, monkeypatch):
+    """The committed results, whose close ratios once printed as `1.1x1.1x`."""
+    from test_demos import overlaps
+
+    figs = []
+    monkeypatch.setattr(plots.plt, "close", figs.append)  # keep the figure to measure it
+    plots.throughput(json.loads((REPO / "benchmarks/results/latest.json").read_text()), tmp_path / "t.png")
+    monkeypatch.undo()
+    ax = figs[0].axes[0]
+    assert len(ax.texts) > 10 and not overlaps(figs[0], [*ax.texts, ax.get_legend()])
+    plots.plt.close(figs[0])
 
 
 @pytest.mark.level5

@@ -4,8 +4,11 @@ the built-in models by name from anywhere.
 What it is:
   - every command line answers a bad flag with exit code 2 and one line that names the
     flag, before any weight is loaded (run as real subprocesses: what a user types);
-  - each demo, and the benchmark's quick mode, run with their default picture and
-    results paths leave `git status` exactly as it was;
+  - each demo, and the benchmark's quick mode with `--plots`, run with their default picture
+    and results paths leave `git status` exactly as it was, and nothing in the temporary
+    folder (a server's scratch log is removed with it, also when it fails to start);
+  - piped at 80 columns (what a log or `| less` gets), the demos' output still reads: whole
+    table headers, a legend without colours, and no pointer to a server that has stopped;
   - `LLM("tiny-shakespeare")` works from a directory that is not the repository;
   - `--help` names the command as it is typed (`python -m ...`), and every flag has help.
 
@@ -14,6 +17,7 @@ What it is not: a check of the demos' numbers (tests/test_demos.py runs them).
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -127,15 +131,20 @@ SMALL = {  # the demos' own defaults for every path, with a tiny workload so the
 
 
 def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
-    """Each demo with its default picture path, and `benchmarks.throughput --quick` with its
-    default results path: nothing tracked (or untracked) in the repository changes."""
+    """Each demo with its default picture path, and `benchmarks.throughput --quick --plots` with
+    its default results and picture paths: nothing tracked (or untracked) in the repository
+    changes, and nothing is left in the temporary folder. Their output is read as a pipe at
+    80 columns gets it."""
     if subprocess.run(["git", "rev-parse"], cwd=REPO, capture_output=True).returncode != 0:
         pytest.skip("not a git checkout")
     before = git_status()
-    env_out = tmp_path / "out"
+    env_out, tmp = tmp_path / "out", tmp_path / "tmp"
+    tmp.mkdir()
     import os
 
-    env = {**os.environ, "INFERENCE_LADDER_OUT": str(env_out)}  # where the defaults go, for this test
+    env = {**os.environ, "INFERENCE_LADDER_OUT": str(env_out), "TMPDIR": str(tmp), "COLUMNS": "80"}
+    env.pop("FORCE_COLOR", None)  # piped means no colours, as a user's pipe does
+    outputs = {}
     for module, args in SMALL.items():
         res = subprocess.run(
             [sys.executable, "-m", module, "--no-progress", *args],
@@ -148,13 +157,40 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
         assert res.returncode == 0, f"{module}: {res.stderr[-3000:]}"
         if module != "level0_naive.demo":  # level 0 draws no picture
             assert str(env_out) in res.stdout.replace("\n", ""), f"{module} did not say where its picture went"
-    res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--workload", "spread", "--num-requests", "3",
+        outputs[module] = res.stdout
+    res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--plots", "--workload", "spread", "--num-requests", "3",
                           "--engines", "level0_naive,level2_continuous", "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert "smoke run" in res.stdout and "the issue" not in res.stdout
     assert "1 torch thread" in res.stdout  # it says what it chose
-    assert (env_out / "quick.json").is_file() and sorted(p.name for p in env_out.glob("*.png"))
+    assert (env_out / "quick.json").is_file() and (env_out / "bench_throughput.png").is_file()  # not docs/img
     assert git_status() == before, "a default run changed the repository"
+    # torch makes its own per-user cache there whenever it imports dynamo: torch's, reused, not a run's file
+    left = sorted(p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_"))
+    assert not left, f"left in the temporary folder: {left}"
+
+    level4 = outputs["level4_speculative.demo"]  # piped: no colours, so the marks carry the legend
+    assert "[recovered]" in level4 and "{bonus}" in level4 and "\u2026" not in level4  # no header cut to "c_verif…"
+    assert "c_draft:" in level4 and "c_verify:" in level4  # the cost columns are explained
+    level6 = outputs["level6_serving.demo"]
+    url = re.search(r"server up at (http://\S+)", level6)[1]
+    assert level6.count(url) == 1, "it offered the demo's own server (stopped at the end) to try"
+    assert "python -m level6_serving" in level6[level6.index("SIGTERM") :]  # how to start one instead
+    assert "all 2 clients" in level6  # the table says how many of the clients it shows
+
+
+def test_a_server_that_fails_to_start_says_why_and_leaves_no_file(tmp_path, monkeypatch):
+    """The log's tail is in the error, and the scratch folder the log was in is gone."""
+    import tempfile
+
+    from level6_serving.process import ServerProcess
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where TemporaryDirectory puts it
+    with pytest.raises(RuntimeError, match="exited with status 2") as e:
+        with ServerProcess(["--max-num-seqs", "0"], startup_timeout=60):
+            pass
+    assert "--max-num-seqs" in str(e.value)  # the server's own one-line reason, from its log
+    assert not list(tmp_path.iterdir())
 
 
 def test_builtin_models_resolve_by_name_from_any_directory(tmp_path):

@@ -1,7 +1,9 @@
 """The demos run, and the docs' code blocks run (DESIGN: "Docs are executable").
 
 What it is: each level's `demo.main([...])` on a tiny random checkpoint with a small
-workload, writing its PNG to a temporary directory; and every ```python block of the
+workload, writing its PNG to a temporary directory (and, where a picture or a table was
+hard to read, that it now reads: an axis from 0, a legend, labels that do not overprint,
+headers whole at 80 columns); and every ```python block of the
 level docs, run in order in one namespace per document, with `default_model()` pointed
 at the tiny checkpoint (the docs call `default_model()`, which is the built-in model when
 a reader runs them). Blocks marked ```text are pictures or output, and are not run.
@@ -100,26 +102,79 @@ def test_doc_code_blocks_run(doc, tiny, monkeypatch):
         exec(compile(code, f"{doc} python block {i + 1}", "exec"), namespace)
 
 
-def test_level4_demo(tiny, tmp_path, capsys):
+def saved_figures(monkeypatch, module) -> list:
+    """Every figure `module` hands to `save_figure`, still saved as before (then closed: readable)."""
+    figs, save = [], module.save_figure
+    monkeypatch.setattr(module, "save_figure", lambda fig, *a, **k: (figs.append(fig), save(fig, *a, **k)))
+    return figs
+
+
+def overlaps(fig, artists) -> list:
+    """Pairs of artists whose drawn boxes come within 4 pixels: labels that read as one (`1.1x1.1x`)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    canvas = FigureCanvasAgg(fig)  # a closed figure has lost its canvas: draw it on a new one
+    canvas.draw()
+    boxes = [a.get_window_extent(canvas.get_renderer()).padded(2) for a in artists]
+    return [(i, j) for i, a in enumerate(boxes) for j, b in enumerate(boxes) if i < j and a.overlaps(b)]
+
+
+def test_level4_demo(tiny, tmp_path, capsys, monkeypatch):
     from level4_speculative import demo
 
+    monkeypatch.setenv("COLUMNS", "80")  # a terminal (or pipe) of 80 columns
+    monkeypatch.delenv("FORCE_COLOR", raising=False)  # captured output has no colours, as a pipe has none
+    figs = saved_figures(monkeypatch, demo)
     plot = tmp_path / "level4_speedup.png"
     res = demo.main(["--model", str(tiny), "--max-tokens", "16", "--max-k", "3", "-k", "2", "--batch-size", "3",
                      "--temperature", "0", "--dtype", "float64", "--plot", str(plot), "--no-progress"])  # fmt: skip
     out = capsys.readouterr().out
     assert plot.stat().st_size > 10_000 and "alpha**i" in out and "predicted" in out
+    assert "c_verify" in out and "\u2026" not in out  # whole headers: rich cuts a squeezed one to "c_verif…"
+    assert "c_draft:" in out and "c_verify:" in out  # and the cost columns are explained
+    assert "[recovered]" in out and "{bonus}" in out  # captured means no colours: the legend is in the marks
+    assert figs[0].axes[0].get_ylim()[0] == 0  # a speed-up axis starts at 0
     assert res["identical"]  # float64: speculation never changes a greedy token
     assert set(res["sweep"]) == {1, 2, 3} and all(r["c_draft"] > 0 and r["c_verify"] > 0 for r in res["sweep"].values())
     assert len(res["per_position"]) == 2 and 0 <= res["alpha"] <= 1
+
+
+def test_level5_pipeline_picture_has_a_legend_and_no_label_over_another(tmp_path, monkeypatch):
+    """Forwards of every width, some far narrower than their number: those go unnumbered."""
+    from level5_multigpu import demo
+
+    figs = saved_figures(monkeypatch, demo)
+    timeline = {}
+    for rank in (0, 1):
+        t, events = 0.004 * rank, []
+        for mb in range(100, 124):
+            width = (0.0005, 0.002, 0.008)[mb % 3]
+            events.append((mb, t, t + width))
+            t += width + 0.001 * (mb % 2)
+        timeline[rank] = events
+    demo.plot(tmp_path / "pipeline.png", timeline)
+    ax = figs[0].axes[0]
+    assert ax.get_legend() is not None and ax.texts and not overlaps(figs[0], ax.texts)
 
 
 def test_level5_demo(tiny, tmp_path, capsys):
     from level5_multigpu import demo
 
     plot = tmp_path / "level5_pipeline.png"
-    res = demo.main(["--model", str(tiny), "--max-tokens", "6", "--requests", "4", "--plot", str(plot), "--no-progress"])
+    res = demo.main(
+        ["--model", str(tiny), "--max-tokens", "6", "--requests", "4", "--plot", str(plot), "--no-progress"]
+    )
     out = capsys.readouterr().out
     assert res["identical"] and "identical text in all four layouts: True" in out
     assert plot.stat().st_size > 10_000
     rows = res["rows"]
     assert rows["TP=1 PP=1"]["calls"] == 0 and rows["TP=2 PP=1"]["calls"] > rows["TP=1 PP=2"]["calls"] > 0
+
+
+def test_level6_clients_table_says_how_many_it_shows():
+    from level6_serving.demo import client_table
+
+    results, arrivals = [(3, "abc")] * 20, [[0.01, 0.02]] * 20
+    few, many = client_table(results[:3], arrivals), client_table(results, arrivals, limit=16)
+    assert few.row_count == 3 and "all 3 clients" in few.title
+    assert many.row_count == 16 and "16 of 20 clients" in many.title
