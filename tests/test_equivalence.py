@@ -12,8 +12,10 @@ need a tie within ~1e-15, so equality here is a proof-like check, not luck.
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -123,9 +125,9 @@ def make_level3(path, need_tokens, data):
 @functools.cache
 def draft_checkpoint() -> Path:
     """A smaller random llama with the suite's vocabulary: a draft that agrees with no target."""
-    return build_checkpoint(
-        Path(tempfile.mkdtemp(prefix="draft-")), "llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1
-    )
+    path = Path(tempfile.mkdtemp(prefix="draft-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)  # nothing left in the temporary folder
+    return build_checkpoint(path, "llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
 
 
 def make_level4(path, need_tokens, data):
