@@ -25,11 +25,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 import traceback
 from pathlib import Path
@@ -163,11 +161,15 @@ def check_json(args) -> int:
 
 def keep_log(lab: spec.Lab, text: str) -> str:
     """pytest's output of a check that failed, as one file that outlives the command: the report prints its
-    path for the student to open. Everything else the check wrote is gone by now."""
-    fd, path = tempfile.mkstemp(prefix=f"labs-{lab.id}-check-", suffix=".log")
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    return path
+    path for the student to open. It goes where every output a run tells its user about goes (ladder's
+    output folder, outside the repository), one file per lab that the next check replaces; everything else
+    the check wrote is gone by now."""
+    from ladder.cli import output_dir
+
+    path = output_dir() / f"labs-{lab.id}-check.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
 
 
 def print_report(report: grading.Report, verbose: bool = False) -> None:
