@@ -74,6 +74,18 @@ class BodyTooLarge(Exception):
     """Raised inside `receive` once a chunked body passes the limit (BodySizeLimit answers 413)."""
 
 
+class TrackedSend:
+    """An ASGI `send` that remembers whether the response has started: before, an error can still
+    be answered with a response of its own; after, the status line is gone."""
+
+    def __init__(self, send):
+        self.send, self.started = send, False
+
+    async def __call__(self, message) -> None:
+        self.started |= message["type"] == "http.response.start"
+        await self.send(message)
+
+
 def respond(error: APIError, scope, receive, send, close: bool = False):
     headers = {**(error.headers or {}), **({"Connection": "close"} if close else {})}
     return JSONResponse(error.body(), status_code=error.status, headers=headers)(scope, receive, send)
@@ -95,7 +107,7 @@ class BodySizeLimit:
         length = dict(scope["headers"]).get(b"content-length")
         if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
             return await respond(self.too_large(), scope, receive, send, close=True)  # the body is never read
-        received, started = 0, False
+        received, tracked = 0, TrackedSend(send)
 
         async def counting_receive():
             nonlocal received
@@ -106,15 +118,10 @@ class BodySizeLimit:
                     raise BodyTooLarge
             return message
 
-        async def tracking_send(message):
-            nonlocal started
-            started |= message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, counting_receive, tracking_send)
+            await self.app(scope, counting_receive, tracked)
         except BodyTooLarge:
-            if started:
+            if tracked.started:
                 raise
             await respond(self.too_large(), scope, receive, send, close=True)
 
@@ -128,20 +135,14 @@ class InternalErrors:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        started = False
-
-        async def tracking_send(message):
-            nonlocal started
-            started |= message["type"] == "http.response.start"
-            await send(message)
-
+        tracked = TrackedSend(send)
         try:
-            await self.app(scope, receive, tracking_send)
+            await self.app(scope, receive, tracked)
         except BodyTooLarge:
             raise  # BodySizeLimit's to answer
         except Exception as e:
             log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
-            if started:  # a stream already under way: nothing can be said any more; the connection ends
+            if tracked.started:  # a stream already under way: nothing can be said any more; the connection ends
                 raise
             await respond(APIError(500, f"internal error: {e!r}"), scope, receive, send)
 
