@@ -110,15 +110,17 @@ def test_a_killed_rank_is_503_with_its_name_and_metrics_still_served(ckpt):
         assert metrics.status_code == 200 and "vllm:generation_tokens_total" in metrics.text
         assert value(parse(metrics.text), "vllm:generation_tokens_total") > 0  # what it did before it died
     assert server.returncode == 0, server.tail()  # SIGTERM still drains a dead engine and exits cleanly
-    print(f"a killed rank was noticed in {noticed:.2f} s")
+    print(f"a rank killed mid-stream: /health 503 after {noticed:.2f} s")
 
 
 def test_a_rank_killed_while_idle_is_noticed_and_the_server_exits_1(ckpt):
     with ServerProcess(["--model", str(ckpt), *TP2]) as server:  # --exit-on-engine-death is the default
         (rank,) = rank_pids(server.proc.pid)
         os.kill(rank, signal.SIGKILL)  # nothing is running: only the idle health check can notice
+        t0 = time.monotonic()
         code = server.proc.wait(timeout=60)
         assert code == 1, server.tail()
+        print(f"a rank killed while idle: the server exited 1 after {time.monotonic() - t0:.2f} s")
         assert "rank1" in server.tail() and "exiting with status 1" in server.tail()
 
 
@@ -168,6 +170,10 @@ def test_a_100_MB_body_is_413_at_once_and_memory_stays_flat(process, chunked):
     assert seconds < 1.0 and grew < 50, (seconds, grew, sent)
     assert sent < 100  # the server answered long before the body was all sent
     assert health(process.url) == 200
+    print(
+        f"100 MB body ({'chunked' if chunked else 'Content-Length'}): 413 after {seconds * 1000:.0f} ms and "
+        f"{sent} MB sent; server RSS {before:.0f} -> {before + grew:.0f} MiB"
+    )
 
 
 def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
