@@ -46,7 +46,8 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("lab")
     s.add_argument("dir", type=Path)
     s.add_argument("--force", action="store_true", help="overwrite files already there")
-    c = sub.add_parser("check", help="run a lab's checks on your file(s)")
+    # allow_abbrev=False: `--js` must not pass for `--json`, which main() looks for to answer in JSON
+    c = sub.add_parser("check", help="run a lab's checks on your file(s)", allow_abbrev=False)
     c.add_argument("lab")
     c.add_argument("paths", nargs="+", help="your file, or the directory holding your files")
     c.add_argument("--json", action="store_true", help="print only the JSON report: one object, whatever happens")

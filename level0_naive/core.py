@@ -50,6 +50,8 @@ class EngineBase:
         self.max_model_len = {None: default, -1: limit}.get(self.config.max_model_len, self.config.max_model_len)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
+        if self.tokenizer is not None:  # else transformers warns of "indexing errors" past the trained window
+            self.tokenizer.model_max_length = self.max_model_len
         self.kv_budget = resolve_kv_budget(self.config, self.device)
         self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()

@@ -37,6 +37,12 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = 2  # nothing until the request finishes
 
 
+# Below this, logits / temperature overflows float32 (1e-38 gives inf, then NaN probabilities, and one
+# request's NaN would fail the whole batch's draw). vLLM clamps to the same floor (its _MAX_TEMP).
+MIN_TEMPERATURE = 1e-2
+MIN_REPETITION_PENALTY = 1e-2  # logits / 1e-40 overflows the same way
+
+
 @dataclass
 class SamplingParams:
     n: int = 1  # independent samples per prompt
@@ -65,6 +71,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        if isinstance(self.temperature, (int, float)) and 0 < self.temperature < MIN_TEMPERATURE:
+            self.temperature = MIN_TEMPERATURE  # as sharp as float32 allows: practically greedy, never NaN
         checks = [
             ("n", isinstance(self.n, int) and self.n >= 1, "must be an integer >= 1"),
             (
@@ -80,7 +88,11 @@ class SamplingParams:
             ("min_p", 0 <= self.min_p <= 1, "must be in [0, 1]"),
             ("presence_penalty", -2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
             ("frequency_penalty", -2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
-            ("repetition_penalty", self.repetition_penalty > 0, "must be > 0"),
+            (
+                "repetition_penalty",
+                self.repetition_penalty >= MIN_REPETITION_PENALTY,
+                f"must be >= {MIN_REPETITION_PENALTY} (smaller overflows float32)",
+            ),
             (
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),

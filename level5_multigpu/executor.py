@@ -452,8 +452,11 @@ class Executor:
         """Raise WorkerDiedError if a rank this executor spawned has exited (cheap: no message is
         sent, so a server can ask while the engine is idle). Ranks started by torchrun are not
         this process's children: their death shows at the next step instead."""
+        if self.closed and self.died is None:
+            return  # shut down on purpose: its ranks exited because they were told to
         if self.died is None and self._dead():
             self.died = f"a worker rank died: {', '.join(self._dead())}; the engine cannot continue"
+            self._abandon()  # the survivors wait in serve() for a message that cannot come: end them now
         if self.died is not None:  # (after the first failure the others were killed: keep its reason)
             raise WorkerDiedError(self.died)
 
@@ -462,11 +465,14 @@ class Executor:
         try:
             return fn()
         except Exception as e:
+            lost = "closed" in str(e).lower() or "timed out" in str(e).lower()
+            if lost and not self._dead():  # gloo saw the socket close before the kernel let us reap the rank
+                wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
             for p in self.procs:  # reap whoever exited, so its exit code is known
                 if not p.is_alive():
                     p.join(timeout=0.5)
             dead = self._dead()
-            if dead or "closed" in str(e).lower() or "timed out" in str(e).lower():
+            if dead or lost:
                 self.died = f"a worker rank failed: {', '.join(dead) or str(e)[:200]}; the engine cannot continue"
                 self._abandon()
                 raise WorkerDiedError(self.died) from e

@@ -56,7 +56,7 @@ import uvicorn
 from fastapi import FastAPI
 from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from . import metrics, openapi
@@ -140,6 +140,8 @@ class InternalErrors:
             await self.app(scope, receive, tracked)
         except BodyTooLarge:
             raise  # BodySizeLimit's to answer
+        except ClientDisconnect:
+            return  # the client left in the middle of its upload: nobody to answer, nothing to log
         except Exception as e:
             log.exception("request %s %s failed", scope.get("method"), scope.get("path"))
             if tracked.started:  # a stream already under way: nothing can be said any more; the connection ends
@@ -263,9 +265,10 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         req: DetokenizeRequest = await serving.parse(DetokenizeRequest, raw)
         serving.check_model(req.model)
         vocab = engine.engine.model_config.vocab_size
-        bad = [t for t in req.tokens if not 0 <= t < vocab]
+        # On the front-end thread: an 8 MiB body holds millions of ids, and checking them takes a while.
+        bad = await engine.run_on_frontend(lambda: [t for t in req.tokens if not 0 <= t < vocab][:5])
         if bad:
-            raise APIError(400, f"tokens {bad[:5]} are outside the vocabulary [0, {vocab})", "tokens")
+            raise APIError(400, f"tokens {bad} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await engine.decode(req.tokens)}
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format

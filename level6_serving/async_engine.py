@@ -151,6 +151,7 @@ class AsyncLLMEngine:
         # The front end's own tokenizer (the engine thread decodes with the engine's): the same
         # files, so the same token ids, and no object is shared between the two threads.
         self.tokenizer = load_tokenizer(engine.loaded.path)
+        self.tokenizer.model_max_length = engine.max_model_len  # as the engine's (no warning past 256)
         front = dataclasses.replace(engine.loaded, model=None, tokenizer=self.tokenizer)
         self.inputs = InputProcessor(front, engine.max_model_len, 0, torch.device("cpu"), engine.sequence_class,
                                      engine.check_fits)  # fmt: skip
@@ -158,6 +159,9 @@ class AsyncLLMEngine:
         self.max_prompt_chars = max_model_len_in_chars(self.tokenizer, engine.max_model_len)
         self._frontend = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        # Commands with a future are put under this lock while `_accepting`: the engine thread clears
+        # it, under the lock, before its last drain, so no future is ever put where nobody reads it.
+        self._queue_lock, self._accepting = threading.Lock(), True
         self._streams: dict[str, RequestStream] = {}  # event loop only
         self._handovers = threading.Semaphore(MAX_UNREAD_HANDOVERS)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -175,6 +179,10 @@ class AsyncLLMEngine:
     def start(self) -> None:
         if self._thread is not None:
             raise RuntimeError("the engine loop is already running")
+        if not self._accepting:
+            raise RuntimeError(
+                "this AsyncLLMEngine was shut down (its ranks and tokenizer thread are gone): make a new one"
+            )
         self._loop = asyncio.get_running_loop()
         self.died = asyncio.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
@@ -253,7 +261,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._num_adding += params.n
-        self._commands.put(("add", request_id, ids, params, arrival, done))
+        self._submit(("add", request_id, ids, params, arrival, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -292,8 +300,19 @@ class AsyncLLMEngine:
         if not self.is_running:
             raise EngineDeadError(f"the engine is not running{f': {self.dead}' if self.dead else ''}")
         done: concurrent.futures.Future = concurrent.futures.Future()
-        self._commands.put(("call", fn, done))
+        self._submit(("call", fn, done))
         return await asyncio.wrap_future(done)
+
+    def _submit(self, cmd: tuple) -> None:
+        """Queue a command whose last item is a future; once the engine thread has stopped
+        reading (it died, or was stopped), answer the future here instead."""
+        with self._queue_lock:
+            if self._accepting:
+                self._commands.put(cmd)
+                return
+        if cmd[-1].set_running_or_notify_cancel():
+            cmd[-1].set_exception(EngineDeadError(f"the engine is dead: {self.dead!r}" if self.dead else
+                                                  "the engine has stopped"))  # fmt: skip
 
     async def get_metrics(self) -> list:
         """The engine's metrics, read between steps. A dead engine's thread has ended, so nothing
@@ -355,6 +374,8 @@ class AsyncLLMEngine:
             if self.dead is not None:
                 self._to_loop(self._fail_all, EngineDeadError(why))
                 self._to_loop(self.died.set)
+            with self._queue_lock:  # from here on `_submit` answers for us: this drain is the last
+                self._accepting = False
             while True:
                 try:
                     cmd = self._commands.get_nowait()

@@ -383,6 +383,7 @@ BAD = [  # (path, raw body, status, the param the error names)
     ("/v1/completions", '{"prompt": "x", "temperature": 1e308}', 400, "temperature"),  # inf in float32
     ("/v1/completions", '{"prompt": "x", "top_p": NaN}', 400, "top_p"),
     ("/v1/completions", '{"prompt": "x", "presence_penalty": -Infinity}', 400, "presence_penalty"),
+    ("/v1/completions", '{"prompt": "x", "repetition_penalty": 1e-40}', 400, "repetition_penalty"),  # overflows
     ("/v1/completions", '{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed"),  # 2**70
     ("/v1/completions", '{"prompt": "x", "max_tokens": 101.5}', 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": true}', 400, "max_tokens"),
@@ -451,6 +452,19 @@ def test_the_spec_s_nullable_and_numeric_forms_and_vllm_s_extras_are_accepted(se
     r = httpx.post(server.url + "/v1/chat/completions", json=chat)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["refusal"] is None  # OpenAI's schema requires the key
+
+
+def test_a_tiny_temperature_is_clamped_not_a_nan_that_fails_the_batch(server, llm):
+    """1e-38 would make logits / t overflow to inf and the draw NaN, failing every request in the
+    batch; it is clamped to 0.01 (as vLLM does), sharper than any near-tie here: greedy's text."""
+    want = offline(llm, "ROMEO:\n", max_tokens=8, temperature=0).outputs[0].text
+    with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
+                      json={"prompt": "KENT:\n", "max_tokens": 30, "stream": True}) as other:  # fmt: skip
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:\n", "max_tokens": 8,
+                                                             "temperature": 1e-38, "seed": 3}, timeout=60)  # fmt: skip
+        data = events(other.read().decode())
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"  # the neighbour was not failed
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):

@@ -55,6 +55,7 @@ import pytest
 
 from level6_serving import AsyncLLMEngine
 from level6_serving.api_server import ServerThread, build_app
+from level6_serving.metrics import parse, value
 
 pytestmark = pytest.mark.level6
 
@@ -454,4 +455,6 @@ def test_schemathesis_finds_no_5xx_and_no_schema_violation(server):
     # Some generated requests reached the engine, not only the validation.
     assert 200 in [s for label in EXAMPLES for s in statuses[f"{label} positive"]], statuses
     assert httpx.get(server.url + "/health", timeout=30).status_code == 200
-    assert server.engine.num_unfinished == 0  # every fuzzed request ended and let go of its blocks
+    assert server.engine.num_unfinished == 0  # every fuzzed request ended
+    metrics = parse(httpx.get(server.url + "/metrics", timeout=30).text)
+    assert value(metrics, "vllm:kv_cache_usage_perc") == 0.0  # and let go of its blocks

@@ -3,10 +3,11 @@
 What it is: the server tested where a careless client or a dying worker would hurt it,
 each as a user (or an operator's supervisor) meets it:
 
-  - a worker rank killed by SIGKILL: `/health` turns 503 within 2 s, a stream in flight ends
-    with an error event, every new request is a 503 with Retry-After naming the rank and its
-    exit code, `/metrics` still answers; with the default `--exit-on-engine-death` the
-    process then exits 1 (a supervisor restarts it);
+  - a worker rank killed by SIGKILL while the engine is idle: `/health` turns 503 within 2 s
+    of the kill, every new request is a 503 with Retry-After naming the rank and its exit
+    code, `/metrics` still answers; killed mid-stream: the stream ends with an error event
+    and, with the default `--exit-on-engine-death`, the process exits 1 (a supervisor
+    restarts it);
   - a 100 MB body (announced by Content-Length, or chunked) is a 413 in under a second,
     and the server's memory does not grow by the body;
   - `/health` answers in milliseconds while eight 5 MB prompts are parsed and refused, and
@@ -89,8 +90,31 @@ TP2 = ["--tensor-parallel-size", "2", "--max-model-len", "512", "--kv-cache-memo
        "--disable-uvicorn-access-log"]  # fmt: skip
 
 
-def test_a_killed_rank_is_503_with_its_name_and_metrics_still_served(ckpt):
+def test_a_rank_killed_while_idle_is_503_within_2_s_naming_it_and_metrics_still_served(ckpt):
+    """Nothing runs: only the engine thread's idle health check can notice the dead rank."""
     with ServerProcess(["--model", str(ckpt), *TP2, "--no-exit-on-engine-death"]) as server:
+        ok = httpx.post(
+            server.url + "/v1/completions", json={"prompt": "KENT:\n", "max_tokens": 3, "ignore_eos": True}, timeout=60
+        )
+        assert ok.status_code == 200, ok.text
+        (rank,) = rank_pids(server.proc.pid)
+        os.kill(rank, signal.SIGKILL)
+        t0 = time.monotonic()
+        wait_for(lambda: health(server.url) == 503, 2.0, "/health 503")
+        noticed = time.monotonic() - t0
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
+        err = r.json()["error"]
+        assert r.status_code == 503 and r.headers["Retry-After"] and err["code"] == "engine_dead", r.text
+        assert "rank1" in err["message"] and "exit code -9" in err["message"], err
+        metrics = httpx.get(server.url + "/metrics", timeout=30)
+        assert metrics.status_code == 200
+        assert value(parse(metrics.text), "vllm:generation_tokens_total") == 3  # what it did before it died
+    assert server.returncode == 0, server.tail()  # SIGTERM still drains a dead engine and exits cleanly
+    print(f"a rank killed while idle: /health 503 after {noticed:.2f} s")
+
+
+def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_the_server_exits_1(ckpt):
+    with ServerProcess(["--model", str(ckpt), *TP2]) as server:  # --exit-on-engine-death is the default
         (rank,) = rank_pids(server.proc.pid)
         with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                           json={"prompt": "KENT:\n", "max_tokens": 400, "ignore_eos": True, "stream": True}) as r:  # fmt: skip
@@ -100,28 +124,10 @@ def test_a_killed_rank_is_503_with_its_name_and_metrics_still_served(ckpt):
             t0 = time.monotonic()
             rest = [line[6:] for line in lines if line.startswith("data: ")]
         assert rest[-1] == "[DONE]" and "error" in json.loads(rest[-2]), rest[-3:]  # the stream says so and ends
-        wait_for(lambda: health(server.url) == 503, 2.0, "/health 503")
-        noticed = time.monotonic() - t0
-        r = httpx.post(server.url + "/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=30)
-        err = r.json()["error"]
-        assert r.status_code == 503 and r.headers["Retry-After"] and err["code"] == "engine_dead", r.text
-        assert "rank1" in err["message"] and "exit code -9" in err["message"], err
-        metrics = httpx.get(server.url + "/metrics", timeout=30)
-        assert metrics.status_code == 200 and "vllm:generation_tokens_total" in metrics.text
-        assert value(parse(metrics.text), "vllm:generation_tokens_total") > 0  # what it did before it died
-    assert server.returncode == 0, server.tail()  # SIGTERM still drains a dead engine and exits cleanly
-    print(f"a rank killed mid-stream: /health 503 after {noticed:.2f} s")
-
-
-def test_a_rank_killed_while_idle_is_noticed_and_the_server_exits_1(ckpt):
-    with ServerProcess(["--model", str(ckpt), *TP2]) as server:  # --exit-on-engine-death is the default
-        (rank,) = rank_pids(server.proc.pid)
-        os.kill(rank, signal.SIGKILL)  # nothing is running: only the idle health check can notice
-        t0 = time.monotonic()
         code = server.proc.wait(timeout=60)
         assert code == 1, server.tail()
-        print(f"a rank killed while idle: the server exited 1 after {time.monotonic() - t0:.2f} s")
         assert "rank1" in server.tail() and "exiting with status 1" in server.tail()
+    print(f"a rank killed mid-stream: the server exited 1 after {time.monotonic() - t0:.2f} s")
 
 
 # --- body size and /health latency -------------------------------------------------------------------
@@ -176,13 +182,25 @@ def test_a_100_MB_body_is_413_at_once_and_memory_stays_flat(process, chunked):
     )
 
 
-def health_latencies(url: str, stop: threading.Event, out: list[float]) -> None:
-    with httpx.Client(base_url=url, timeout=10) as client:
-        while not stop.is_set():
-            t0 = time.perf_counter()
-            assert client.get("/health").status_code == 200
-            out.append(time.perf_counter() - t0)
-            time.sleep(0.01)
+def health_latencies(url: str, stop: threading.Event, out: list) -> None:
+    """Ping /health until `stop`; a failure ends the pinging and is put in `out` for the test to raise."""
+    try:
+        with httpx.Client(base_url=url, timeout=10) as client:
+            while not stop.is_set():
+                t0 = time.perf_counter()
+                status = client.get("/health").status_code
+                assert status == 200, f"/health said {status}"
+                out.append(time.perf_counter() - t0)
+                time.sleep(0.01)
+    except Exception as e:  # noqa: BLE001 - re-raised by the test, not lost in the thread
+        out.append(e)
+
+
+def latencies_of(out: list) -> list[float]:
+    for x in out:
+        if isinstance(x, Exception):
+            raise x
+    return out
 
 
 def p99(samples: list[float]) -> float:
@@ -267,6 +285,7 @@ def test_tokenizing_runs_off_the_event_loop(ckpt, monkeypatch):
         finally:
             stop.set()
             poller.join(30)
+    latencies = latencies_of(latencies)
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert len(on_loop) == 8 and not any(on_loop)  # every call on the front-end thread, none on the server's
     assert len(latencies) >= 10 and p99(latencies) < 0.1, sorted(latencies)[-5:]
