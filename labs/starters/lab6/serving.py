@@ -270,9 +270,10 @@ class OpenAIServing:
         self.admit(params.n * len(ids))
         ctx = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                "model": model}  # fmt: skip
-        streams = await self.add_all(ctx["id"], ids, params)
+        # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
+        streams = await self.add_all(ctx["id"], ids, params)
         if req.stream:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
