@@ -7,6 +7,11 @@ tokenizer, `max_model_len`, the KV budget and the bytes one cached token costs, 
 outputs), the sampling stage, and the statistics. An engine subclass adds the loop
 (`run`) and its KV cache, and says whether a request could ever fit (`check_fits`).
 
+The engine's `clock` (default `time.perf_counter`) is what every request's times (arrival,
+first scheduled, first and last token, finish: TTFT, ITL, end-to-end latency) and every
+step record are read from: a simulator passes a modelled GPU clock, a test a fake one. The
+stats' step timers (`Timer`) stay on the real clock: they measure what this machine spent.
+
 What it is not: an engine by itself, and not a home for hooks: nothing here is a
 static-batching or continuous-batching idea.
 
@@ -16,6 +21,7 @@ Reference: vLLM `v1/engine/llm_engine.py` and `core.py` (what EngineCore owns).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,7 +41,8 @@ class EngineBase:
     config_class = EngineConfig
     sequence_class = Sequence  # level 2 swaps in its Request (a Sequence with a scheduler state)
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, clock: Callable[[], float] = time.perf_counter, **kwargs):
+        self.clock = clock
         self.config = self.config_class(model=str(model), **kwargs)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
@@ -55,9 +62,8 @@ class EngineBase:
         self.kv_budget = resolve_kv_budget(self.config, self.device)
         self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()
-        self.inputs = InputProcessor(
-            self.loaded, self.max_model_len, self.config.seed, self.device, self.sequence_class, self.check_fits
-        )
+        self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device,
+                                     self.sequence_class, self.check_fits, self.clock)  # fmt: skip
         self.outputs = OutputProcessor()
 
     def load_model(self) -> LoadedModel:
@@ -97,8 +103,7 @@ class EngineBase:
         """vLLM's offline metrics: a list of counters, gauges and histograms."""
         return self.stats.metrics()
 
-    @staticmethod
-    def mark_scheduled(seqs: list[Sequence]) -> None:
-        now = time.perf_counter()
+    def mark_scheduled(self, seqs: list[Sequence]) -> None:
+        now = self.clock()
         for s in seqs:
             s.metrics.first_scheduled_time = s.metrics.first_scheduled_time or now

@@ -17,6 +17,7 @@ Reference: vLLM `v1/engine/processor.py` (Processor.process_inputs).
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Callable
 
 import torch
@@ -29,11 +30,11 @@ Prompt = str | list[int]
 
 class InputProcessor:
     def __init__(self, loaded, max_model_len: int, seed: int, device: torch.device, sequence_class: type[Sequence],
-                 check_fits: Callable[[Sequence, int], None]):  # fmt: skip
+                 check_fits: Callable[[Sequence, int], None], clock: Callable[[], float] = time.perf_counter):  # fmt: skip
         self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.config.vocab_size
         self.eos_token_ids, self.path = loaded.eos_token_ids, loaded.path
         self.max_model_len, self.device = max_model_len, device
-        self.sequence_class, self.check_fits = sequence_class, check_fits
+        self.sequence_class, self.check_fits, self.clock = sequence_class, check_fits, clock
         self._rng = torch.Generator().manual_seed(seed)  # seeds every unseeded sampling request
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -79,12 +80,8 @@ class InputProcessor:
             )
         ids = self.tokenize(prompt, i)
         text = prompt if isinstance(prompt, str) else None
-        group = [
-            self.sequence_class(
-                -1, "", j, text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer
-            )
-            for j in range(params.n)
-        ]
+        rest = (text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer)
+        group = [self.sequence_class(-1, "", j, *rest, clock=self.clock) for j in range(params.n)]
         self.check_fits(group[0], i)
         return group
 

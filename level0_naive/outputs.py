@@ -18,6 +18,7 @@ Reference: vllm/outputs.py, vllm/v1/engine/output_processor.py and detokenizer.p
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -98,10 +99,11 @@ class Sequence:
     # what the OutputProcessor has already handed out (delta outputs send only the rest)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    clock: Callable[[], float] = time.perf_counter  # the engine's clock: what its metrics' times are read from
 
     def __post_init__(self):
         if self.metrics is None:
-            self.metrics = RequestMetrics(arrival_time=time.perf_counter())
+            self.metrics = RequestMetrics(arrival_time=self.clock())
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
         self.detok = (
@@ -153,7 +155,7 @@ class Sequence:
     def append_token(self, token: int, logprob: dict[int, Logprob] | None = None) -> None:
         """Add a sampled token and decide whether it ends the sequence."""
         self.output_token_ids.append(token)
-        now = time.perf_counter()
+        now = self.clock()
         if self.metrics.first_token_time is None:
             self.metrics.first_token_time = now
         self.metrics.last_token_time = now
@@ -201,7 +203,7 @@ class Sequence:
         self._end()
 
     def _end(self) -> None:
-        self.metrics.finished_time = time.perf_counter()
+        self.metrics.finished_time = self.clock()
         if self.detok is not None and not isinstance(self.stop_reason, str):
             checked = len(self.detok.text)
             if self.detok.finish() and self.params.stop:  # bytes held back for an incomplete character

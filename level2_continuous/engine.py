@@ -12,6 +12,7 @@ pipeline of methods, each one a later level can override:
     update_from_output()  num_computed_tokens += accepted; name full blocks (level 3);
                           append tokens; stop rules; finish and free     -> requests that moved
     step() / run()        outputs for the caller (cumulative, delta or final only)
+    observers             each called with the step's StepRecord and a KVSnapshot (observers.py)
 
 A request leaves the batch the step it finishes, its blocks go back at once, and a
 waiting one joins the next step: nobody waits for the batch's longest member.
@@ -26,7 +27,6 @@ Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -45,6 +45,7 @@ from level1_paged.paged_cache import blocks_for, num_blocks_for_budget
 from level1_paged.worker import ModelInput, Worker
 
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
+from .observers import StepObserver, snapshot
 from .request import Request
 from .scheduler import Scheduler, SchedulerOutput
 
@@ -94,8 +95,9 @@ class LLMEngine(EngineBase):
     config_class = ContinuousEngineConfig
     sequence_class = Request
 
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, observers: Iterable[StepObserver] = (), **kwargs):
         super().__init__(model, **kwargs)
+        self.observers = list(observers)  # each called once per step with its record and a KV snapshot
         self.num_blocks = self.determine_num_blocks()
         self.worker = self.make_worker()
         self.kv: KVCacheManager = self.make_kv_manager()
@@ -131,8 +133,8 @@ class LLMEngine(EngineBase):
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> None:  # fmt: skip
         """Queue a request; a bad one raises ValueError here and nothing else is affected.
-        `arrival_time` (time.perf_counter()) is when it really arrived, if earlier than now
-        (level 6: when the HTTP request came in), so TTFT counts from there."""
+        `arrival_time` (on the engine's clock: time.perf_counter() by default) is when it really
+        arrived, if earlier than now (level 6: when the HTTP request came in), so TTFT counts from there."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id)
@@ -271,9 +273,13 @@ class LLMEngine(EngineBase):
             running, used_blocks * self.config.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s
         )
         waiting, ids = len(self.scheduler.waiting), [r.request_id for r, _ in sched.scheduled]
-        self.step_log.append(StepRecord(time.perf_counter(), running, waiting, sched.num_batched_tokens,
-                                        sched.num_prefill_tokens, len(sched.preempted), used_blocks, sched_s, step_s,
-                                        ids))  # fmt: skip
+        record = StepRecord(self.clock(), running, waiting, sched.num_batched_tokens, sched.num_prefill_tokens,
+                            len(sched.preempted), used_blocks, sched_s, step_s, ids)  # fmt: skip
+        self.step_log.append(record)
+        if self.observers:  # nothing is copied unless someone looks
+            snap = snapshot(self.kv, list(self.scheduler.running), list(self.scheduler.waiting))
+            for observe in self.observers:
+                observe(record, snap)
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
     def run(self, seqs: list[Request], bar: GenerateProgress) -> None:

@@ -64,6 +64,14 @@ class KVCacheManager(Protocol):
         """(blocks in use, tokens stored in them): shared blocks count once."""
         ...
 
+    def ref_counts(self) -> list[int]:
+        """Per physical block, how many requests hold it (0: free); for observers, not the hot path."""
+        ...
+
+    def cached_free_blocks(self) -> list[int]:
+        """Free blocks that still hold reusable content, in the order they would be evicted."""
+        ...
+
 
 class SimpleKVCacheManager:
     """Level 2: every request owns its blocks; nothing is shared or remembered."""
@@ -104,3 +112,13 @@ class SimpleKVCacheManager:
 
     def usage(self) -> tuple[int, int]:
         return self.num_blocks - self.num_free_blocks, self.num_stored
+
+    def ref_counts(self) -> list[int]:
+        counts = [0] * self.num_blocks
+        for table in self.tables.tables.values():
+            for b in table:
+                counts[b] += 1
+        return counts
+
+    def cached_free_blocks(self) -> list[int]:
+        return []  # a freed block forgets what it held

@@ -135,6 +135,12 @@ class PrefixCachingKVCacheManager:
     def usage(self) -> tuple[int, int]:
         return self.num_blocks - self.pool.num_free, self.pool.num_stored
 
+    def ref_counts(self) -> list[int]:
+        return [b.ref_cnt for b in self.pool.blocks]
+
+    def cached_free_blocks(self) -> list[int]:
+        return [b.block_id for b in self.pool.free_queue if b.block_hash is not None]  # LRU: evicted first
+
     # --- prefix-cache services -------------------------------------------------------------
     def reset_prefix_cache(self) -> None:
         self.pool.reset()
