@@ -55,7 +55,6 @@ class ShardReader:
             with safe_open(single, "pt") as f:
                 self.files = dict.fromkeys(f.keys(), single)
         self.dtype, self.device = dtype, device
-        self.bytes_read = 0
 
     def has(self, name: str) -> bool:
         return name in self.files
@@ -69,7 +68,6 @@ class ShardReader:
                 t = s[:, cols[0] : cols[1]]
             else:
                 t = s[:]
-        self.bytes_read += t.numel() * t.element_size()
         return t.to(dtype=self.dtype, device=self.device)
 
 

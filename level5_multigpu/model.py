@@ -104,7 +104,7 @@ class StageModel(Transformer):
         k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, r)
         self.full_config = cfg
         self.config = replace(cfg, num_layers=len(layers), num_heads=cfg.num_heads // tp, num_kv_heads=k1 - k0)
-        self.first, self.last, self.layer_range = topo.is_first_stage, topo.is_last_stage, layers
+        self.first, self.last = topo.is_first_stage, topo.is_last_stage
         kept = []
         for local, i in enumerate(layers):
             layer, p, d = self.model.layers[i], f"model.layers.{i}", cfg.hidden_size

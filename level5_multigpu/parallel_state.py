@@ -76,13 +76,6 @@ class CommStats:
         entry[1] += nbytes
         entry[2] += seconds
 
-    def merged(self, other: CommStats) -> CommStats:
-        out = CommStats({k: list(v) for k, v in self.by_kind.items()})
-        for k, (c, b, s) in other.by_kind.items():
-            e = out.by_kind.setdefault(k, [0, 0, 0.0])
-            e[0], e[1], e[2] = e[0] + c, e[1] + b, e[2] + s
-        return out
-
     @property
     def calls(self) -> int:
         return int(sum(v[0] for v in self.by_kind.values()))
@@ -144,21 +137,10 @@ class Comm:
         return box[0]
 
     # --- pipeline parallelism: between stages -----------------------------------------------------
-    def send(self, x: torch.Tensor, dst: int) -> None:
-        self._timed("send", _nbytes(x), lambda: dist.send(x.contiguous(), dst=dst))
-
     def recv(self, shape, dtype, src: int, device) -> torch.Tensor:
         x = torch.empty(shape, dtype=dtype, device=device)
         self._timed("recv", _nbytes(x), lambda: dist.recv(x, src=src))
         return x
-
-    def send_object(self, obj, dst: int) -> None:
-        self._timed("send_object", 0, lambda: dist.send_object_list([obj], dst=dst))
-
-    def recv_object(self, src: int):
-        box = [None]
-        self._timed("recv_object", 0, lambda: dist.recv_object_list(box, src=src))
-        return box[0]
 
 
 def local_gpu(topo: Topology) -> int:
