@@ -205,7 +205,9 @@ class AsyncLLMEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead is None
 
     # --- the front end: tokenizer work on its own thread ----------------------------------------
-    async def _on_frontend(self, fn, *args):
+    async def run_on_frontend(self, fn, *args):
+        """`fn(*args)` on the front-end thread: tokenizer work, or anything else too big for the
+        event loop (parsing a large request body, checking millions of token ids)."""
         return await asyncio.get_running_loop().run_in_executor(self._frontend, fn, *args)
 
     async def tokenize(self, prompt: str | list[int], i: int = 0) -> list[int]:
@@ -217,7 +219,7 @@ class AsyncLLMEngine:
             )
         if not isinstance(prompt, str) and len(prompt) < 4096:
             return self.inputs.tokenize(prompt, i)  # a short id list: checking it costs less than a hop
-        return await self._on_frontend(self.inputs.tokenize, prompt, i)
+        return await self.run_on_frontend(self.inputs.tokenize, prompt, i)
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)
@@ -226,14 +228,10 @@ class AsyncLLMEngine:
                 f"the messages have {chars} characters: more than any {self.max_model_len}-token "
                 f"context holds with this tokenizer ({self.max_prompt_chars})"
             )
-        return await self._on_frontend(self.inputs.apply_chat_template, messages)
+        return await self.run_on_frontend(self.inputs.apply_chat_template, messages)
 
     async def decode(self, token_ids: list[int]) -> str:
-        return await self._on_frontend(self.tokenizer.decode, token_ids)
-
-    async def run_on_frontend(self, fn, *args):
-        """Any other front-end work too big for the event loop (parsing a large request body)."""
-        return await self._on_frontend(fn, *args)
+        return await self.run_on_frontend(self.tokenizer.decode, token_ids)
 
     # --- requests ------------------------------------------------------------------------------
     @property

@@ -33,6 +33,7 @@ import asyncio
 import json
 import signal
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -465,6 +466,18 @@ def test_a_tiny_temperature_is_clamped_not_a_nan_that_fails_the_batch(server, ll
         data = events(other.read().decode())
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
     assert json.loads(data[-2])["choices"][0]["finish_reason"] == "length"  # the neighbour was not failed
+
+
+def test_every_ignored_field_is_accepted_and_documented():
+    """protocol.IGNORED (the fields accepted with no effect, with why) names real request fields,
+    and docs/level6_serving.md's fields table lists every one of them."""
+    from level6_serving.protocol import IGNORED, ChatCompletionRequest, CompletionRequest
+
+    fields = set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
+    assert set(IGNORED) <= fields, set(IGNORED) - fields
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "level6_serving.md").read_text()
+    ignored_row = next(line for line in doc.splitlines() if line.startswith("| accepted and ignored"))
+    assert all(f"`{name}`" in ignored_row for name in IGNORED), [n for n in IGNORED if f"`{n}`" not in ignored_row]
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(server):
