@@ -66,6 +66,11 @@ class EngineBase:
                                      self.sequence_class, self.check_fits, self.clock)  # fmt: skip
         self.outputs = OutputProcessor()
 
+    @property
+    def model_path(self):
+        """Where the checkpoint was loaded from (a Path): what a server reports as the model's root."""
+        return self.loaded.path
+
     def load_model(self) -> LoadedModel:
         """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
         return load_model(self.config.model, self.dtype, self.device)

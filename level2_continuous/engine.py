@@ -170,6 +170,10 @@ class LLMEngine(EngineBase):
         """Raise if the engine can no longer run (vLLM's `check_health`). In one process nothing
         can die but the process itself; an engine with worker processes checks them."""
 
+    def num_free_blocks(self) -> int:
+        """KV blocks no request holds (cached prefix blocks count as free: they can be evicted)."""
+        return self.kv.num_free_blocks
+
     def num_waiting(self) -> int:
         """Requests (samples) not yet admitted: what a server's backpressure watches."""
         return len(self.scheduler.waiting)
