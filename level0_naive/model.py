@@ -8,7 +8,10 @@ checkpoint's state dict loads as it is (see `loader.py`).
 What it is not: it never owns a KV cache and never decides how attention reads one.
 Every layer hands its new q, k, v to an *attention backend* object the engine passes in
 (`attn(layer, q, k, v) -> out`): level 0 passes a contiguous slab per request, level 1
-a paged cache with a Triton kernel. The model file never changes per level.
+a paged cache with a Triton kernel. The model file never changes per level. Likewise
+every linear layer and norm computes through an *ops* object (`ops.py`: `linear`,
+`rms_norm`), which `Transformer.set_ops` swaps, so fixed-order kernels can replace
+PyTorch's without an edit here.
 
 One flattened batch per forward, as in vLLM V1: the new tokens of every sequence are
 concatenated into `input_ids [T]` with their absolute `positions [T]`; which token
@@ -27,6 +30,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from .ops import DEFAULT_OPS, Ops
 
 
 @dataclass(frozen=True)
@@ -60,19 +65,27 @@ class AttentionBackend(Protocol):
 
 
 class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed by `self.ops.rms_norm` (in float32, as HF does: see ops.py)."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.ops: Ops = DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in float32, then cast back, exactly as Hugging Face does. Even a
-        # float64 model normalises in float32 there, and matching the oracle's
-        # rounding is what lets our float64 tests demand identical greedy tokens.
-        dtype = x.dtype
-        x32 = x.to(torch.float32)
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return self.ops.rms_norm(x, self.weight, self.eps)  # [..., dim]
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (the same parameters, so the same checkpoint names) whose matmul is `self.ops.linear`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__(in_features, out_features, bias=bias)
+        self.ops: Ops = DEFAULT_OPS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ops.linear(x, self.weight, self.bias)  # [T, in] -> [T, out]
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -115,10 +128,10 @@ class Attention(nn.Module):
         super().__init__()
         self.layer = layer
         self.nh, self.nkv, self.d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(self.nh * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = Linear(cfg.hidden_size, self.nh * self.d, bias=cfg.qkv_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
+        self.o_proj = Linear(self.nh * self.d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -145,9 +158,9 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -179,16 +192,24 @@ class Backbone(nn.Module):
 class Transformer(nn.Module):
     """`Transformer(cfg)(input_ids [T], positions [T], attn) -> hidden [T, hidden]`."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ops: Ops = DEFAULT_OPS):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         # RoPE angles are a pure function of the config, computed in float32 as HF does
         # and cast per forward. A buffer, not a parameter: never read from a checkpoint.
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)  # [D/2]
+        self.set_ops(ops)
+
+    def set_ops(self, ops: Ops) -> None:
+        """Route every linear and norm of this model through `ops` (see ops.py)."""
+        self.ops = ops
+        for module in self.modules():
+            if hasattr(module, "ops"):  # Linear, RMSNorm, and level 5's sharded linears
+                module.ops = ops
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):
         angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]

@@ -24,7 +24,8 @@ from the safetensors file (`get_slice`), so no rank ever holds a whole weight.
     logits' vocabulary shards are gathered on TP rank 0 only (the sampler's rank).
 
 What it is not: sequence parallelism (the norms run replicated; an exercise), or fused
-kernels. Every layer's forward is two lines.
+kernels. Every layer's forward is two lines, and its matmul is `self.ops.linear`: level
+0's ops seam (`level0_naive/ops.py`), which `StageModel.set_ops` swaps for every layer.
 
 Reference: Shoeybi et al., "Megatron-LM" (2019), section 3 and figure 3; vLLM
 `model_executor/layers/linear.py` and `vocab_parallel_embedding.py`.
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from level0_naive.ops import DEFAULT_OPS
 
 from .parallel_state import Comm
 
@@ -84,9 +87,10 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out/tp, in]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.ops = DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)  # [T, out/tp]
+        return self.ops.linear(x, self.weight, self.bias)  # [T, out/tp]
 
 
 class RowParallelLinear(nn.Module):
@@ -96,10 +100,10 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in/tp]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.comm = comm
+        self.comm, self.ops = comm, DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(nn.functional.linear(x, self.weight))  # [T, out], summed over ranks
+        y = self.comm.all_reduce(self.ops.linear(x, self.weight))  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
 
 
@@ -190,9 +194,9 @@ class ParallelLMHead(nn.Module):
         self.weight = (
             weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         )  # [Vp/tp, hidden]
-        self.vocab, self.comm = vocab, comm
+        self.vocab, self.comm, self.ops = vocab, comm, DEFAULT_OPS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
-        local = nn.functional.linear(hidden, self.weight)  # [N, Vp/tp]
+        local = self.ops.linear(hidden, self.weight)  # [N, Vp/tp]
         full = self.comm.gather_to_first(local)  # [N, Vp] on TP rank 0, None elsewhere
         return None if full is None else full[:, : self.vocab]

@@ -18,6 +18,9 @@ which is what its KV cache is sized from.
     8 layers, pp 2, tp 2:   rank 0: layers 0-3, heads 0-1 + embedding   rank 1: layers 0-3, heads 2-3 + embedding
                             rank 2: layers 4-7, heads 0-1 + LM head     rank 3: layers 4-7, heads 2-3 + LM head
 
+The sharded linears and the norms go through level 0's ops seam like the unsharded ones
+(`level0_naive/ops.py`): `StageModel(..., ops=...)` or `set_ops` swaps them all.
+
 What it is not: a forward hook, or a copy of the model: level 0's classes do the math.
 
 Reference: vLLM `model_executor/models/llama.py` (how a model is built from parallel
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from level0_naive.model import MLP, Attention, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from level0_naive.ops import DEFAULT_OPS, Ops
 
 from .layers import (
     MergedColumnParallelLinear,
@@ -97,7 +101,7 @@ def load_norm(reader: ShardReader, name: str, dim: int, eps: float) -> RMSNorm:
 class StageModel(Transformer):
     """This rank's layers and shards; `forward` takes hidden states instead of ids after stage 0."""
 
-    def __init__(self, cfg: ModelConfig, reader: ShardReader, comm: Comm, layers: range):
+    def __init__(self, cfg: ModelConfig, reader: ShardReader, comm: Comm, layers: range, ops: Ops = DEFAULT_OPS):
         with torch.device("meta"):
             super().__init__(cfg)  # level 0's modules, allocated nowhere; replaced below
         topo, tp, r = comm.topo, comm.topo.tp, comm.topo.tp_rank
@@ -147,6 +151,7 @@ class StageModel(Transformer):
         else:
             self.model.norm, self.lm_head = None, None
         self.inv_freq = rope_inv_freq(cfg).to(reader.device)
+        self.set_ops(ops)  # after the swaps above: the sharded modules are new
         self.eval()
 
     def forward(
