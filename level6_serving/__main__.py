@@ -172,7 +172,7 @@ def main(argv=None) -> None:
     sock = bind(args.host, args.port)
     host, real_port = sock.getsockname()[:2]
     # Printed whatever the log level: the one line a user (and ServerProcess) needs.
-    print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {type(engine.engine).__module__})",
+    print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {engine.engine_name})",
           file=sys.stderr, flush=True)  # fmt: skip
     server = make_server(
         app,

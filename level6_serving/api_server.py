@@ -170,7 +170,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
               max_num_waiting: int = 1024, max_n: int | None = None,
               max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:  # fmt: skip
     """The ASGI app over a (not yet started) AsyncLLMEngine; the app's lifespan starts and stops it."""
-    serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.engine.config.max_num_seqs)
+    serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.max_num_seqs)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -221,7 +221,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     @app.get("/v1/models", openapi_extra=openapi.answer("ModelList"))
     async def models():
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "inference-ladder",
-                 "root": str(engine.engine.loaded.path), "max_model_len": engine.max_model_len}
+                 "root": str(engine.model_path), "max_model_len": engine.max_model_len}
                 for name in served_model_names]  # fmt: skip
         return {"object": "list", "data": data}
 
@@ -264,7 +264,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     async def detokenize(raw: Request):
         req: DetokenizeRequest = await serving.parse(DetokenizeRequest, raw)
         serving.check_model(req.model)
-        vocab = engine.engine.model_config.vocab_size
+        vocab = engine.model_config.vocab_size
         # On the front-end thread: an 8 MiB body holds millions of ids, and checking them takes a while.
         bad = await engine.run_on_frontend(lambda: [t for t in req.tokens if not 0 <= t < vocab][:5])
         if bad:

@@ -58,7 +58,7 @@ from collections.abc import AsyncIterator, Callable
 import torch
 
 from level0_naive.inputs import InputProcessor
-from level0_naive.loader import load_tokenizer
+from level0_naive.loader import load_metadata
 
 from .base import LLMEngine, RequestOutput, RequestOutputKind, SamplingParams
 
@@ -148,14 +148,18 @@ class AsyncLLMEngine:
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
-        # The front end's own tokenizer (the engine thread decodes with the engine's): the same
-        # files, so the same token ids, and no object is shared between the two threads.
-        self.tokenizer = load_tokenizer(engine.loaded.path)
+        # What the server reports, read once from the engine's public attributes (never changed after
+        # it is built): handlers read these, not the engine, which belongs to the engine thread.
+        self.model_path, self.model_config = engine.model_path, engine.model_config
+        self.max_model_len, self.max_num_seqs = engine.max_model_len, engine.config.max_num_seqs
+        self.engine_name = type(engine).__module__  # which level's engine this wraps, e.g. "level5_multigpu.engine"
+        # The front end's own tokenizer and metadata (the engine thread decodes with the engine's): the
+        # same files, so the same token ids, and no object is shared between the two threads.
+        front = load_metadata(engine.model_path)
+        self.tokenizer = front.tokenizer
         self.tokenizer.model_max_length = engine.max_model_len  # as the engine's (no warning past 256)
-        front = dataclasses.replace(engine.loaded, model=None, tokenizer=self.tokenizer)
         self.inputs = InputProcessor(front, engine.max_model_len, 0, torch.device("cpu"), engine.sequence_class,
                                      engine.check_fits)  # fmt: skip
-        self.max_model_len = engine.max_model_len
         self.max_prompt_chars = max_model_len_in_chars(self.tokenizer, engine.max_model_len)
         self._frontend = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -458,7 +462,7 @@ class AsyncLLMEngine:
             self.engine.abort_request(ids)
             self.engine.check_health()  # a dead worker rank: the KV pool may look whole, yet nothing can run
             self.engine.step()  # flushes the aborted requests' final outputs (nobody reads them)
-            whole = self.engine.kv.num_free_blocks == self.engine.kv.num_blocks
+            whole = self.engine.num_free_blocks() == self.engine.num_blocks
         except Exception as e:  # noqa: BLE001
             error, whole = e, False
         if not whole:
