@@ -124,9 +124,9 @@ CHECKS = (
 
 BUGS = (
     Bug("bias-on-every-rank", "level5_multigpu.layers",
-        "        y = self.comm.all_reduce(nn.functional.linear(x, self.weight))  # [T, out], summed over ranks\n"
+        "        y = self.comm.all_reduce(self.ops.linear(x, self.weight))  # [T, out], summed over ranks\n"
         "        return y if self.bias is None else y + self.bias\n",
-        "        return self.comm.all_reduce(nn.functional.linear(x, self.weight, self.bias))\n",
+        "        return self.comm.all_reduce(self.ops.linear(x, self.weight, self.bias))\n",
         ("row-bias", "model")),
     Bug("embedding-without-all-reduce", "level5_multigpu.layers",
         "        return self.comm.all_reduce(x * mine[:, None].to(x.dtype))\n",

@@ -28,7 +28,8 @@ from the safetensors file (`get_slice`), so no rank ever holds a whole weight.
     logits' vocabulary shards are gathered on TP rank 0 only (the sampler's rank).
 
 What it is not: sequence parallelism (the norms run replicated; an exercise), or fused
-kernels. Every layer's forward is two lines.
+kernels. Every layer's forward is two lines, and its matmul is `self.ops.linear`: level
+0's ops seam (`level0_naive/ops.py`), which `StageModel.set_ops` swaps for every layer.
 
 Reference: Shoeybi et al., "Megatron-LM" (2019), section 3 and figure 3; vLLM
 `model_executor/layers/linear.py` and `vocab_parallel_embedding.py`.
@@ -42,6 +43,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from level0_naive.ops import DEFAULT_OPS
 
 from .parallel_state import Comm
 
@@ -88,6 +91,7 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out/tp, in]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.ops = DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO (lab 5): ColumnParallelLinear.forward
@@ -103,7 +107,7 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(weight, requires_grad=False)  # [out, in/tp]
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.comm = comm
+        self.comm, self.ops = comm, DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # TODO (lab 5): RowParallelLinear.forward
@@ -195,7 +199,7 @@ class ParallelLMHead(nn.Module):
         self.weight = (
             weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
         )  # [Vp/tp, hidden]
-        self.vocab, self.comm = vocab, comm
+        self.vocab, self.comm, self.ops = vocab, comm, DEFAULT_OPS
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor | None:
         # TODO (lab 5): ParallelLMHead.forward
