@@ -75,3 +75,36 @@ class Worker(ModelRunner):
         """One forward: write this step's K/V into the cache, attend -> logits [S, V]."""
         mi = model_input.to(self.device)
         return self.forward(mi, PagedAttention(self.cache, mi, self.impl, self.scale))
+
+    # --- the Executor Protocol (level1_paged/executor.py): one process, nothing runs behind your back ---
+    @property
+    def num_blocks(self) -> int:
+        return self.cache.num_blocks
+
+    def submit(self, model_input: ModelInput) -> int:
+        """Run the forward now (one process has nothing to overlap it with); `collect` returns its logits."""
+        if not hasattr(self, "_uncollected"):  # made on first use: a Worker that never submits needs none
+            self._uncollected, self._num_submitted = [], 0
+        self._uncollected.append(self.execute(model_input))
+        self._num_submitted += 1
+        return self._num_submitted - 1
+
+    def collect(self) -> torch.Tensor:
+        """The logits [S, V] of the oldest `submit` not yet collected."""
+        if not getattr(self, "_uncollected", None):
+            raise RuntimeError("collect() without a submit() in flight")
+        return self._uncollected.pop(0)
+
+    def collective_rpc(self, method: str, *args) -> list:
+        """`method(*args)` of this worker, the only rank: [its answer]."""
+        return [getattr(self, method)(*args)]
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this worker's K and V blocks (a harmless question for `collective_rpc`)."""
+        return sum(t.numel() * t.element_size() for t in self.cache.k + self.cache.v)
+
+    def check_health(self) -> None:
+        """Nothing to check: the model runs in this process."""
+
+    def shutdown(self) -> None:
+        """Nothing to stop: no other process, no process group."""

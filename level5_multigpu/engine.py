@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
+from level1_paged.executor import Executor
 from level2_continuous.engine import SamplerOutput
 from level2_continuous.request import Request
 from level2_continuous.scheduler import SchedulerOutput
@@ -49,10 +50,11 @@ from level4_speculative.config import SpeculativeEngineConfig
 from level4_speculative.engine import LLM as SpeculativeLLM
 from level4_speculative.engine import LLMEngine as SpeculativeEngine
 
-from .executor import Executor, ParallelSpec, rank_main
+from .executor import MultiprocExecutor
 from .layers import kv_heads_of_rank
 from .model import kv_bytes_per_token_of_rank, partition_layers
 from .parallel_state import CommStats
+from .rank import ParallelSpec, rank_main
 
 
 @dataclass
@@ -140,28 +142,16 @@ class LLMEngine(SpeculativeEngine):
     def determine_num_blocks(self) -> int:
         if not self.parallel:
             return super().determine_num_blocks()
-        c = self.config
-        backend = (
-            c.distributed_backend
-            if c.distributed_backend != "auto"
-            else ("nccl" if self.device.type == "cuda" else "gloo")
-        )
-        launcher = c.distributed_executor_backend or "mp"
-        if launcher == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
-            self._serve_as_worker(backend)  # never returns: this process is a rank, not the driver
-        draft_bytes = super().kv_bytes_per_token() - self.target_kv_bytes()
-        spec = ParallelSpec(str(self.loaded.path), self.dtype, self.device.type, self.tp, self.pp, c.pipeline_partition,
-                            c.block_size, c.attention_backend, c.kv_cache_memory, c.gpu_memory_utilization, backend,
-                            c.distributed_timeout_s, draft_bytes, launcher)  # fmt: skip
-        self.executor = Executor(spec)
+        draft_bytes = super().kv_bytes_per_token() - self.target_kv_bytes()  # level 4's draft: its KV is on rank 0
+        spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
+                                        device_type=self.device.type, extra_bytes_rank0=draft_bytes)  # fmt: skip
+        if spec.ranks_started_by == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
+            self._serve_as_worker(spec)  # never returns: this process is a rank, not the driver
+        self.executor = MultiprocExecutor(spec)  # starts the other ranks; they agree on the block count
         return self.executor.num_blocks
 
-    def _serve_as_worker(self, backend: str) -> None:
+    def _serve_as_worker(self, spec: ParallelSpec) -> None:
         """Under torchrun every process runs the user's script: ranks other than 0 serve the driver, then exit."""
-        c = self.config
-        spec = ParallelSpec(str(self.loaded.path), self.dtype, self.device.type, self.tp, self.pp, c.pipeline_partition,
-                            c.block_size, c.attention_backend, c.kv_cache_memory, c.gpu_memory_utilization, backend,
-                            c.distributed_timeout_s, 0, "torchrun")  # fmt: skip
         rank_main(int(os.environ["RANK"]), spec, "env://")
         raise SystemExit(0)
 

@@ -1,13 +1,15 @@
-"""The executor: one driver, one worker per rank, and the messages between them.
+"""The driver's side of the executor: it starts the ranks, sends them work, collects the logits.
 
-What it is: `Executor`, what level 2's engine calls instead of a `Worker`. The driver
+What it is: `MultiprocExecutor`, level 1's `Executor` Protocol (level1_paged/executor.py)
+over tp x pp ranks: what level 2's engine calls instead of a `Worker`. The driver
 process is rank 0: it runs the scheduler, the KV manager, sampling and every request's
 generator, and it is also the worker of stage 0, TP rank 0. The other ranks are
-processes (spawned here with `mp`, or started by `torchrun`) that run `serve()`:
+processes (spawned by its constructor with `mp`, or started by `torchrun`) that run
+`serve()` (`rank.py`); what goes between them is three typed messages (`transport.py`):
 
     driver (rank 0)                       stage 0, rank 1              stage 1, ranks 2, 3
     schedule, prepare ModelInput
-    broadcast it to stage 0 ──────────>   receive it
+    broadcast Execute(mi, mb) ────────>   receive it
     isend it to stage 1 ────────────────────────────────────────────>  receive it
     stage-0 forward (TP all-reduces) <──> stage-0 forward
     isend hidden [T, d] ───────────────────────────────────────────>   stage-1 forward (TP all-reduces)
@@ -24,7 +26,7 @@ reused at once: any later write to it comes later on every stage.
 With pipeline_parallel_size = p the engine keeps p micro-batches in flight (`submit`
 several, then `collect` the oldest), so while stage 1 runs micro-batch A, stage 0 runs
 B. Every rank times its forwards (a ring buffer: the demo's pipeline picture) and
-counts its messages (`CommStats`).
+counts its messages (`CommStats`); `collective_rpc("stats")` brings them to the driver.
 
 A rank that dies makes the driver raise, naming it, within `distributed_timeout_s`
 (gloo notices a closed connection at once; a hung rank is caught by the timeout); the
@@ -42,214 +44,21 @@ Reference: vLLM `v1/executor/multiproc_executor.py` and `v1/worker/gpu_worker.py
 from __future__ import annotations
 
 import datetime
-import json
 import multiprocessing
-import os
-import pickle
-import socket
 import time
-import traceback
 import weakref
 from collections import deque
-from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_for_any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ladder.models import resolve_path
-from level0_naive.config import EngineConfig, resolve_kv_budget
-from level0_naive.loader import model_config_from_hf
-from level1_paged.paged_cache import PagedAttention
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.worker import ModelInput
 
-from .layers import ShardReader
-from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
-from .parallel_state import Comm, CommStats, Topology, alpha_beta, fit_alpha_beta, init_process_group, local_gpu
-
-
-@dataclass
-class ParallelSpec:
-    """What every rank needs to build its part: plain values, sent to each process once."""
-
-    model: str
-    dtype: torch.dtype
-    device_type: str  # "cpu" | "cuda"
-    tp: int
-    pp: int
-    partition: list[int] | None
-    block_size: int
-    attention_backend: str
-    kv_cache_memory: int | None
-    gpu_memory_utilization: float
-    backend: str  # "gloo" | "nccl"
-    timeout_s: float
-    extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
-    ranks_started_by: str = "mp"  # "mp" | "torchrun"
-
-
-@dataclass
-class Timeline:
-    """(micro-batch, start, end) of this rank's last forwards: bounded."""
-
-    events: deque = field(default_factory=lambda: deque(maxlen=512))
-
-
-class RankWorker(Worker):
-    """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache."""
-
-    def __init__(self, model: StageModel, num_blocks: int, block_size: int, attention_backend: str):
-        super().__init__(model, num_blocks, block_size, attention_backend)
-        self.timeline = Timeline()
-
-    @torch.inference_mode()
-    def execute(self, model_input: ModelInput, hidden: torch.Tensor | None = None, mb: int = 0) -> torch.Tensor | None:
-        """Hidden states [T, d] for the next stage; on the last stage the logits [S, V] (TP rank 0) or None."""
-        t0 = time.perf_counter()
-        mi = model_input.to(self.device)
-        out = self.model(
-            mi.input_ids, mi.positions, PagedAttention(self.cache, mi, self.impl, self.scale), hidden=hidden
-        )
-        if self.model.last:
-            out = self.model.compute_logits(out[mi.logits_indices])
-        self.timeline.events.append((mb, t0, time.perf_counter()))
-        return out
-
-
-def build_rank(spec: ParallelSpec, comm: Comm) -> tuple[RankWorker, int]:
-    """Load this rank's shard, agree on the block count (the fewest any rank can hold), allocate its cache."""
-    topo = comm.topo
-    device = torch.device(f"cuda:{local_gpu(topo)}" if spec.device_type == "cuda" else "cpu")
-    path = resolve_path(spec.model)
-    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
-    layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
-    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers)
-    per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
-    per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
-    budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,
-                                            gpu_memory_utilization=spec.gpu_memory_utilization), device)  # fmt: skip
-    capacity = torch.tensor([budget // (spec.block_size * per_token)], dtype=torch.int64, device=device)
-    if topo.world > 1:
-        dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
-    num_blocks = int(capacity.item())
-    if num_blocks < 1:
-        raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
-    return RankWorker(stage, num_blocks, spec.block_size, spec.attention_backend), num_blocks
-
-
-# --- objects over point-to-point links: a length, then the pickled bytes ------------------------
-def isend_object(comm: Comm, obj, dst: int) -> list:
-    data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    size = torch.tensor([data.numel()], dtype=torch.int64)
-    comm.stats.add("send_object", data.numel(), 0.0)
-    return [(dist.isend(size, dst=dst), size), (dist.isend(data, dst=dst), data)]  # keep the buffers alive
-
-
-def recv_object(comm: Comm, src: int):
-    size = torch.empty(1, dtype=torch.int64)
-    dist.recv(size, src=src)
-    data = torch.empty(int(size), dtype=torch.uint8)
-    dist.recv(data, src=src)
-    comm.stats.add("recv_object", data.numel(), 0.0)
-    return pickle.loads(data.numpy().tobytes())
-
-
-def isend_tensor(comm: Comm, x: torch.Tensor, dst: int) -> list:
-    x = x.contiguous()
-    t0 = time.perf_counter()
-    work = dist.isend(x, dst=dst)
-    comm.stats.add("send", x.numel() * x.element_size(), time.perf_counter() - t0)
-    return [(work, x)]
-
-
-def p2p_alpha_beta(comm: Comm, peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> dict:
-    """Round trips of a float32 tensor to `peer` and back (it echoes): t(one way) = alpha + beta * bytes."""
-    xs, ts = [], []
-    for n in sizes:
-        x, y = torch.ones(n), torch.empty(n)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            w = dist.isend(x, dst=peer)
-            dist.recv(y, src=peer)
-            w.wait()
-        xs.append(4.0 * n)
-        ts.append((time.perf_counter() - t0) / repeats / 2)
-    return fit_alpha_beta(sizes, xs, ts)
-
-
-def _echo(peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> None:
-    for n in sizes:
-        y = torch.empty(n)
-        for _ in range(repeats):
-            dist.recv(y, src=peer)
-            dist.isend(y, dst=peer).wait()
-
-
-# --- a worker rank's life ---------------------------------------------------------------------------
-def serve(worker: RankWorker, comm: Comm, spec: ParallelSpec) -> None:
-    """Receive messages in order, run them, pass them on; return on "shutdown"."""
-    topo, pending = comm.topo, []
-    prev = topo.rank_of(topo.pp_rank - 1, topo.tp_rank) if not topo.is_first_stage else None
-    nxt = topo.rank_of(topo.pp_rank + 1, topo.tp_rank) if not topo.is_last_stage else None
-    hidden_size = worker.model.full_config.hidden_size
-    while True:
-        # Last message's sends are done once their receivers took them; gloo reports a send's
-        # completion only through wait(), and the receivers always get to them (stages run in order).
-        for work, _ in pending:
-            work.wait()
-        pending = []
-        msg = comm.broadcast_object(None) if topo.is_first_stage else recv_object(comm, prev)
-        kind = msg[0]
-        if nxt is not None:
-            pending += isend_object(comm, msg, nxt)
-        if kind == "execute":
-            mi, mb = msg[1], msg[2]
-            hidden = (
-                None if prev is None else comm.recv((len(mi.input_ids), hidden_size), spec.dtype, prev, worker.device)
-            )
-            out = worker.execute(mi, hidden, mb)
-            if nxt is not None:
-                pending += isend_tensor(comm, out, nxt)
-            elif topo.tp_rank == 0:
-                pending += isend_tensor(comm, out, 0)
-        elif kind == "stats":
-            pending += isend_object(comm, (topo.rank, comm.stats, list(worker.timeline.events)), 0)
-        elif kind == "calibrate":
-            if topo.tp > 1 and topo.is_first_stage:
-                alpha_beta(comm)  # together with the driver and the rest of stage 0
-            if topo.pp_rank == 1 and topo.tp_rank == 0:
-                _echo(0)
-        elif kind == "shutdown":
-            for work, _ in pending:
-                work.wait()
-            return
-
-
-def rank_main(rank: int, spec: ParallelSpec, init_method: str, started=None) -> None:
-    """Entry point of a worker process; `started` (a pipe's end) tells the driver it got this far."""
-    if started is not None:
-        started.send(rank)
-        started.close()
-    torch.set_num_threads(1)  # one thread per rank: ranks share the cores
-    topo = Topology(spec.tp, spec.pp, rank)
-    init_process_group(spec.backend, init_method, topo, spec.timeout_s)
-    try:
-        comm = Comm(topo)
-        worker, _ = build_rank(spec, comm)
-        serve(worker, comm, spec)
-    except Exception:  # the driver sees the closed connection; this says why
-        traceback.print_exc()
-        os._exit(1)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from .parallel_state import Comm, CommStats, Topology, init_process_group
+from .rank import ParallelSpec, build_rank, rank_main
+from .transport import CollectiveRPC, Execute, Message, Shutdown, free_port, isend_tensor, recv_object, send_down
 
 
 def _kill(procs: list) -> None:
@@ -259,7 +68,6 @@ def _kill(procs: list) -> None:
         p.join(timeout=5)
 
 
-# --- the driver's side ------------------------------------------------------------------------------
 class WorkerDiedError(RuntimeError):
     """A rank stopped answering: the engine cannot go on (its KV shards are gone)."""
 
@@ -303,7 +111,26 @@ def _wait_until_started(procs: list, readers: list, timeout_s: float) -> None:
                 conn.close()
 
 
-class Executor:
+def spawn_ranks(spec: ParallelSpec, init_method: str) -> list:
+    """Start ranks 1 .. tp * pp - 1 as processes running `rank_main`; return once each has reached it."""
+    ctx = mp.get_context("spawn")
+    pipes = [ctx.Pipe(duplex=False) for _ in range(1, spec.tp * spec.pp)]  # (reader, writer) per rank
+    procs = [ctx.Process(target=rank_main, args=(r, spec, init_method, pipes[r - 1][1]), daemon=True, name=f"rank{r}")
+             for r in range(1, spec.tp * spec.pp)]  # fmt: skip
+    for p, (_, writer) in zip(procs, pipes):
+        p.start()
+        writer.close()  # the rank holds the only writing end now: its death reads as end-of-file
+    try:
+        _wait_until_started(procs, [reader for reader, _ in pipes], spec.timeout_s)
+    except BaseException:
+        _kill(procs)
+        raise
+    return procs
+
+
+class MultiprocExecutor:
+    """The `Executor` of tp x pp ranks: this process is rank 0; the constructor starts the others."""
+
     def __init__(self, spec: ParallelSpec):
         self.spec, self.closed, self.owns_group = spec, False, False
         self.died: str | None = None  # why the ranks are gone, once they are
@@ -319,42 +146,32 @@ class Executor:
                 "a multi-rank engine is already running in this process: shut it down first (one per process)"
             )
         try:
-            self._start(spec)
+            if self.topo.world > 1:
+                # The driver is a rank too: one thread, like the others. With torch's default (one
+                # per core) it would fight the workers for the cores, and every all-reduce waits
+                # for the slowest rank. `_abandon` puts the caller's thread count back.
+                torch.set_num_threads(1)
+                if spec.ranks_started_by == "torchrun":
+                    init_method = "env://"  # torchrun started every rank: they are waiting in rank_main
+                else:
+                    init_method = f"tcp://127.0.0.1:{free_port()}"
+                    self.procs = spawn_ranks(spec, init_method)
+                self._finalizer = weakref.finalize(self, _kill, self.procs)  # no orphan even if nobody calls shutdown()
+                self._guard(lambda: init_process_group(spec.backend, init_method, self.topo, spec.timeout_s))
+                self.owns_group = True  # only this executor may destroy it (a stale one's __del__ must not)
+            self.comm = Comm(self.topo)
+            self.worker = self._guard(lambda: build_rank(spec, self.comm))  # every rank agrees on num_blocks here
         except BaseException:  # a rank that failed to load, a bad config: leave no process or group behind
             self._abandon()
             raise
-
-    def _start(self, spec: ParallelSpec) -> None:
-        if self.topo.world > 1:
-            # The driver is a rank too: one thread, like the others. With torch's default (one
-            # per core) it would fight the workers for the cores, and every all-reduce waits
-            # for the slowest rank. `_abandon` puts the caller's thread count back.
-            torch.set_num_threads(1)
-            if spec.ranks_started_by == "torchrun":
-                init_method = "env://"
-            else:
-                init_method = f"tcp://127.0.0.1:{free_port()}"
-                ctx = mp.get_context("spawn")
-                pipes = [ctx.Pipe(duplex=False) for _ in range(1, self.topo.world)]  # (reader, writer) per rank
-                self.procs = [ctx.Process(target=rank_main, args=(r, spec, init_method, pipes[r - 1][1]), daemon=True,
-                                          name=f"rank{r}") for r in range(1, self.topo.world)]  # fmt: skip
-                for p, (_, writer) in zip(self.procs, pipes):
-                    p.start()
-                    writer.close()  # the rank holds the only writing end now: its death reads as end-of-file
-                _wait_until_started(self.procs, [reader for reader, _ in pipes], spec.timeout_s)
-            self._finalizer = weakref.finalize(self, _kill, self.procs)  # no orphan even if nobody calls shutdown()
-            self._guard(lambda: init_process_group(spec.backend, init_method, self.topo, spec.timeout_s))
-            self.owns_group = True  # only this executor may destroy it (a stale one's __del__ must not)
-        self.comm = Comm(self.topo)
-        self.worker, self.num_blocks = self._guard(lambda: build_rank(spec, self.comm))
+        self.num_blocks = self.worker.num_blocks
         self.device = self.worker.device
         self.in_flight: deque = deque()  # per micro-batch: its logits (pp = 1), or (rows to receive, its sends)
         self.next_mb = 0
-        vocab = self.worker.model.full_config.vocab_size
-        self.logits_shape = lambda rows: (rows, vocab)
+        self.vocab_size = self.worker.model.full_config.vocab_size
         self.logits_dtype = torch.promote_types(spec.dtype, torch.float32)
 
-    # --- what the engine calls ---------------------------------------------------------------------
+    # --- the Executor Protocol -----------------------------------------------------------------------
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """One micro-batch, start to end (tensor parallelism only, or an idle pipeline)."""
         self.submit(model_input)
@@ -363,8 +180,7 @@ class Executor:
     def submit(self, model_input: ModelInput) -> int:
         """Start a micro-batch; with a pipeline, return before the later stages finish it."""
         mb, self.next_mb = self.next_mb, self.next_mb + 1
-        msg = ("execute", model_input, mb)
-        sends = self._send_down(msg)
+        sends = self._send_down(Execute(model_input, mb))
         out = self._guard(lambda: self.worker.execute(model_input, None, mb))
         if self.topo.pp > 1:
             sends += isend_tensor(self.comm, out, self.topo.rank_of(1, 0))
@@ -379,7 +195,7 @@ class Executor:
         if self.topo.pp == 1:
             return item
         rows, sends = item
-        logits = torch.empty(self.logits_shape(rows), dtype=self.logits_dtype, device=self.device)
+        logits = torch.empty((rows, self.vocab_size), dtype=self.logits_dtype, device=self.device)
         t0 = time.perf_counter()
         self._wait(dist.irecv(logits, src=self.topo.rank_of(self.topo.pp - 1, 0)))
         self.comm.stats.add("recv", logits.numel() * logits.element_size(), time.perf_counter() - t0)
@@ -387,33 +203,18 @@ class Executor:
             self._wait(work)
         return logits
 
-    def comm_stats(self) -> dict[int, tuple[CommStats, list]]:
-        """Every rank's message counters and forward timeline (only between micro-batches)."""
-        assert not self.in_flight, "ask for stats only when no micro-batch is in flight"
-        out = {0: (self.comm.stats, list(self.worker.timeline.events))}
-        if self.topo.world > 1:
-            sends = self._send_down(("stats",))
-            for r in range(1, self.topo.world):
-                rank, stats, events = self._guard(lambda r=r: recv_object(self.comm, r))
-                out[rank] = (stats, events)
-            for work, _ in sends:
-                self._wait(work)
-        return out
-
-    def calibrate(self) -> dict:
-        """alpha and beta of this machine's all-reduce (TP) and point-to-point send (PP)."""
-        assert not self.in_flight
-        out = {}
+    def collective_rpc(self, method: str, *args) -> list:
+        """`RankWorker.method(*args)` on every rank, this one included (so a method may use the
+        collectives of its stage); the answers in rank order. Only between micro-batches."""
+        assert not self.in_flight, "call collective_rpc only when no micro-batch is in flight"
         if self.topo.world == 1:
-            return out
-        sends = self._send_down(("calibrate",))
-        if self.topo.tp > 1:
-            out["all_reduce"] = self._guard(lambda: alpha_beta(self.comm))
-        if self.topo.pp > 1:
-            out["p2p"] = self._guard(lambda: p2p_alpha_beta(self.comm, self.topo.rank_of(1, 0)))
+            return [self._guard(lambda: getattr(self.worker, method)(*args))]
+        sends = self._send_down(CollectiveRPC(method, args))
+        answers = [self._guard(lambda: getattr(self.worker, method)(*args))]
+        answers += [self._guard(lambda r=r: recv_object(self.comm, r)) for r in range(1, self.topo.world)]
         for work, _ in sends:
             self._wait(work)
-        return out
+        return answers
 
     def shutdown(self) -> None:
         """Tell every rank to stop, wait for them, and free this process's process group."""
@@ -421,13 +222,22 @@ class Executor:
             try:
                 while self.in_flight:  # the last stage waits to hand these over before it can listen
                     self.collect()
-                for work, _ in self._send_down(("shutdown",)):
+                for work, _ in self._send_down(Shutdown()):
                     work.wait()
             except Exception:  # a rank is already gone: nothing more to tell it
                 pass
             for p in self.procs:
                 p.join(timeout=10)
         self._abandon()
+
+    # --- what level 5's engine asks besides ----------------------------------------------------------
+    def comm_stats(self) -> dict[int, tuple[CommStats, list]]:
+        """Every rank's message counters and forward timeline (only between micro-batches)."""
+        return dict(enumerate(self.collective_rpc("stats")))
+
+    def calibrate(self) -> dict:
+        """alpha and beta of this machine's all-reduce (TP) and point-to-point send (PP)."""
+        return self.collective_rpc("calibrate")[0] if self.topo.world > 1 else {}
 
     def _abandon(self) -> None:
         """No more messages: kill whoever is left and release the process group (idempotent)."""
@@ -439,11 +249,9 @@ class Executor:
         self.owns_group = False
 
     # --- plumbing ----------------------------------------------------------------------------------
-    def _send_down(self, msg) -> list:
-        """A message to every rank: broadcast to stage 0, sent on to stage 1 (which passes it on).
-        Returns the sends still in progress (wait on them once the message has surely arrived)."""
-        self._guard(lambda: self.comm.broadcast_object(msg))
-        return isend_object(self.comm, msg, self.topo.rank_of(1, 0)) if self.topo.pp > 1 else []
+    def _send_down(self, msg: Message) -> list:
+        """A message to every rank (see `transport.send_down`); a dead rank becomes WorkerDiedError."""
+        return self._guard(lambda: send_down(self.comm, msg))
 
     def _dead(self) -> list[str]:
         return [f"{p.name} (pid {p.pid}, exit code {p.exitcode})" for p in self.procs if not p.is_alive()]
