@@ -1,0 +1,62 @@
+"""The executor seam: what an engine calls to run a step's forward, whoever runs it.
+
+What it is: `Executor`, a Protocol (structural: nothing has to inherit from it; `isinstance`
+checks that the names are there). Two things satisfy it:
+
+    level 1-4   `Worker` (worker.py)                  one process: `submit` runs the forward at once
+    level 5     `MultiprocExecutor` (level5_multigpu)  tp x pp ranks; the driver is rank 0
+
+    engine ──ModelInput──> execute(mi) ──────────────────────> logits [S, V]
+           ──ModelInput──> submit(mi) ... submit(mi') ...      (a pipeline keeps several in flight)
+                           collect() ────────────────────────> logits of the oldest one submitted
+           collective_rpc("kv_cache_bytes") ─────────────────> [rank 0's answer, rank 1's, ...]
+
+`collective_rpc(method, *args)` calls the worker method of that name on every rank (one
+rank in one process) and returns the answers in rank order: the one door for everything
+that is not a forward (statistics, calibration, a test's question). `num_blocks` is the
+number of KV blocks every rank's cache holds (the engine's KV manager hands out exactly
+these); `check_health` raises if a rank is gone; `shutdown` ends the ranks (idempotent).
+
+What it is not: a scheduler or a sampler (they stay with the engine, on the driver), or a
+base class: a Ray or a remote executor is anything with these six names.
+
+Reference: vLLM `v1/executor/abstract.py` (`Executor`: `execute_model`, `collective_rpc`,
+`check_health`, `shutdown`) and `uniproc_executor.py`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from .worker import ModelInput
+
+
+@runtime_checkable
+class Executor(Protocol):
+    num_blocks: int  # KV blocks in every rank's cache
+
+    def execute(self, model_input: ModelInput) -> torch.Tensor:
+        """One forward, start to end -> logits [S, V] (S = len(model_input.logits_indices))."""
+        ...
+
+    def submit(self, model_input: ModelInput) -> int:
+        """Start a forward; returns its number (in submission order). `collect` hands back its logits."""
+        ...
+
+    def collect(self) -> torch.Tensor:
+        """The logits [S, V] of the oldest forward submitted and not yet collected."""
+        ...
+
+    def collective_rpc(self, method: str, *args: Any) -> list:
+        """Call the worker method `method(*args)` on every rank; their answers, in rank order."""
+        ...
+
+    def check_health(self) -> None:
+        """Raise if a rank has died (cheap: sends nothing)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop every rank and free what they hold; calling it again does nothing."""
+        ...

@@ -1,0 +1,221 @@
+"""A rank: what every process of a tp x pp layout builds, and the loop a worker rank runs.
+
+What it is: `ParallelSpec`, the plain values every rank needs (sent to each process once);
+`build_rank`, which loads this rank's shard and sizes its KV cache (every rank agrees on
+the fewest blocks any of them can hold); `RankWorker`, level 1's `Worker` over this rank's
+`StageModel`; and `serve`, the loop of every rank but the driver:
+
+    loop:  msg = receive()                      (stage 0: the driver's broadcast; stage s: from stage s-1)
+           pass msg on to stage s+1             (isend, before running it: the next stage can start listening)
+           Execute(mi, mb)      -> forward: hidden states on to stage s+1, or the logits to rank 0
+           CollectiveRPC(m, a)  -> worker.m(*a), the answer to rank 0
+           Shutdown()           -> return
+
+`rank_main` is a spawned (or torchrun-started) process's entry point: it joins the process
+group, builds its rank and serves until told to stop.
+
+What it is not: the driver (rank 0: `executor.py`), or how the messages travel (`transport.py`).
+
+Reference: vLLM `v1/executor/multiproc_executor.py` (`WorkerProc.worker_busy_loop`) and
+`v1/worker/gpu_worker.py`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from ladder.models import resolve_path
+from level0_naive.config import EngineConfig, resolve_kv_budget
+from level0_naive.loader import model_config_from_hf
+from level1_paged.paged_cache import PagedAttention
+from level1_paged.worker import ModelInput, Worker
+
+from .layers import ShardReader
+from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
+from .parallel_state import Comm, CommStats, Topology, alpha_beta, init_process_group, local_gpu
+from .transport import CollectiveRPC, Execute, Shutdown, echo, isend_object, isend_tensor, p2p_alpha_beta, receive
+
+if TYPE_CHECKING:
+    from .engine import ParallelEngineConfig
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelSpec:
+    """What every rank needs to build its part: plain values, sent to each process once."""
+
+    model: str  # the checkpoint's directory
+    dtype: torch.dtype
+    device_type: str  # "cpu" | "cuda"
+    tp: int
+    pp: int
+    partition: list[int] | None  # layers per stage (None: as even as possible)
+    block_size: int
+    attention_backend: str
+    kv_cache_memory: int | None
+    gpu_memory_utilization: float
+    backend: str  # "gloo" | "nccl"
+    timeout_s: float
+    extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
+    ranks_started_by: str = "mp"  # "mp" | "torchrun"
+
+    @classmethod
+    def from_config(
+        cls,
+        config: ParallelEngineConfig,
+        *,
+        model: str,
+        dtype: torch.dtype,
+        device_type: str,
+        extra_bytes_rank0: int = 0,
+    ) -> ParallelSpec:
+        """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device."""
+        backend = config.distributed_backend
+        if backend == "auto":
+            backend = "nccl" if device_type == "cuda" else "gloo"
+        return cls(
+            model=model,
+            dtype=dtype,
+            device_type=device_type,
+            tp=config.tensor_parallel_size,
+            pp=config.pipeline_parallel_size,
+            partition=config.pipeline_partition,
+            block_size=config.block_size,
+            attention_backend=config.attention_backend,
+            kv_cache_memory=config.kv_cache_memory,
+            gpu_memory_utilization=config.gpu_memory_utilization,
+            backend=backend,
+            timeout_s=config.distributed_timeout_s,
+            extra_bytes_rank0=extra_bytes_rank0,
+            ranks_started_by=config.distributed_executor_backend or "mp",
+        )
+
+
+@dataclass
+class Timeline:
+    """(micro-batch, start, end) of this rank's last forwards: bounded."""
+
+    events: deque = field(default_factory=lambda: deque(maxlen=512))
+
+
+class RankWorker(Worker):
+    """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache.
+    Its methods are what `collective_rpc` can call on every rank."""
+
+    def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str):
+        super().__init__(model, num_blocks, block_size, attention_backend)
+        self.comm = comm
+        self.timeline = Timeline()
+
+    @torch.inference_mode()
+    def execute(self, model_input: ModelInput, hidden: torch.Tensor | None = None, mb: int = 0) -> torch.Tensor | None:
+        """Hidden states [T, d] for the next stage; on the last stage the logits [S, V] (TP rank 0) or None."""
+        t0 = time.perf_counter()
+        mi = model_input.to(self.device)
+        out = self.model(
+            mi.input_ids, mi.positions, PagedAttention(self.cache, mi, self.impl, self.scale), hidden=hidden
+        )
+        if self.model.last:
+            out = self.model.compute_logits(out[mi.logits_indices])
+        self.timeline.events.append((mb, t0, time.perf_counter()))
+        return out
+
+    def stats(self) -> tuple[CommStats, list]:
+        """This rank's message counters and forward timeline."""
+        return self.comm.stats, list(self.timeline.events)
+
+    def calibrate(self) -> dict:
+        """Every rank's part of measuring alpha and beta: stage 0 all-reduces together (TP), rank 0
+        and stage 1's first rank do round trips (PP). Rank 0's answer holds the numbers."""
+        topo, out = self.comm.topo, {}
+        if topo.tp > 1 and topo.is_first_stage:
+            out["all_reduce"] = alpha_beta(self.comm)
+        if topo.pp > 1 and topo.rank == 0:
+            out["p2p"] = p2p_alpha_beta(self.comm, topo.rank_of(1, 0))
+        elif topo.pp_rank == 1 and topo.tp_rank == 0:
+            echo(0)
+        return out
+
+
+def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
+    """Load this rank's shard, agree on the block count (the fewest any rank can hold), allocate its cache."""
+    topo = comm.topo
+    device = torch.device(f"cuda:{local_gpu(topo)}" if spec.device_type == "cuda" else "cpu")
+    path = resolve_path(spec.model)
+    cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
+    layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
+    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers)
+    per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
+    per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
+    budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,
+                                            gpu_memory_utilization=spec.gpu_memory_utilization), device)  # fmt: skip
+    capacity = torch.tensor([budget // (spec.block_size * per_token)], dtype=torch.int64, device=device)
+    if topo.world > 1:
+        dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
+    num_blocks = int(capacity.item())
+    if num_blocks < 1:
+        raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
+    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend)
+
+
+# --- a worker rank's life ---------------------------------------------------------------------------
+def serve(worker: RankWorker, comm: Comm, spec: ParallelSpec) -> None:
+    """Receive messages in order, pass them on, run them; return on `Shutdown`."""
+    topo, pending = comm.topo, []
+    prev = topo.rank_of(topo.pp_rank - 1, topo.tp_rank) if not topo.is_first_stage else None
+    nxt = topo.rank_of(topo.pp_rank + 1, topo.tp_rank) if not topo.is_last_stage else None
+    hidden_size = worker.model.full_config.hidden_size
+    while True:
+        # Last message's sends are done once their receivers took them; gloo reports a send's
+        # completion only through wait(), and the receivers always get to them (stages run in order).
+        for work, _ in pending:
+            work.wait()
+        pending = []
+        msg = receive(comm)
+        if nxt is not None:
+            pending += isend_object(comm, msg, nxt)
+        match msg:
+            case Execute(model_input=mi, mb=mb):
+                shape = (len(mi.input_ids), hidden_size)
+                hidden = None if prev is None else comm.recv(shape, spec.dtype, prev, worker.device)
+                out = worker.execute(mi, hidden, mb)
+                if nxt is not None:
+                    pending += isend_tensor(comm, out, nxt)
+                elif topo.tp_rank == 0:
+                    pending += isend_tensor(comm, out, 0)
+            case CollectiveRPC(method=method, args=args):
+                pending += isend_object(comm, getattr(worker, method)(*args), 0)
+            case Shutdown():
+                for work, _ in pending:
+                    work.wait()
+                return
+            case _:
+                raise TypeError(f"rank {topo.rank} got a message it does not know: {msg!r}")
+
+
+def rank_main(rank: int, spec: ParallelSpec, init_method: str, started=None) -> None:
+    """Entry point of a worker process; `started` (a pipe's end) tells the driver it got this far."""
+    if started is not None:
+        started.send(rank)
+        started.close()
+    torch.set_num_threads(1)  # one thread per rank: ranks share the cores
+    topo = Topology(spec.tp, spec.pp, rank)
+    init_process_group(spec.backend, init_method, topo, spec.timeout_s)
+    try:
+        comm = Comm(topo)
+        worker = build_rank(spec, comm)
+        serve(worker, comm, spec)
+    except Exception:  # the driver sees the closed connection; this says why
+        traceback.print_exc()
+        os._exit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
