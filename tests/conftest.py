@@ -1,8 +1,11 @@
-"""Shared test fixtures: random-weight checkpoints saved with `transformers`, and the oracle.
+"""Shared test fixtures: random-weight checkpoints saved with `transformers`, the oracle, and
+level 6's server.
 
 Every checkpoint goes through `save_pretrained` and our loader, so the real loading path
 is the one exercised. Nothing is downloaded. The hypothesis profile `ci` bounds the
-example counts so the whole suite stays within its time budget on 2 CPU cores.
+example counts so the whole suite stays within its time budget on 2 CPU cores. The
+level-6 fixtures (`ckpt`, `llm`, `server`) are module-scoped: each level-6 test file that
+asks for them gets its own, built from tests/level6_helpers.py (imported only then).
 """
 
 from __future__ import annotations
@@ -146,3 +149,29 @@ class Oracle:
 @pytest.fixture(scope="session")
 def oracle() -> Oracle:
     return Oracle()
+
+
+# --- level 6: the checkpoint, the offline LLM and the server the level-6 test files share ---
+@pytest.fixture(scope="module")
+def ckpt(checkpoint_factory) -> Path:
+    """A small random llama with the built-in byte-level tokenizer: text prompts, chat and stop strings work."""
+    return checkpoint_factory("llama", tokenizer=True)
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    """The offline `LLM` on `ckpt`, with the server's settings: what the server's answers must equal."""
+    from level6_helpers import ENGINE
+
+    from level6_serving import LLM
+
+    return LLM(str(ckpt), **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def server(ckpt):
+    """A uvicorn serving `ckpt` as level6_helpers.NAME, a thread of this process (`url`, `engine`, `client`)."""
+    from level6_helpers import ENGINE, serve
+
+    with serve(ckpt, ENGINE) as s:
+        yield s

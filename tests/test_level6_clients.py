@@ -47,21 +47,17 @@ import sys
 import types
 import typing
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
+from level6_helpers import NAME, serve, sse_events
 
-from level6_serving import AsyncLLMEngine
-from level6_serving.api_server import ServerThread, build_app
 from level6_serving.metrics import parse, value
 
 pytestmark = pytest.mark.level6
 
 # max_model_len 128 keeps every request a fuzzer can make cheap: at most 128 tokens each.
 ENGINE = dict(dtype="float64", max_model_len=128, seed=0, kv_cache_memory=16 << 20, max_num_seqs=4)
-NAME = "tiny"
 DATA = Path(__file__).resolve().parent / "data" / "guidellm_requests.json"
 GUIDELLM_VERSION = "0.8.1"  # the version the bodies in DATA were recorded with
 
@@ -103,23 +99,19 @@ class BodyRecorder:
 
 
 @contextlib.contextmanager
-def serve(ckpt: Path, **app_kw):
-    engine = AsyncLLMEngine.from_engine_args(str(ckpt), **ENGINE)
-    app = build_app(engine, [NAME], **app_kw)
+def recording_server(ckpt: Path, **app_kw):
+    """A server (level6_helpers.serve) with this file's ENGINE; `seen` has the requests that arrived."""
     seen = Seen()
-    app.add_middleware(BodyRecorder, seen=seen)  # added last: the outermost, it sees the body as it arrived
-    srv = ServerThread(app)
-    with srv as url:
-        client = openai.OpenAI(base_url=url + "/v1", api_key="-", max_retries=0, timeout=60)
-        yield SimpleNamespace(url=url, engine=engine, client=client, seen=seen)
-        client.close()
-    assert not srv.thread.is_alive(), "the server thread outlived its test module"
+    recorder = (BodyRecorder, {"seen": seen})  # added last: the outermost, it sees the body as it arrived
+    with serve(ckpt, ENGINE, middleware=(recorder,), timeout=60, **app_kw) as s:
+        s.seen = seen
+        yield s
 
 
 @pytest.fixture(scope="module")
-def server(checkpoint_factory):
+def server(ckpt):
     """The random checkpoint test_level6.py uses, with the small context above."""
-    with serve(checkpoint_factory("llama", tokenizer=True), max_num_waiting=32) as s:
+    with recording_server(ckpt, max_num_waiting=32) as s:
         yield s
 
 
@@ -131,17 +123,8 @@ def eos_ckpt(checkpoint_factory):
 
 @pytest.fixture(scope="module")
 def eos_server(eos_ckpt):
-    with serve(eos_ckpt) as s:
+    with recording_server(eos_ckpt) as s:
         yield s
-
-
-def sse_events(raw: bytes) -> list[str]:
-    """A raw SSE body -> the data of each event, checking OpenAI's framing on the way."""
-    body = raw.decode()
-    assert body.endswith("\n\n"), "every event ends with a blank line"
-    chunks = body[:-2].split("\n\n")
-    assert all(c.startswith("data: ") and "\n" not in c for c in chunks), chunks
-    return [c[len("data: ") :] for c in chunks]
 
 
 def post_stream(url: str, path: str, body: dict) -> tuple[list[dict], str]:
