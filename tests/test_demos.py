@@ -23,7 +23,7 @@ from ladder.models import REPO
 pytestmark = pytest.mark.docs
 
 DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md", "docs/level3_prefix.md",
-        "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md"]  # fmt: skip
+        "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md", "docs/benchmarks.md"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
