@@ -25,14 +25,12 @@ out, budget = SchedulerOutput(), self.max_num_batched_tokens.
 1. Running requests first, in order (self.running is in admission order), while budget is left:
    n = the request's uncomputed tokens (req.num_uncomputed_tokens), cut to the budget left: a prompt
        longer than that is cut here, and the rest comes next step (chunked prefill).
-   k = self.num_lookahead_tokens(req, n, budget - n)   (level 4's draft tokens: always 0 at level 2)
-   Room in the KV cache: self.kv.allocate_slots(req, n, num_lookahead_tokens=k), all or nothing.
-   While it says no: if k > 0, drop it to 0 and ask again; otherwise preempt
-   victim = self._pick_victim() with self._preempt(victim, out), and ask again. If the victim was
-   req itself, it waits for the next step: go on with the next request.
+   Room in the KV cache: self.kv.allocate_slots(req, n), all or nothing.
+   While it says no, preempt victim = self._pick_victim() with self._preempt(victim, out), and ask
+   again. If the victim was req itself, it waits for the next step: go on with the next request.
    ("priority" can pick a victim you already scheduled this step: out.remove(victim) returns its
    tokens, which go back into the budget; mind your position in self.running.)
-   With room: out.add(req, n, k); the budget loses n + k.
+   With room: out.add(req, n); the budget loses n.
 2. Then the waiting requests: self._admit(out, budget), but not in a step that preempted anyone.
 Return out.""",
     ),
@@ -72,7 +70,7 @@ CHECKS = (
     Check("budget", "the token budget: running requests first, a long prompt cut into chunks",
           (L2 + "test_chunked_prefill_mixes_prefill_and_decode", OWN + "test_budget_goes_to_running_requests_first"),
           "Each running request, in order, gets min(its uncomputed tokens, budget left); a prompt longer than what "
-          "is left is cut and the rest comes next step. Every scheduled token (n + k) counts against "
+          "is left is cut and the rest comes next step. Every scheduled token counts against "
           "max_num_batched_tokens, and waiting requests only get what the running ones left.",
           rule="A step never schedules more tokens than its budget; running requests are served before waiting ones, "
                "and a prompt larger than what is left is split across steps rather than held back."),
@@ -144,8 +142,8 @@ BUGS = (
         "        if not out.preempted:\n            self._admit(out, budget)\n", "        self._admit(out, budget)\n",
         ("no-admit-after-preempt",)),
     Bug("no-chunking", "level2_continuous.scheduler",
-        "            n = min(req.num_uncomputed_tokens, budget)\n            k = self.num_lookahead_tokens",
-        "            n = req.num_uncomputed_tokens\n            k = self.num_lookahead_tokens", ("budget",)),
+        "            n = min(req.num_uncomputed_tokens, budget)\n            while not self.kv.allocate_slots(req, n):",
+        "            n = req.num_uncomputed_tokens\n            while not self.kv.allocate_slots(req, n):", ("budget",)),
     Bug("smallest-first", "level2_continuous.scheduler",
         "        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:\n"
         "            req = self._next_waiting()\n",

@@ -33,7 +33,7 @@ from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .metrics import Metric
 from .outputs import OutputProcessor, Sequence, logprob_entries
-from .sampling import sample
+from .sampler import Sampler
 from .stats import EngineStats
 
 
@@ -65,6 +65,11 @@ class EngineBase:
         self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device,
                                      self.sequence_class, self.check_fits, self.clock)  # fmt: skip
         self.outputs = OutputProcessor()
+        self.sampler = self.make_sampler()
+
+    def make_sampler(self) -> Sampler:
+        """The sampler and its logits processors (a level or a mode adds its own)."""
+        return Sampler()
 
     @property
     def model_path(self):
@@ -92,13 +97,15 @@ class EngineBase:
     @torch.inference_mode()
     def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
         """logits [len(seqs), V] -> (one token per sequence, its logprobs entry or None)."""
-        tokens = sample(logits, [s.sampling_state() for s in seqs])  # [B]
+        tokens = self.sampler.sample(logits, [s.sampling_state() for s in seqs])  # [B]
         return tokens.tolist(), logprob_entries(logits, tokens, seqs, self.tokenizer)
 
     def append_token(self, seq: Sequence, token: int, logprob=None) -> None:
-        """One new token for one sequence (stop rules applied); its inter-token latency is recorded."""
+        """One new token for one sequence (stop rules applied); it is counted, and its inter-token
+        latency recorded."""
         before = seq.metrics.last_token_time
         seq.append_token(token, logprob)
+        self.stats.generated_tokens += 1
         if before is not None:
             self.stats.itl.observe(seq.metrics.last_token_time - before)
         if seq.is_finished:

@@ -67,7 +67,6 @@ class NaiveEngine(EngineBase):
                 tokens, logprobs = self.sample_tokens(logits, running)
                 for seq, tok, lp in zip(running, tokens, logprobs):
                     self.append_token(seq, tok, lp)
-            self.stats.generated_tokens += len(running)
             self.stats.record_step(len(running), *self.kv_usage(), t.seconds)
             done = [s for s in running if s.is_finished]
             for s in done:

@@ -1,21 +1,13 @@
-"""Sampling: the parameters a vLLM user passes, and the function that turns logits into tokens.
+"""Sampling: the parameters a vLLM user passes, what a row of logits knows, and the maths.
 
 What it is: `SamplingParams` with vLLM's field names and validation (a `ValueError`
-that names the field), and sampling in two stages, so that speculative decoding (level
-4) can reuse the first:
+that names the field); `SamplingState`, one row's params and history; and the pure
+functions the sampler (`sampler.py`) is made of: penalties (OpenAI's presence and
+frequency, HF's repetition), the top-k / top-p / min-p filter, and the logprobs that
+outputs report.
 
-    logits [B, V] --probabilities()--> probs [B, V] --draw()--> tokens [B]
-                   penalties, min-tokens EOS ban,     one multinomial draw per row from
-                   temperature, top-k, top-p, min-p    the request's own generator; a
-                   (a greedy row: one-hot at argmax)   greedy row takes its argmax
-
-`sample()` is the two together, with a fast path (one `argmax`) when every row is plain
-greedy. Each request draws from its own `torch.Generator`, so a seeded request gives
-the same tokens whatever batch it lands in.
-
-What it is not: fast. Penalised or seeded rows are handled with small per-row loops; a
-real engine fuses this into one kernel (vLLM's `v1/sample/sampler.py`). Greedy rows, the
-case the equivalence tests and most benchmarks use, take one `argmax`.
+What it is not: the sampler. `sampler.Sampler` turns logits into tokens through a chain
+of logits processors; this file only defines what they compute.
 
 Reference: vLLM `SamplingParams` (vllm/sampling_params.py) and `v1/sample/`; the OpenAI
 API for presence/frequency penalties; Hugging Face's `RepetitionPenaltyLogitsProcessor`.
@@ -172,64 +164,6 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     if min_p > 0:
         keep &= probs >= min_p * probs.max()
     return logits.masked_fill(~keep, float("-inf"))
-
-
-def process_row(row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-    """One row of raw logits [V] -> the logits the request really samples from [V].
-
-    Greedy rows get the bans and penalties but no temperature (there is nothing to
-    divide by); sampled rows are divided by the temperature and filtered.
-    """
-    p = st.params
-    if len(st.output_token_ids) < p.min_tokens:
-        # every id is < V: InputProcessor refuses a request whose stop_token_ids are not
-        banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
-        if banned:
-            row = row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf"))
-    if p.needs_penalties:
-        row = apply_penalties(row, st)
-    if p.greedy:
-        return row
-    return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
-
-
-def probabilities(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Stage 1. logits [B, V] -> the distribution each row is sampled from, probs [B, V].
-
-    A greedy row is one-hot at the argmax of its processed logits: sampling from it is
-    the argmax, and level 4's rejection sampler needs no special case to be exact for it.
-    """
-    probs = torch.empty_like(logits)  # [B, V]
-    for i, st in enumerate(states):
-        row = process_row(logits[i], st)  # [V]
-        if st.params.greedy:
-            probs[i] = torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).to(probs.dtype)
-        else:
-            probs[i] = torch.softmax(row, dim=-1)
-    return probs
-
-
-def draw(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """Stage 2. probs [B, V] -> one token per row [B] (long), each from its own generator."""
-    out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
-    for i, st in enumerate(states):
-        if st.params.greedy:
-            out[i] = probs[i].argmax()
-        else:
-            out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
-    return out
-
-
-def is_plain_greedy(params: SamplingParams) -> bool:
-    """Greedy with nothing that reshapes the logits: the row's token is its raw argmax."""
-    return params.greedy and not params.needs_penalties and not params.min_tokens
-
-
-def sample(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-    """logits [B, V] (float32+) -> next tokens [B] (long). One row per state."""
-    if all(is_plain_greedy(st.params) for st in states):
-        return logits.argmax(dim=-1)  # the fast path: plain greedy
-    return draw(probabilities(logits, states), states)
 
 
 def top_logprobs(

@@ -2,13 +2,15 @@
 
 from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
 
-from .engine import LLM, ContinuousEngineConfig, LLMEngine, SamplerOutput
+from .engine import LLM, ContinuousEngine, ContinuousEngineConfig, LLMEngine
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .request import Request, RequestStatus
+from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "ContinuousEngine",
     "SamplingParams",
     "RequestOutput",
     "RequestOutputKind",
@@ -17,7 +19,9 @@ __all__ = [
     "ContinuousEngineConfig",
     "KVCacheManager",
     "SimpleKVCacheManager",
-    "SamplerOutput",
+    "ModelRunnerOutput",
+    "Scheduler",
+    "SchedulerOutput",
     "Request",
     "RequestStatus",
     "load_model",

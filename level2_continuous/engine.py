@@ -1,18 +1,19 @@
 """Level 2: continuous batching. The engine asks the scheduler every step.
 
-What it is: `LLMEngine`, vLLM's online core API (`add_request`, `abort_request`,
-`step`, `has_unfinished_requests`, `get_metrics`), composed of a `Scheduler`, a
-`KVCacheManager` and a `Worker`; and `LLM`, level 0's front end over it. One step is a
-pipeline of methods, each one a later level can override:
+What it is: `ContinuousEngine` (exported as `LLMEngine`, vLLM's name), vLLM's online
+core API (`add_request`, `abort_request`, `step`, `has_unfinished_requests`,
+`get_metrics`), composed of a `Scheduler`, a `KVCacheManager` and a `Worker`; and `LLM`,
+level 0's front end over it. One step reads as vLLM's `EngineCore.step` does:
 
-    schedule()            who runs, how many tokens each (may preempt)   -> SchedulerOutput
-    prepare_input()       the flattened batch, built once                -> ModelInput
-    worker.execute()      model forward through the paged cache         -> logits rows
-    sample()              processed probabilities, then the draw         -> SamplerOutput
-    update_from_output()  num_computed_tokens += accepted; name full blocks (level 3);
-                          append tokens; stop rules; finish and free     -> requests that moved
-    step() / run()        outputs for the caller (cumulative, delta or final only)
-    observers             each called with the step's StepRecord and a KVSnapshot (observers.py)
+    sched  = self.schedule()                               who runs, how many tokens (may preempt)
+    logits = self.worker.execute(self.prepare_input(sched)) the flattened batch through the paged cache
+    output = self.sample(sched, logits)                    processed probabilities, then the draw
+    moved  = self.scheduler.update_from_output(sched, output)  tokens join, stop rules, finish, free
+    self.post_step(sched)                                  nothing here (level 4 proposes its next guesses)
+
+then `step()` turns the requests that moved into outputs (cumulative, delta or final
+only), and each observer is called with the step's StepRecord and a KVSnapshot
+(observers.py). Each stage is a method a later level can override.
 
 A request leaves the batch the step it finishes, its blocks go back at once, and a
 waiting one joins the next step: nobody waits for the batch's longest member.
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +48,7 @@ from level1_paged.worker import ModelInput, Worker
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .observers import StepObserver, snapshot
 from .request import Request
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 
 @dataclass
@@ -81,37 +82,26 @@ class StepRecord:
     request_ids: list[str]
 
 
-@dataclass
-class SamplerOutput:
-    """What sampling decided, per request whose logits were computed."""
-
-    requests: list[Request] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)  # one token each here; level 4: up to k + 1
-    logprobs: list[list] = field(default_factory=list)  # entries matching token_ids (None: not asked)
-    num_rejected: dict[int, int] = field(default_factory=dict)  # seq_id -> scheduled tokens not accepted (level 4)
-
-
-class LLMEngine(EngineBase):
+class ContinuousEngine(EngineBase):
     config_class = ContinuousEngineConfig
     sequence_class = Request
 
     def __init__(self, model: str, *, observers: Iterable[StepObserver] = (), **kwargs):
         super().__init__(model, **kwargs)
         self.observers = list(observers)  # each called once per step with its record and a KV snapshot
-        self.num_blocks = self.determine_num_blocks()
-        self.worker = self.make_worker()
+        self.worker = self.make_worker()  # it holds the KV cache, so it says how many blocks there are
+        self.num_blocks = self.worker.num_blocks
         self.kv: KVCacheManager = self.make_kv_manager()
         self.scheduler = self.make_scheduler()
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
         self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
 
-    def determine_num_blocks(self) -> int:
-        """How many KV blocks the budget holds (level 5: the fewest any rank can hold)."""
-        return num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
-
     def make_worker(self) -> Worker:
-        return Worker(self.loaded.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
+        """The model and its paged KV cache, as many blocks as the budget holds (level 5: an
+        executor over ranks, which agree on the fewest any of them can hold)."""
+        num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
+        return Worker(self.loaded.model, num_blocks, self.config.block_size, self.config.attention_backend)
 
     def make_kv_manager(self) -> KVCacheManager:
         """The part level 3 replaces with its prefix-caching manager."""
@@ -119,7 +109,7 @@ class LLMEngine(EngineBase):
 
     def make_scheduler(self) -> Scheduler:
         c = self.config
-        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy)
+        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token)
 
     def check_fits(self, seq: Request, i: int) -> None:
         need = blocks_for(seq.max_total_tokens, self.config.block_size)
@@ -213,58 +203,37 @@ class LLMEngine(EngineBase):
                     return []
                 model_input = self.prepare_input(sched)
             logits = self.worker.execute(model_input)
-            sampled = self.sample(sched, logits)
-            moved = self.update_from_output(sched, sampled)
+            output = self.sample(sched, logits)
+            moved = self.scheduler.update_from_output(sched, output)
+            self.post_step(sched)
         self._record(sched, t_sched.seconds, t_step.seconds)
         return moved
 
-    def schedule(self) -> SchedulerOutput:
-        sched = self.scheduler.schedule()
+    def schedule(self, in_flight: list[Request] = ()) -> SchedulerOutput:
+        """The scheduler's decision (level 5 passes the requests its pipeline still has in flight)."""
+        sched = self.scheduler.schedule_except(in_flight) if in_flight else self.scheduler.schedule()
         self.mark_scheduled([req for req, _ in sched.scheduled])
         return sched
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
-        """Each scheduled request's new tokens, from where its cache ends; logits where a chunk
-        reaches the request's last token (a partial prefill chunk samples nothing)."""
+        """Each scheduled request's next tokens, from where its cache ends; logits rows where a
+        chunk reaches the request's last token (a partial prefill chunk samples nothing)."""
         chunks, tables, num_logits = [], [], []
         for req, n in sched.scheduled:
-            start = req.num_computed_tokens
-            chunks.append((req.token_slice(start, n), start))
+            chunks.append((req.token_slice(req.num_computed_tokens, n), req.num_computed_tokens))
             tables.append(self.kv.block_table(req))
-            num_logits.append(1 if start + n == req.num_tokens else 0)
+            num_logits.append(req.num_logits(n))
         return ModelInput.build(chunks, tables, self.config.block_size, num_logits)
 
     @torch.inference_mode()
-    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits [S, V], one row per request whose chunk reached its end -> one token each."""
-        reqs = [req for req, n in sched.scheduled if req.num_computed_tokens + n == req.num_tokens]
+        reqs = [req for req, n in sched.scheduled if req.num_logits(n)]
         tokens, logprobs = self.sample_tokens(logits, reqs)
-        return SamplerOutput(reqs, [[t] for t in tokens], [[lp] for lp in logprobs])
+        return ModelRunnerOutput(reqs, [[t] for t in tokens], [[lp] for lp in logprobs])
 
-    def update_from_output(self, sched: SchedulerOutput, out: SamplerOutput) -> list[Request]:
-        """The scheduled tokens are in the cache now (less any rejected); new tokens join the
-        requests; whoever stopped leaves, and its blocks are free when this returns."""
-        for req, n in sched.scheduled:
-            req.num_computed_tokens += n - out.num_rejected.get(req.seq_id, 0)
-        for req, tokens, logprobs in zip(out.requests, out.token_ids, out.logprobs):
-            for tok, lp in zip(tokens, logprobs):
-                self.append_token(req, tok, lp)
-                self.stats.generated_tokens += 1
-                if req.is_finished:
-                    break  # a stop inside a run of accepted tokens: nothing after it is kept,
-            req.num_computed_tokens = min(req.num_computed_tokens, req.num_tokens)  # nor computed
-        for req, _ in sched.scheduled:
-            # Level 3: name the blocks that became full. Only now, with the new tokens joined: at
-            # level 4 an accepted draft run completes blocks whose last tokens were not in the
-            # request before this step.
-            self.kv.cache_blocks(req, self.num_shareable_tokens(req))
-            if req.is_finished:
-                self.scheduler.finish(req)
-        return out.requests
-
-    def num_shareable_tokens(self, req: Request) -> int:
-        """Tokens whose K/V is complete in every cache the engine keeps (level 4: target and draft)."""
-        return req.num_computed_tokens
+    def post_step(self, sched: SchedulerOutput) -> None:
+        """After the books are kept: nothing at level 2 (level 4 drafts the next step's tokens here)."""
 
     def _record(self, sched: SchedulerOutput, sched_s: float, step_s: float) -> None:
         s = self.stats
@@ -302,4 +271,7 @@ class LLMEngine(EngineBase):
 class LLM(NaiveLLM):
     """Level 0's front end over the continuous-batching engine."""
 
-    engine_class = LLMEngine
+    engine_class = ContinuousEngine
+
+
+LLMEngine = ContinuousEngine  # vLLM's name; each level exports its own engine under it

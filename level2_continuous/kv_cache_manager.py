@@ -7,13 +7,12 @@ over a hash-named block pool; neither inherits from the other.
 
   - `get_computed_blocks(req)`: blocks whose K/V already exist for this request's
     prefix (never any here), found before the request is admitted;
-  - `allocate_slots(req, n, computed_blocks, num_lookahead_tokens)`: all-or-nothing
-    room for positions up to `num_computed + n + num_lookahead_tokens`, with the
-    computed blocks as the head of the table (lookahead slots: level 4's draft tokens);
+  - `allocate_slots(req, n, computed_blocks)`: all-or-nothing room for positions up
+    to `num_computed + n`, with the computed blocks as the head of the table;
   - `cache_blocks(req, num_tokens)`: after a step, the request's first `num_tokens`
-    tokens (default: `num_computed_tokens`) are in its blocks, verified in every cache:
-    name the newly full ones (level 3) and count them as stored, so `usage()` is a
-    counter, not a walk over every table;
+    tokens (default: `num_computed_tokens`) are in its blocks: name the newly full
+    ones (level 3) and count them as stored, so `usage()` is a counter, not a walk
+    over every table;
   - `free(req)`, `block_table(req)`, `num_free_blocks`, `usage()`.
 
 What it is not: a policy. It never picks a victim; when `allocate_slots` says no, the
@@ -40,15 +39,13 @@ class KVCacheManager(Protocol):
         """(cached blocks of the request's prefix, how many tokens they hold)."""
         ...
 
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
-    ) -> bool:
-        """Room up to num_computed + num_new + lookahead, or False and nothing changed.
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+        """Room up to num_computed + num_new, or False and nothing changed.
         `computed_blocks` is given (possibly empty) only when the request is admitted."""
         ...
 
     def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
-        """After a step: the first `num_tokens` (default `req.num_computed_tokens`) are stored and verified."""
+        """After a step: the first `num_tokens` (default `req.num_computed_tokens`) are stored."""
         ...
 
     def free(self, req: Request) -> None: ...
@@ -85,10 +82,8 @@ class SimpleKVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list, int]:
         return [], 0
 
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
-    ) -> bool:
-        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+        total = req.num_computed_tokens + num_new_tokens
         if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free:
             return False
         self.tables.grow(req.seq_id, total)

@@ -79,11 +79,23 @@ class Request(Sequence):
 
     @property
     def num_uncomputed_tokens(self) -> int:
+        """What the scheduler gives it next: every token whose K/V the cache lacks."""
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_decoding(self) -> bool:
+        """Feeding the token sampled last step (not a prompt, nor a recomputation after preemption)."""
+        return bool(self.output_token_ids) and self.num_computed_tokens == self.num_tokens - 1
+
+    def num_logits(self, n: int) -> int:
+        """Logits rows for a chunk of its next n tokens: one per position from its last known
+        token on (1 when the chunk reaches its end, 0 for a prompt chunk that stops short;
+        level 4's verification asks for more)."""
+        return max(0, self.num_computed_tokens + n - self.num_tokens + 1)
 
     def set_computed(self, n: int) -> None:
         """The cache holds exactly this request's first n tokens: a prefix hit at admission, or 0
-        after a preemption (level 4 also resets its draft model's progress here)."""
+        after a preemption."""
         self.num_computed_tokens = n
 
     def finish(self, reason: str) -> None:

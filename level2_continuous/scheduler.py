@@ -15,9 +15,13 @@ What it is: vLLM V1's policy, written to be read. At every step, within a token 
     step t:  budget 8 tokens    running: A (decode) B (decode) C (prefill, 9 left)
              scheduled          A:1  B:1  C:6  -> C gets the rest (3) at step t+1
 
-The scheduler decides; it never touches a tensor. `schedule()` returns a
-`SchedulerOutput` (which requests run how many tokens), the engine runs the model,
-and the engine's `update_from_output` moves the counters on.
+The scheduler decides and keeps the books; it never touches a tensor. One step is
+
+    sched  = scheduler.schedule()                        who runs how many tokens -> SchedulerOutput
+    output = (the engine runs the model and samples)     -> ModelRunnerOutput
+    moved  = scheduler.update_from_output(sched, output) counters, new tokens, stop rules, finish
+
+so a test, or a simulator, can drive it with a fake model that returns chosen tokens.
 
 What it is not: fair beyond FCFS, aware of prefix sharing (level 3 adds that through
 the KV manager's hooks), or able to swap KV to the CPU (preemption is by recompute).
@@ -29,6 +33,7 @@ Agrawal et al., "Sarathi-Serve" (OSDI 2024) for chunked prefill.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
@@ -40,23 +45,18 @@ class SchedulerOutput:
     scheduled: list[tuple[Request, int]] = field(default_factory=list)  # (request, tokens this step), batch order
     preempted: list[Request] = field(default_factory=list)
     num_prefill_tokens: int = 0  # prompt tokens, or prompt + output again after a preemption
-    num_spec: dict[int, int] = field(default_factory=dict)  # seq_id -> draft tokens among its tokens (level 4)
 
-    def add(self, req: Request, n: int, num_spec: int = 0) -> None:
-        """n new tokens, plus num_spec speculative ones to verify (level 4)."""
-        self.scheduled.append((req, n + num_spec))
-        if num_spec:
-            self.num_spec[req.seq_id] = num_spec
-        if not _is_decode(req):
+    def add(self, req: Request, n: int) -> None:
+        self.scheduled.append((req, n))
+        if not req.is_decoding:
             self.num_prefill_tokens += n
 
     def remove(self, req: Request) -> int:
         """Take a request back out (it was preempted later in the same step); its tokens."""
         k = next(j for j, (r, _) in enumerate(self.scheduled) if r is req)
         n = self.scheduled.pop(k)[1]
-        spec = self.num_spec.pop(req.seq_id, 0)
-        if not _is_decode(req):
-            self.num_prefill_tokens -= n - spec
+        if not req.is_decoding:
+            self.num_prefill_tokens -= n
         return n
 
     @property
@@ -64,16 +64,27 @@ class SchedulerOutput:
         return sum(n for _, n in self.scheduled)
 
 
-def _is_decode(req: Request) -> bool:
-    """Feeding the token sampled last step (not a prompt, nor a recomputation after preemption)."""
-    return bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
+@dataclass
+class ModelRunnerOutput:
+    """What the model and the sampler produced, per request whose logits were computed (batch order)."""
+
+    requests: list[Request] = field(default_factory=list)
+    token_ids: list[list[int]] = field(default_factory=list)  # one token each here (a higher level: more)
+    logprobs: list[list] = field(default_factory=list)  # entries matching token_ids (None: not asked)
+
+
+def append_token(req: Request, token: int, logprob=None) -> None:
+    req.append_token(token, logprob)
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs"):
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
+                 append_token: Callable[[Request, int, object], None] = append_token):  # fmt: skip
+        """`append_token(req, token, logprob)` is how a sampled token joins its request (stop rules
+        included); the engine passes its own, which also counts tokens and inter-token latency."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={policy!r} is not one of: fcfs, priority")
-        self.kv, self.policy = kv, policy
+        self.kv, self.policy, self.append_token = kv, policy, append_token
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -91,11 +102,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_uncomputed_tokens, budget)
-            k = self.num_lookahead_tokens(req, n, budget - n)  # level 4's draft tokens; 0 here
-            while not self.kv.allocate_slots(req, n, num_lookahead_tokens=k):
-                if k:  # speculation is optional: drop it before preempting anyone
-                    k = 0
-                    continue
+            while not self.kv.allocate_slots(req, n):
                 victim = self._pick_victim()
                 if self.running.index(victim) < i:  # (priority policy) already scheduled this step:
                     budget += out.remove(victim)  # take its tokens back
@@ -104,12 +111,25 @@ class Scheduler:
                 if victim is req:
                     break
             else:
-                out.add(req, n, k)
-                budget -= n + k
+                out.add(req, n)
+                budget -= n
                 i += 1
         if not out.preempted:
             self._admit(out, budget)
         return out
+
+    def schedule_except(self, in_flight: Collection[Request]) -> SchedulerOutput:
+        """`schedule()` with some running requests out of sight: those whose last step has not
+        come back (level 5's pipeline) are neither scheduled nor preempted now, and keep their places."""
+        busy = {id(r) for r in in_flight}
+        everyone, self.running = self.running, [r for r in self.running if id(r) not in busy]
+        try:
+            return self.schedule()
+        finally:
+            still = {id(r) for r in self.running}  # the others that are left (some preempted, some admitted)
+            kept = [r for r in everyone if id(r) in busy or id(r) in still]
+            was = {id(r) for r in everyone}
+            self.running = kept + [r for r in self.running if id(r) not in was]
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
@@ -126,9 +146,25 @@ class Scheduler:
             out.add(req, n)
             budget -= n
 
-    def num_lookahead_tokens(self, req: Request, n: int, budget_left: int) -> int:
-        """Speculative tokens to verify with this request's n new tokens: none at level 2."""
-        return 0
+    # --- after the model ran: the books ------------------------------------------------
+    def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
+        """The step ran. Its sampled tokens join their requests one by one (a stop rule cuts a run
+        of several exactly where it fires); each scheduled request's cache now holds its tokens up
+        to, not including, its newest one (fed next step); full blocks are named (level 3); whoever
+        stopped leaves, its blocks free when this returns. Returns the requests that got tokens."""
+        for req, tokens, logprobs in zip(output.requests, output.token_ids, output.logprobs):
+            for tok, lp in zip(tokens, logprobs):
+                self.append_token(req, tok, lp)
+                if req.is_finished:
+                    break  # nothing after a stop is kept
+        for req, n in sched.scheduled:
+            # Positions computed past the newest known token (level 4's unaccepted guesses, or
+            # anything after a stop) do not count: their K/V is overwritten later.
+            req.num_computed_tokens = min(req.num_computed_tokens + n, req.num_tokens - 1)
+            self.kv.cache_blocks(req)
+            if req.is_finished:
+                self.finish(req)
+        return output.requests
 
     def _next_waiting(self) -> Request:
         if self.policy == "priority":

@@ -3,11 +3,12 @@
 from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
 from level2_continuous import Request, RequestStatus
 
-from .engine import LLM, LLMEngine, PrefixEngineConfig
+from .engine import LLM, LLMEngine, PrefixCachingEngine, PrefixEngineConfig
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "PrefixCachingEngine",
     "SamplingParams",
     "RequestOutput",
     "RequestOutputKind",

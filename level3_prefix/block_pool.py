@@ -161,8 +161,8 @@ class BlockPool:
                 self.num_stored -= b.num_tokens
 
     def fill(self, b: KVBlock, num_tokens: int) -> None:
-        """A block in use now holds `num_tokens` tokens (more after a step; fewer after level 4
-        rolls back rejected draft tokens)."""
+        """A block in use now holds `num_tokens` tokens (more after a step; fewer when a step's
+        tokens past the newest known one are not kept)."""
         self.num_stored += num_tokens - b.num_tokens
         b.num_tokens = num_tokens
 

@@ -1,6 +1,6 @@
 """Level 3: level 2's engine with automatic prefix caching.
 
-What it is: `LLMEngine` and `LLM` of level 2 with one part replaced, the KV cache
+What it is: `PrefixCachingEngine` (exported as `LLMEngine`) and `LLM` of level 2 with one part replaced, the KV cache
 manager (`kv_cache_manager.PrefixCachingKVCacheManager`). The scheduler, the worker and
 the attention kernel do not change: a prefix hit simply admits a request with
 `num_computed_tokens > 0`, and its first chunk is a query of length > 1 over a longer
@@ -20,8 +20,7 @@ from dataclasses import dataclass
 
 from level0_naive.metrics import Counter, Metric
 from level2_continuous.engine import LLM as ContinuousLLM
-from level2_continuous.engine import ContinuousEngineConfig
-from level2_continuous.engine import LLMEngine as ContinuousEngine
+from level2_continuous.engine import ContinuousEngine, ContinuousEngineConfig
 
 from .kv_cache_manager import PrefixCachingKVCacheManager
 
@@ -31,7 +30,7 @@ class PrefixEngineConfig(ContinuousEngineConfig):
     enable_prefix_caching: bool = True
 
 
-class LLMEngine(ContinuousEngine):
+class PrefixCachingEngine(ContinuousEngine):
     config_class = PrefixEngineConfig
 
     def make_kv_manager(self) -> PrefixCachingKVCacheManager:
@@ -55,10 +54,13 @@ class LLMEngine(ContinuousEngine):
 class LLM(ContinuousLLM):
     """The offline entry point, with prefix caching."""
 
-    engine_class = LLMEngine
+    engine_class = PrefixCachingEngine
 
     def reset_prefix_cache(self) -> None:
         self.llm_engine.reset_prefix_cache()
 
     def prefix_stats(self) -> dict:
         return self.llm_engine.prefix_stats()
+
+
+LLMEngine = PrefixCachingEngine  # vLLM's name

@@ -7,13 +7,12 @@ Protocol (it inherits nothing from level 2's simple manager):
     cache until the first miss. The last token is never taken from the cache (there
     must be something to compute, to get logits to sample from), so a prompt of 32
     tokens with 16-token blocks can reuse one block, not two.
-  - `allocate_slots(req, n, computed, lookahead)`: touch the hit blocks (ref +1, out of
+  - `allocate_slots(req, n, computed)`: touch the hit blocks (ref +1, out of
     the free queue), then allocate the rest; all or nothing.
   - `cache_blocks(req, num_tokens)`: after a step, record how full the request's blocks
     are and name every block that became full. Generated tokens count too, so a
     conversation's next turn hits its previous answer. Only the first `num_tokens` are
-    named (default `num_computed_tokens`): level 4 passes the tokens verified in both
-    its caches, and its rejected draft tokens never are.
+    named (default `num_computed_tokens`; level 4 names fewer while its second cache lags).
 
     request tokens:  [ t0 .. t15 | t16 .. t31 | t32 .. t37 ]
     block hashes:      h1=H(-,t0..15)  h2=H(h1,t16..31)   (partial: not cached)
@@ -71,12 +70,10 @@ class PrefixCachingKVCacheManager:
             hit.append(b)
         return hit, len(hit) * bs
 
-    def allocate_slots(
-        self, req: Request, num_new_tokens: int, computed_blocks: list | None = None, num_lookahead_tokens: int = 0
-    ) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
         blocks = self.req_blocks.setdefault(req.seq_id, [])
         computed = computed_blocks or []
-        total = req.num_computed_tokens + num_new_tokens + num_lookahead_tokens
+        total = req.num_computed_tokens + num_new_tokens
         need = blocks_for(total, self.block_size) - len(blocks) - len(computed)
         idle_hits = sum(b.ref_cnt == 0 for b in computed)  # touching them takes them off the free queue
         if need > self.pool.num_free - idle_hits:
@@ -95,8 +92,6 @@ class PrefixCachingKVCacheManager:
 
     def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
         n = req.num_computed_tokens if num_tokens is None else num_tokens
-        # the fill follows the target's cache; at level 4 a block is named later, once the
-        # draft's cache holds it too (`num_tokens`), and the draft may lag behind
         self._record_fill(req, req.num_computed_tokens)
         if not self.enable_caching:
             return

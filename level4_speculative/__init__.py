@@ -4,8 +4,8 @@ from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutput
 from level2_continuous import RequestStatus
 
 from .config import SpeculativeConfig
-from .engine import LLM, LLMEngine, SpecDecodeStats
+from .engine import LLM, LLMEngine, SpecDecodeStats, SpeculativeEngine
 from .request import SpecRequest as Request
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LLMEngine", "SpeculativeEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
            "SpeculativeConfig", "SpecDecodeStats", "Request", "RequestStatus", "load_model"]  # fmt: skip

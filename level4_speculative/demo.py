@@ -91,19 +91,19 @@ def timed_generate(llm, prompts, params) -> tuple[list, float]:
 
 
 def trace_kinds(llm) -> dict[str, list[str]]:
-    """Wrap the engine's update_from_output to note where each emitted token came from."""
-    engine, kinds = llm.llm_engine, {}
-    inner = engine.update_from_output
+    """Wrap the scheduler's update_from_output to note where each emitted token came from
+    (the guesses verified this step are still on the request then)."""
+    scheduler, kinds = llm.llm_engine.scheduler, {}
+    inner = scheduler.update_from_output
 
     def traced(sched, out):
         for req, tokens in zip(out.requests, out.token_ids):
-            k = sched.num_spec.get(req.seq_id, 0)
-            a = len(tokens) - 1
+            k, a = len(req.spec_token_ids), len(tokens) - 1
             tags = ["accepted"] * a + (["recovered" if a < k else "bonus"] if k else ["plain"])
             kinds.setdefault(req.request_id, []).extend(tags)
         return inner(sched, out)
 
-    engine.update_from_output = traced
+    scheduler.update_from_output = traced
     return kinds
 
 

@@ -1,24 +1,34 @@
 """Level 4: level 3's engine with a proposer. Draft k tokens cheaply, verify them in one forward.
 
-What it is: `LLMEngine` and `LLM` of level 3 with `speculative_config` (vLLM's knob). One
-step, for a request that is decoding:
+What it is: `SpeculativeEngine` (exported as `LLMEngine`) and `LLM` of level 3 with
+`speculative_config` (vLLM's knob), drafting the vLLM V1 way: *after* a step, so the
+next step's scheduler sees only "this request has k more tokens to compute"
+(`SpecRequest`). What this level overrides:
 
-    schedule()        1 + k tokens for it (the budget counts them; k lookahead KV slots)
-    prepare_input()   the proposer drafts d_1..d_k (a draft model through its own paged
-                      cache on the same block tables, or an n-gram lookup), then the
-                      target's batch gets [last token, d_1..d_k] as one query of k + 1
-                      tokens, with logits rows for all k + 1 positions
-    worker.execute()  the target's ordinary forward (the paged kernel handles any query length)
-    sample()          the rejection sampler keeps a prefix of the draft and adds one token:
-                      exactly the target's distribution (`rejection_sampler.py`)
-    update_from_output()  num_computed_tokens += 1 + accepted (the rejected positions are
-                      rolled back: their K/V stays in the slots and is overwritten later);
-                      a block is named for sharing only once it is verified in both caches;
-                      the accepted tokens are appended one by one, so a stop rule cuts the
-                      run exactly where it fires
+    stage                 component                                  file
+    make_scheduler()      SpecScheduler: verify only guesses with budget  scheduler.py
+    make_kv_manager()     name a block once the draft's cache has it too  kv_cache_manager.py
+    prepare_input()       the draft's cache follows the prompt chunks     proposers.py (prefill)
+    sample()              rejection sampling over k + 1 logits rows       rejection_sampler.py
+    post_step()           reserve KV slots, then propose k guesses        proposers.py (propose)
 
-Requests that prefill, or have no room or budget for drafts, run as at level 3 in the
-same batch. Without `speculative_config` this is level 3, step for step.
+One decoding request over two steps:
+
+    step s, post_step:  the proposer drafts d_1..d_k (a draft model through its own paged
+                        cache on the same block tables, or an n-gram lookup) and leaves them
+                        on the request; their KV slots are reserved now, from free blocks
+                        only (speculation never preempts anyone: fewer guesses instead)
+    step s+1, schedule: 1 + k tokens, counted in the budget like any others
+              forward:  [last token, d_1..d_k] as one query with k + 1 logits rows
+                        (level 2's prepare_input; the paged kernel handles any query length)
+              sample:   the rejection sampler keeps a prefix of the guesses and adds one
+                        token: exactly the target's distribution (`rejection_sampler.py`)
+              update:   level 2's `update_from_output` appends them one by one (a stop rule
+                        cuts the run where it fires) and counts as computed only positions
+                        up to the newest token: the rejected ones' K/V is overwritten later
+
+Requests that prefill, or have no room for guesses, run as at level 3 in the same
+batch. Without `speculative_config` this is level 3, step for step.
 
 What it is not: a tree or multi-draft speculator, or overlapped drafting. Sampling
 from q and p per row is a Python loop over rows, as level 0's sampler is.
@@ -37,16 +47,15 @@ from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.loader import LoadedModel, load_model
 from level0_naive.metrics import Counter, Metric, Vector
 from level0_naive.outputs import logprob_entries
-from level0_naive.sampling import is_plain_greedy, probabilities
 from level0_naive.stats import Timer
 from level1_paged.worker import ModelInput, Worker
-from level2_continuous.engine import SamplerOutput
-from level2_continuous.scheduler import Scheduler, SchedulerOutput
+from level2_continuous.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 from level3_prefix.engine import LLM as PrefixLLM
-from level3_prefix.engine import LLMEngine as PrefixEngine
+from level3_prefix.engine import PrefixCachingEngine
 
 from .config import SpeculativeConfig, SpeculativeEngineConfig
-from .proposers import DraftModelProposer, NgramProposer, Proposal, Proposer, draft_state
+from .kv_cache_manager import DraftAwareKVCacheManager
+from .proposers import DraftModelProposer, NgramProposer, Proposer, draft_state
 from .rejection_sampler import greedy_verify, rejection_sample
 from .request import SpecRequest
 from .scheduler import SpecScheduler
@@ -95,7 +104,7 @@ class SpecDecodeStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
 
-class LLMEngine(PrefixEngine):
+class SpeculativeEngine(PrefixCachingEngine):
     config_class = SpeculativeEngineConfig
     sequence_class = SpecRequest
 
@@ -121,13 +130,15 @@ class LLMEngine(PrefixEngine):
     def kv_bytes_per_token(self) -> int:
         """Target and draft caches have the same number of blocks, so the KV budget is split in
         proportion to what one token costs in each."""
-        target = super().kv_bytes_per_token()
-        return target + (kv_bytes_per_token(self.draft.config, self.dtype) if self.draft else 0)
+        return super().kv_bytes_per_token() + self.draft_kv_bytes_per_token()
+
+    def draft_kv_bytes_per_token(self) -> int:
+        """What one token costs in the draft's cache (0 without a draft model)."""
+        return kv_bytes_per_token(self.draft.config, self.dtype) if self.draft else 0
 
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)  # level 2: the target's worker, the KV manager, the scheduler
         self.proposer: Proposer | None = self.make_proposer()
-        self._proposals: dict[int, Proposal] = {}  # this step's drafts, from prepare_input to sample
 
     def make_proposer(self) -> Proposer | None:
         """The draft model's own Worker (same block count and block tables as the target), or n-grams."""
@@ -139,7 +150,14 @@ class LLMEngine(PrefixEngine):
             raise ValueError(f"speculative_config.model {self.spec.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
         draft_worker = Worker(self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
-        return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size)
+        return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size, self.sampler)
+
+    def make_kv_manager(self):
+        """Level 3's, but a block is named only once the draft's cache holds it too."""
+        if self.draft is None:
+            return super().make_kv_manager()
+        c = self.config
+        return DraftAwareKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
 
     def make_scheduler(self) -> Scheduler:
         if self.spec is None:
@@ -150,69 +168,71 @@ class LLMEngine(PrefixEngine):
             c.max_num_batched_tokens,
             c.max_num_seqs,
             c.policy,
+            append_token=self.append_token,
             num_speculative_tokens=self.spec.num_speculative_tokens,
             disable_by_batch_size=self.spec.disable_by_batch_size,
         )
 
     # --- the step ------------------------------------------------------------------------------
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
-        """Draft, then build the target's batch: [last token, d_1..d_k] for each speculating request."""
-        if self.proposer is None:
-            return super().prepare_input(sched)
-        with Timer() as t:
-            self._proposals = self.proposer.propose(sched)
-        self.spec_stats.draft_seconds += t.seconds
-        self._trim_to_proposals(sched)
-        chunks, tables, num_logits = [], [], []
-        for req, n in sched.scheduled:
-            k, start = sched.num_spec.get(req.seq_id, 0), req.num_computed_tokens
-            drafts = self._proposals[req.seq_id].token_ids if k else []
-            chunks.append((req.token_slice(start, n - k) + drafts, start))
-            tables.append(self.kv.block_table(req))
-            num_logits.append(k + 1 if k else int(start + n == req.num_tokens))
-        return ModelInput.build(chunks, tables, self.config.block_size, num_logits)
-
-    def _trim_to_proposals(self, sched: SchedulerOutput) -> None:
-        """A proposer may find fewer tokens than scheduled (an n-gram with no match): verify only those."""
-        for i, (req, n) in enumerate(sched.scheduled):
-            k = sched.num_spec.get(req.seq_id, 0)
-            got = len(self._proposals[req.seq_id].token_ids) if k else 0
-            if got < k:
-                sched.scheduled[i] = (req, n - (k - got))
-                if got:
-                    sched.num_spec[req.seq_id] = got
-                else:
-                    del sched.num_spec[req.seq_id]
+        """Level 2's batch; first, the draft's cache takes this step's prompt chunks too."""
+        if self.proposer is not None:
+            with Timer() as t:
+                self.proposer.prefill(sched)
+            self.spec_stats.draft_seconds += t.seconds
+        return super().prepare_input(sched)
 
     @torch.inference_mode()
-    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> SamplerOutput:
-        """logits [S, V]: k + 1 rows for a speculating request, 1 for a plain one (batch order)."""
+    def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
+        """logits [S, V]: k + 1 rows for a request verifying k guesses, 1 for a plain one (batch order)."""
         if self.proposer is None:
             return super().sample(sched, logits)
-        out, row = SamplerOutput(), 0
-        plain, plain_rows, spec = [], [], []
+        plain, plain_rows, spec, row = [], [], [], 0
         for req, n in sched.scheduled:
-            k = sched.num_spec.get(req.seq_id, 0)
-            if k:
-                spec.append((req, k, row))
-                row += k + 1
-            elif req.num_computed_tokens + n == req.num_tokens:
+            rows = req.num_logits(n)
+            if rows > 1:
+                spec.append((req, rows - 1, row))
+            elif rows:
                 plain.append(req)
                 plain_rows.append(row)
-                row += 1
+            row += rows
         emitted = self._verify(spec, logits) if spec else {}
         if plain:
             tokens, logprobs = self.sample_tokens(logits[plain_rows], plain)
             emitted.update({req.seq_id: ([t], [lp]) for req, t, lp in zip(plain, tokens, logprobs)})
+        out = ModelRunnerOutput()
         for req, _ in sched.scheduled:  # batch order
             if req.seq_id in emitted:
                 tokens, logprobs = emitted[req.seq_id]
                 out.requests.append(req)
                 out.token_ids.append(tokens)
                 out.logprobs.append(logprobs)
-        for req, k, _ in spec:
-            out.num_rejected[req.seq_id] = k - (len(emitted[req.seq_id][0]) - 1)
         return out
+
+    def post_step(self, sched: SchedulerOutput) -> None:
+        """The step's tokens are in: guesses for the next step, for each request that may make some."""
+        if self.proposer is None:
+            return
+        with Timer() as t:
+            drafting = []
+            for req, _ in sched.scheduled:
+                req.keep_spec_tokens(0)  # verified (or cut) this step
+                if self.proposer.has_kv_cache:  # the draft's K/V past the verified tokens is stale now
+                    req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+                if not req.is_finished and (k := self.reserve_slots(req, self.scheduler.num_drafts(req))):
+                    drafting.append((req, k))
+            if drafting:
+                self.proposer.propose(drafting)
+                for req, _ in drafting:  # the draft caught up: blocks both caches now hold can be named
+                    self.kv.cache_blocks(req)
+        self.spec_stats.draft_seconds += t.seconds
+
+    def reserve_slots(self, req: SpecRequest, k: int) -> int:
+        """KV slots for k guesses (the draft writes them now, the target verifies them next step),
+        from free blocks only: when they run out, as many guesses as the request's blocks hold."""
+        if k and not self.kv.allocate_slots(req, 1 + k):  # positions up to num_tokens + k
+            k = max(0, len(self.kv.block_table(req)) * self.config.block_size - req.num_tokens)
+        return k
 
     def _verify(
         self, spec: list[tuple[SpecRequest, int, int]], logits: torch.Tensor
@@ -222,17 +242,17 @@ class LLMEngine(PrefixEngine):
         draft = torch.zeros(len(spec), K, dtype=torch.long)
         num_draft = torch.tensor([k for _, k, _ in spec])
         for i, (req, k, _) in enumerate(spec):
-            draft[i, :k] = torch.tensor(self._proposals[req.seq_id].token_ids)
+            draft[i, :k] = torch.tensor(req.spec_token_ids)
         rows = [logits[r : r + k + 1] for _, k, r in spec]  # each [k+1, V]
         target_argmax = torch.zeros(len(spec), K + 1, dtype=torch.long)
         p = torch.zeros(len(spec), K + 1, V, dtype=logits.dtype)
         sampled = []
         for i, (req, k, _) in enumerate(spec):
-            if is_plain_greedy(req.params):
+            if self.sampler.is_plain_greedy(req.params):
                 target_argmax[i, : k + 1] = rows[i].argmax(-1)
                 continue
             states = [draft_state(req, draft[i, :j].tolist()) for j in range(k + 1)]
-            p[i, : k + 1] = probabilities(rows[i], states)  # processed exactly as the draft's q was
+            p[i, : k + 1] = self.sampler.probabilities(rows[i], states)  # processed exactly as the draft's q was
             if req.params.greedy:
                 target_argmax[i, : k + 1] = p[i, : k + 1].argmax(-1)
             else:
@@ -253,29 +273,14 @@ class LLMEngine(PrefixEngine):
         return emitted
 
     def _draft_probs(self, req: SpecRequest, k: int, K: int, V: int, dtype) -> torch.Tensor:
-        """q [K, V] for one request: what its proposer sampled from, or a point mass on each draft
-        token when the proposer is deterministic (n-gram). Rows past k are padding."""
-        prop: Proposal = self._proposals[req.seq_id]
+        """q [K, V] for one request: what its proposer sampled from, or a point mass on each guess
+        when the proposer is deterministic (n-gram). Rows past k are padding."""
         q = torch.zeros(K, V, dtype=dtype)
-        if prop.probs is not None:
-            q[:k] = prop.probs.to(dtype)
+        if req.spec_probs is not None:
+            q[:k] = req.spec_probs.to(dtype)
         else:
-            q[torch.arange(k), torch.tensor(prop.token_ids)] = 1.0
+            q[torch.arange(k), torch.tensor(req.spec_token_ids)] = 1.0
         return q
-
-    def update_from_output(self, sched: SchedulerOutput, out: SamplerOutput):
-        moved = super().update_from_output(sched, out)
-        if self.draft is not None:  # the draft's K/V past the verified tokens is stale now
-            for req, _ in sched.scheduled:
-                req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
-        self._proposals = {}
-        return moved
-
-    def num_shareable_tokens(self, req: SpecRequest) -> int:
-        """A block is named (and so shareable) only when every token in it is verified in both caches."""
-        if self.proposer is not None and self.proposer.has_kv_cache:
-            return min(req.num_computed_tokens, req.draft_num_computed)
-        return req.num_computed_tokens
 
     # --- metrics ---------------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:
@@ -291,7 +296,10 @@ class LLMEngine(PrefixEngine):
 class LLM(PrefixLLM):
     """Level 3's front end over the speculative engine."""
 
-    engine_class = LLMEngine
+    engine_class = SpeculativeEngine
 
     def spec_decode_stats(self) -> SpecDecodeStats:
         return self.llm_engine.spec_stats
+
+
+LLMEngine = SpeculativeEngine  # vLLM's name

@@ -21,8 +21,8 @@ any token x, P(emit x at step i) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y),
     argmax, then emit the target's argmax at the first mismatch (or as the bonus). No
     division, no random draw.
 
-What it is not: the proposer, or the bookkeeping (rolling `num_computed_tokens` back
-over rejected positions is the engine's).
+What it is not: the proposer, or the bookkeeping (level 2's `update_from_output` counts
+as computed only the positions up to the newest accepted token).
 
 Reference: Leviathan, Kalman, Matias, "Fast Inference from Transformers via Speculative
 Decoding" (ICML 2023); Chen et al., "Accelerating LLM Decoding with Speculative

@@ -1,25 +1,28 @@
-"""Level 2's scheduler, told how many draft tokens a decoding request may bring.
+"""Level 2's scheduler, which verifies only the guesses it gave budget to, and says how many a request may make.
 
-What it is: `SpecScheduler`, which overrides one method, `num_lookahead_tokens`: a
-request that is decoding (feeding the one token it sampled last step) gets up to k
-speculative tokens, counted in the step's token budget and given KV slots as lookahead
-(`allocate_slots(req, 1, num_lookahead_tokens=k)`). Fewer when it is short of budget,
-near `max_model_len` or near its `max_tokens` (a step emits at most k + 1 tokens, and
-there is no point verifying a draft it could not keep); none while it prefills. When the
-KV cache cannot hold the lookahead, the scheduler drops the speculation before it
-preempts anyone (level 2's loop). With `disable_by_batch_size`, a step whose running
-batch is larger drafts nothing: a busy target gains little from verifying k + 1 tokens
-per request, and on a CPU, where a step's cost grows with its tokens, it loses.
+What it is: `SpecScheduler`. Level 2's `schedule()` already schedules a request's guesses
+(they are part of its `num_uncomputed_tokens`, and their KV slots were reserved when they
+were proposed); when the token budget cuts a decoding request short, this drops the
+guesses that did not fit, so the model verifies exactly the ones it is given.
+
+`num_drafts(req)`, asked after each step, is how many guesses a request may make for the
+next one: k for a request that is decoding (feeding the one token it sampled last),
+fewer near `max_model_len` or its `max_tokens` (a step emits at most k + 1 tokens; there
+is no point verifying a guess it could not keep), none while it prefills or recomputes.
+With `disable_by_batch_size`, while more requests run than that, none: a busy target
+gains little from verifying k + 1 tokens per request, and on a CPU, where a step's cost
+grows with its tokens, it loses.
 
 What it is not: adaptive. k is fixed (an exercise: choose it from the running acceptance rate).
 
-Reference: vLLM `v1/core/sched/scheduler.py` (`num_lookahead_tokens`, spec tokens in the budget).
+Reference: vLLM `v1/core/sched/scheduler.py` (spec tokens in the budget, `update_draft_token_ids`).
 """
 
 from __future__ import annotations
 
-from level2_continuous.request import Request
-from level2_continuous.scheduler import Scheduler
+from level2_continuous.scheduler import Scheduler, SchedulerOutput
+
+from .request import SpecRequest
 
 
 class SpecScheduler(Scheduler):
@@ -27,9 +30,16 @@ class SpecScheduler(Scheduler):
         super().__init__(*args, **kwargs)
         self.num_speculative_tokens, self.disable_by_batch_size = num_speculative_tokens, disable_by_batch_size
 
-    def num_lookahead_tokens(self, req: Request, n: int, budget_left: int) -> int:
-        decoding = n == 1 and bool(req.output_token_ids) and req.num_computed_tokens == req.num_tokens - 1
-        if not decoding or (self.disable_by_batch_size is not None and len(self.running) > self.disable_by_batch_size):
+    def schedule(self) -> SchedulerOutput:
+        out = super().schedule()
+        for req, n in out.scheduled:
+            if req.spec_token_ids:
+                req.keep_spec_tokens(max(0, req.num_computed_tokens + n - req.num_tokens))
+        return out
+
+    def num_drafts(self, req: SpecRequest) -> int:
+        crowded = self.disable_by_batch_size is not None and len(self.running) > self.disable_by_batch_size
+        if not req.is_decoding or crowded:
             return 0
         remaining = req.max_total_tokens - req.num_tokens  # tokens it may still add (max_tokens, max_model_len)
-        return max(0, min(self.num_speculative_tokens, remaining - 1, budget_left))
+        return max(0, min(self.num_speculative_tokens, remaining - 1))

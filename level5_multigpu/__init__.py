@@ -4,8 +4,8 @@ from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutput
 from level2_continuous import RequestStatus
 from level4_speculative import Request, SpeculativeConfig
 
-from .engine import LLM, LLMEngine, ParallelEngineConfig
+from .engine import LLM, LLMEngine, ParallelEngine, ParallelEngineConfig
 from .executor import WorkerDiedError
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LLMEngine", "ParallelEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
            "SpeculativeConfig", "ParallelEngineConfig", "WorkerDiedError", "Request", "RequestStatus", "load_model"]  # fmt: skip

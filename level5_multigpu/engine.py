@@ -1,6 +1,6 @@
 """Level 5: level 4's engine whose target model is split across processes.
 
-What it is: `LLMEngine` and `LLM` of level 4 with vLLM's knobs
+What it is: `ParallelEngine` (exported as `LLMEngine`) and `LLM` of level 4 with vLLM's knobs
 
     LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
 
@@ -43,12 +43,11 @@ from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
 from level1_paged.executor import Executor
-from level2_continuous.engine import SamplerOutput
 from level2_continuous.request import Request
-from level2_continuous.scheduler import SchedulerOutput
+from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level4_speculative.config import SpeculativeEngineConfig
 from level4_speculative.engine import LLM as SpeculativeLLM
-from level4_speculative.engine import LLMEngine as SpeculativeEngine
+from level4_speculative.engine import SpeculativeEngine
 
 from .executor import MultiprocExecutor
 from .layers import kv_heads_of_rank
@@ -84,13 +83,13 @@ class ParallelEngineConfig(SpeculativeEngineConfig):
             raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} must be > 0")
 
 
-class LLMEngine(SpeculativeEngine):
+class ParallelEngine(SpeculativeEngine):
     config_class = ParallelEngineConfig
 
     def __init__(self, model: str, **kwargs):
-        # per micro-batch in flight, oldest first: (SchedulerOutput, seconds to schedule it, level 4's
-        # drafts: the next micro-batch's drafting replaces `self._proposals`, so each keeps its own)
-        self.in_flight: deque = deque()
+        # per micro-batch in flight, oldest first: (SchedulerOutput, seconds to schedule it); level 4's
+        # guesses travel on the requests themselves
+        self.in_flight: deque[tuple[SchedulerOutput, float]] = deque()
         self.executor: Executor | None = None
         try:
             super().__init__(model, **kwargs)
@@ -128,50 +127,36 @@ class LLMEngine(SpeculativeEngine):
         """One token's K and V summed over every rank (replicated KV heads count on each rank)."""
         if not self.parallel:
             return super().kv_bytes_per_token()
-        cfg, draft = self.model_config, super().kv_bytes_per_token() - self.target_kv_bytes()
+        cfg, draft = self.model_config, self.draft_kv_bytes_per_token()
         ranges = partition_layers(cfg.num_layers, self.pp, self.config.pipeline_partition)
         return draft + sum(
             kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype) for r in ranges for t in range(self.tp)
         )
 
-    def target_kv_bytes(self) -> int:
-        from level0_naive.kv_cache import kv_bytes_per_token
-
-        return kv_bytes_per_token(self.model_config, self.dtype)
-
-    def determine_num_blocks(self) -> int:
+    def make_worker(self) -> Executor:
+        """Level 4's Worker, or, with tp x pp > 1, an executor over the ranks. Its constructor
+        starts them; each loads its shard and sizes its cache, and they agree on the fewest
+        blocks any rank holds (`executor.num_blocks`)."""
         if not self.parallel:
-            return super().determine_num_blocks()
-        draft_bytes = super().kv_bytes_per_token() - self.target_kv_bytes()  # level 4's draft: its KV is on rank 0
+            return super().make_worker()
         spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
-                                        device_type=self.device.type, extra_bytes_rank0=draft_bytes)  # fmt: skip
+                                        device_type=self.device.type,
+                                        extra_bytes_rank0=self.draft_kv_bytes_per_token())  # fmt: skip
         if spec.ranks_started_by == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
             self._serve_as_worker(spec)  # never returns: this process is a rank, not the driver
-        self.executor = MultiprocExecutor(spec)  # starts the other ranks; they agree on the block count
-        return self.executor.num_blocks
+        self.executor = MultiprocExecutor(spec)
+        return self.executor
 
     def _serve_as_worker(self, spec: ParallelSpec) -> None:
         """Under torchrun every process runs the user's script: ranks other than 0 serve the driver, then exit."""
         rank_main(int(os.environ["RANK"]), spec, "env://")
         raise SystemExit(0)
 
-    def make_worker(self):
-        return self.executor if self.parallel else super().make_worker()
-
     # --- the step: micro-batches in flight -------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, in_flight: list[Request] = ()) -> SchedulerOutput:
         """Level 2's schedule over the requests that are not in flight."""
-        busy = {id(r) for sched, *_ in self.in_flight for r, _ in sched.scheduled}
-        if not busy:
-            return super().schedule()
-        before = self.scheduler.running
-        self.scheduler.running = [r for r in before if id(r) not in busy]
-        try:
-            return super().schedule()
-        finally:
-            now = {id(r) for r in self.scheduler.running}  # the idle ones left (some preempted, some admitted)
-            kept = [r for r in before if id(r) in busy or id(r) in now]
-            self.scheduler.running = kept + [r for r in self.scheduler.running if id(r) not in {id(x) for x in kept}]
+        mine = [r for sched, _ in self.in_flight for r, _ in sched.scheduled]
+        return super().schedule(in_flight=[*in_flight, *mine])
 
     def _step(self) -> list[Request]:
         if self.pp == 1:
@@ -184,21 +169,22 @@ class LLMEngine(SpeculativeEngine):
                         break
                     model_input = self.prepare_input(sched)
                 self.worker.submit(model_input)
-                self.in_flight.append((sched, t_sched.seconds, self._proposals))
+                self.in_flight.append((sched, t_sched.seconds))
             if not self.in_flight:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                 return []
-            sched, sched_s, self._proposals = self.in_flight.popleft()  # `sample` verifies this one's drafts
+            sched, sched_s = self.in_flight.popleft()
             logits = self.worker.collect()
-            sampled = self.sample(sched, logits)
-            self._skip_aborted(sched, sampled)
-            moved = self.update_from_output(sched, sampled)
+            output = self.sample(sched, logits)
+            self._skip_aborted(sched, output)
+            moved = self.scheduler.update_from_output(sched, output)
+            self.post_step(sched)
         self._record(sched, sched_s, t_step.seconds)
         return moved
 
     @staticmethod
-    def _skip_aborted(sched: SchedulerOutput, out: SamplerOutput) -> None:
+    def _skip_aborted(sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
         """Requests aborted while their micro-batch was in flight: their blocks are gone; drop them."""
         keep = [i for i, r in enumerate(out.requests) if not r.is_finished]
         out.requests = [out.requests[i] for i in keep]
@@ -250,7 +236,7 @@ class LLMEngine(SpeculativeEngine):
 class LLM(SpeculativeLLM):
     """Level 4's front end over the parallel engine. `with LLM(...) as llm:` shuts the ranks down."""
 
-    engine_class = LLMEngine
+    engine_class = ParallelEngine
 
     def shutdown(self) -> None:
         self.llm_engine.shutdown()
@@ -263,3 +249,6 @@ class LLM(SpeculativeLLM):
 
     def comm_stats(self) -> dict:
         return self.llm_engine.comm_stats()
+
+
+LLMEngine = ParallelEngine  # vLLM's name

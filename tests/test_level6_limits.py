@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import statistics
@@ -141,7 +142,7 @@ def process(ckpt):
 
 def send_huge(url: str, chunked: bool, megabytes: int = 100) -> tuple[float, bytes, int]:
     """POST a `megabytes` body as fast as the server takes it, until it answers. Returns the
-    seconds to the answer, the answer's first bytes, and the megabytes sent until then."""
+    seconds to the answer's first bytes, the whole answer, and the megabytes sent until then."""
     host, port = url.removeprefix("http://").split(":")
     framing = b"Transfer-Encoding: chunked" if chunked else b"Content-Length: %d" % (megabytes << 20)
     chunk = b"x" * (1 << 20)
@@ -163,7 +164,23 @@ def send_huge(url: str, chunked: bool, megabytes: int = 100) -> tuple[float, byt
                 answer = s.recv(4096)
             except BlockingIOError:
                 pass
-        return time.perf_counter() - t0, answer, sent
+        seconds = time.perf_counter() - t0
+        # The first recv may hold only the head (the body is a second TCP segment): read on until
+        # the body that Content-Length announces is all here, or the server closes.
+        s.setblocking(True)
+        while answer:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            length = re.search(rb"content-length: *(\d+)", head, re.IGNORECASE)
+            if length and len(body) >= int(length.group(1)):
+                break
+            try:
+                more = s.recv(4096)
+            except (ConnectionResetError, TimeoutError):
+                break  # the server closed the connection hard; what came is what the test sees
+            if not more:
+                break
+            answer += more
+        return seconds, answer, sent
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["content-length", "chunked"])
@@ -173,7 +190,8 @@ def test_a_100_MB_body_is_413_at_once_and_memory_stays_flat(process, chunked):
     grew = rss_mib(process.proc.pid) - before
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert b"--max-request-body-bytes" in answer and b"invalid_request_error" in answer
-    assert seconds < 1.0 and grew < 50, (seconds, grew, sent)
+    # Measured: 1 ms and 21 ms on an idle machine; 3 s leaves room for a loaded CI runner.
+    assert seconds < 3.0 and grew < 50, (seconds, grew, sent)
     assert sent < 100  # the server answered long before the body was all sent
     assert health(process.url) == 200
     print(

@@ -7,7 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from level0_naive.sampling import SamplingParams, SamplingState, apply_penalties, filter_logits, sample
+from level0_naive.sampler import Sampler
+from level0_naive.sampling import SamplingParams, SamplingState, apply_penalties, filter_logits
+
+sample = Sampler().sample
 
 pytestmark = pytest.mark.level0
 
