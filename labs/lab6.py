@@ -1,8 +1,9 @@
 """Lab 6: the streaming endpoint of an OpenAI-compatible server, and aborts on disconnect.
 
 What it is: the lab's definition (see `labs/spec.py`): in `level6_serving/serving.py`, the
-Server-Sent Events of `/v1/completions` (`OpenAIServing.completion_events`; the chat
-stream, `chat_events`, stays as the worked example), the merging of several requests'
+Server-Sent Events of `/v1/completions` (`OpenAIServing.events`, the stream both endpoints
+share, and `completion_events`, what a completions stream sends; the chat stream's
+`chat_events` stays as the worked example), the merging of several requests'
 streams, and the three places where a client that leaves must abort its requests at once
 (`merge_streams` cancelling its pumps, `EventStream` abandoning its streams however the
 response ends, `unless_disconnected` racing a plain response against the disconnect).
@@ -53,22 +54,30 @@ when the answer would have been done) and return Response(status_code=499) (nobo
 handler is itself cancelled while waiting, do the same and re-raise. Always cancel the watcher.""",
     ),
     Part(
-        "OpenAIServing.completion_events",
+        "OpenAIServing.events",
         """\
-The SSE events of a streamed /v1/completions; chat_events below is the same pattern for chat, read it first.
-  n = req.n; choice `index` = prompt index * n + the completion's c.index (OpenAI's numbering).
-  extra = {"usage": None} in every chunk when req.stream_options asks for include_usage.
-  If echo: first, one event per choice with its prompt's text (echo[index // n]), finish_reason None.
-  Then for each (i, out) of merge_streams(streams), each completion c of out.outputs: count its tokens for
-  the usage; skip it if its choice already finished, or if it brings nothing (no text, no finish reason,
-  and no logprobs asked for); otherwise one event {**ctx, "choices": [{"index", "text": c.text, "logprobs",
-  "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}], **extra} (sse(...)). With
-  req.logprobs set, logprobs = completion_logprobs(c.token_ids, c.logprobs or [], req.logprobs,
-  offsets[index]), and offsets[index] (starting at the echo's length) grows by the tokens' text length.
-  With include_usage, a last chunk {**ctx, "choices": [], "usage": usage(prompt tokens of every stream,
-  completion tokens)}.
+The SSE events of a stream, for both endpoints. completion_events and chat_events (below) pass what differs:
+`opening`, the choices sent before any output (the echo; chat: the role), and `choice(index, c)`, the choice
+that carries the delta c. Every chunk is sse({**ctx, "choices": [one choice], **extra}), where extra =
+stream_usage(*req.usage_in_stream(), prompt tokens of every stream, completion tokens so far).
+  First one chunk per opening choice. Then for each (i, out) of merge_streams(streams), each completion c of
+  out.outputs: index = i * req.num_samples + c.index (OpenAI's numbering); count c's tokens for the usage;
+  skip c if its choice already finished, or if it brings nothing (no text, no finish reason, and no tokens
+  with logprobs_asked); otherwise one chunk with choice(index, c).
+  With include_usage, a last chunk {**ctx, "choices": [], "usage": usage(prompt tokens, completion tokens)}.
   An exception once the response has started goes into the stream: yield sse(stream_error(e)).
   Always end with sse("[DONE]").""",
+    ),
+    Part(
+        "OpenAIServing.completion_events",
+        """\
+What a /v1/completions stream sends; chat_events below does the same for chat, read it first. Return
+self.events(ctx, req, streams, opening, choice, logprobs_asked=req.logprobs is not None).
+  n = req.num_samples; a choice's index = prompt index * n + sample index.
+  opening: if echo, one choice per index with its prompt's text (echo[index // n]), logprobs and
+  finish_reason None.
+  choice(index, c) = completion_choice(index, c, req.logprobs, offsets[index]); offsets[index] starts at the
+  echo's length and grows after each chunk by the text length of the tokens its logprobs name.""",
     ),
 )
 

@@ -33,7 +33,7 @@ from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.outputs import Sequence
 from level0_naive.worker import Chunk
 
-from .paged_cache import BlockTables, blocks_for, num_blocks_for_budget
+from .paged_cache import BlockTables, check_fits_in_pool, num_blocks_for_budget
 from .worker import ModelInput, Worker
 
 
@@ -59,12 +59,7 @@ class PagedEngine(NaiveEngine):
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 
     def check_fits(self, seq: Sequence, i: int) -> None:
-        need = blocks_for(seq.max_total_tokens, self.config.block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) "
-                f"but the pool has {self.num_blocks}"
-            )
+        check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)
 
     def _admit_one(self, seq: Sequence) -> bool:
         """Admit if the pool holds the request's tokens *now* (its prefill)."""

@@ -28,6 +28,9 @@ and `v1/attention/backends/`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 
 from level0_naive.model import ModelConfig
@@ -61,6 +64,16 @@ def num_blocks_for_budget(kv_budget: int, block_size: int, bytes_per_token: int)
     return num_blocks
 
 
+def check_fits_in_pool(seq, i: int, num_blocks: int, block_size: int) -> None:
+    """ValueError, up front, for prompt i if even alone it may need more blocks than the pool has."""
+    need = blocks_for(seq.max_total_tokens, block_size)
+    if need > num_blocks:
+        raise ValueError(
+            f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) "
+            f"but the pool has {num_blocks}"
+        )
+
+
 class BlockTables:
     """Which physical blocks each sequence owns, in logical order."""
 
@@ -86,20 +99,27 @@ class BlockTables:
             self.allocator.free(block)
 
 
-def attention_impl(name: str, device: torch.device):
-    """'auto' | 'torch' | 'triton' | 'ref' -> (write_kv, attend) functions."""
+class AttentionImpl(NamedTuple):
+    """One attention backend's two functions (attention_ref.py, triton_attention.py)."""
+
+    write_kv: Callable  # (k [T, Hkv, D], v, k_cache [N, bs, Hkv, D], v_cache, slot_mapping [T]) -> None
+    attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
+
+
+def attention_impl(name: str, device: torch.device) -> AttentionImpl:
+    """'auto' | 'torch' | 'triton' | 'ref' -> the backend's functions."""
     from .attention_ref import paged_attention_ref, paged_attention_torch, write_kv_cache
 
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        return write_kv_cache, paged_attention_torch
+        return AttentionImpl(write_kv_cache, paged_attention_torch)
     if name == "ref":
-        return write_kv_cache, paged_attention_ref
+        return AttentionImpl(write_kv_cache, paged_attention_ref)
     if name == "triton":
         from .triton_attention import paged_attention_triton, write_kv_cache_triton
 
-        return write_kv_cache_triton, paged_attention_triton
+        return AttentionImpl(write_kv_cache_triton, paged_attention_triton)
     raise ValueError(f"attention_backend={name!r} is not one of: auto, torch, triton, ref")
 
 
@@ -110,9 +130,9 @@ class PagedAttention:
     block_tables, slot_mapping, already on the cache's device.
     """
 
-    def __init__(self, cache: PagedKVCache, meta, impl, scale: float):
+    def __init__(self, cache: PagedKVCache, meta, impl: AttentionImpl, scale: float):
         self.cache, self.meta, self.scale = cache, meta, scale
-        self.write_kv, self.attend = impl
+        self.write_kv, self.attend = impl.write_kv, impl.attend
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
@@ -124,9 +144,11 @@ class PagedAttention:
 __all__ = [
     "blocks_for",
     "num_blocks_for_budget",
+    "check_fits_in_pool",
     "PagedKVCache",
     "BlockTables",
     "PagedAttention",
     "OutOfBlocks",
     "attention_impl",
+    "AttentionImpl",
 ]

@@ -2,8 +2,9 @@
 
 What it is: `ModelInput`, level 0's `FlatBatch` plus vLLM's paged-attention metadata,
 built once per step by `ModelInput.build` (the one place where a token's position
-becomes a cache slot), and `Worker`, which owns the model, its paged KV cache, the
-attention implementation and its scale, and runs one `ModelInput`:
+becomes a cache slot), and `Worker`, which has level 0's `ModelRunner` (vLLM's split: a
+worker has a model runner) and owns the paged KV cache, the attention implementation
+and its scale, and runs one `ModelInput`:
 
     scheduled: A prefill 5 tokens from 0, table [3, 2]   B decode at 7, table [0, 1]   (block_size 4)
     input_ids        [ a0 a1 a2 a3 a4 | b7 ]
@@ -59,22 +60,26 @@ class ModelInput(FlatBatch):
         )
 
 
-class Worker(ModelRunner):
-    """Owns the model, its paged KV cache, the attention implementation and scale."""
+class Worker:
+    """Has a model runner (the model's forward, logits where asked), and owns the paged KV
+    cache, the attention implementation and scale: what one device needs for a step."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
-        super().__init__(model)
+        self.runner = ModelRunner(model)
+        self.model, self.device = model, self.runner.device
         cfg = model.config
         self.block_size = block_size
         self.cache = PagedKVCache(cfg, num_blocks, block_size, next(model.parameters()).dtype, self.device)
-        self.impl = attention_impl(attention_backend, self.device)  # (write_kv, attend)
+        self.impl = attention_impl(attention_backend, self.device)
         self.scale = cfg.head_dim**-0.5
+        self._uncollected: list[torch.Tensor] = []  # logits of submits not yet collected, oldest first
+        self._num_submitted = 0
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """One forward: write this step's K/V into the cache, attend -> logits [S, V]."""
         mi = model_input.to(self.device)
-        return self.forward(mi, PagedAttention(self.cache, mi, self.impl, self.scale))
+        return self.runner.forward(mi, PagedAttention(self.cache, mi, self.impl, self.scale))
 
     # --- the Executor Protocol (level1_paged/executor.py): one process, nothing runs behind your back ---
     @property
@@ -83,15 +88,13 @@ class Worker(ModelRunner):
 
     def submit(self, model_input: ModelInput) -> int:
         """Run the forward now (one process has nothing to overlap it with); `collect` returns its logits."""
-        if not hasattr(self, "_uncollected"):  # made on first use: a Worker that never submits needs none
-            self._uncollected, self._num_submitted = [], 0
         self._uncollected.append(self.execute(model_input))
         self._num_submitted += 1
         return self._num_submitted - 1
 
     def collect(self) -> torch.Tensor:
         """The logits [S, V] of the oldest `submit` not yet collected."""
-        if not getattr(self, "_uncollected", None):
+        if not self._uncollected:
             raise RuntimeError("collect() without a submit() in flight")
         return self._uncollected.pop(0)
 

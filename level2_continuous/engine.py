@@ -42,7 +42,7 @@ from level0_naive.outputs import RequestOutput
 from level0_naive.sampling import SamplingParams
 from level0_naive.stats import Timer
 from level1_paged.engine import PagedEngineConfig
-from level1_paged.paged_cache import blocks_for, num_blocks_for_budget
+from level1_paged.paged_cache import check_fits_in_pool, num_blocks_for_budget
 from level1_paged.worker import ModelInput, Worker
 
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
@@ -112,12 +112,7 @@ class ContinuousEngine(EngineBase):
         return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token)
 
     def check_fits(self, seq: Request, i: int) -> None:
-        need = blocks_for(seq.max_total_tokens, self.config.block_size)
-        if need > self.num_blocks:
-            raise ValueError(
-                f"prompt {i} may need {need} KV blocks (prompt + max_tokens = {seq.max_total_tokens} tokens) "
-                f"but the pool has {self.num_blocks}"
-            )
+        check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,

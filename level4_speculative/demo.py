@@ -91,14 +91,14 @@ def timed_generate(llm, prompts, params) -> tuple[list, float]:
 
 
 def trace_kinds(llm) -> dict[str, list[str]]:
-    """Wrap the scheduler's update_from_output to note where each emitted token came from
-    (the guesses verified this step are still on the request then)."""
+    """Wrap the scheduler's update_from_output to note where each emitted token came from."""
     scheduler, kinds = llm.llm_engine.scheduler, {}
     inner = scheduler.update_from_output
 
     def traced(sched, out):
+        verified = {id(r): r.num_logits(n) - 1 for r, n in sched.scheduled}  # guesses the step verified
         for req, tokens in zip(out.requests, out.token_ids):
-            k, a = len(req.spec_token_ids), len(tokens) - 1
+            k, a = verified[id(req)], len(tokens) - 1
             tags = ["accepted"] * a + (["recovered" if a < k else "bonus"] if k else ["plain"])
             kinds.setdefault(req.request_id, []).extend(tags)
         return inner(sched, out)

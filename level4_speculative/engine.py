@@ -6,11 +6,10 @@ next step's scheduler sees only "this request has k more tokens to compute"
 (`SpecRequest`). What this level overrides:
 
     stage                 component                                  file
-    make_scheduler()      SpecScheduler: verify only guesses with budget  scheduler.py
     make_kv_manager()     name a block once the draft's cache has it too  kv_cache_manager.py
     prepare_input()       the draft's cache follows the prompt chunks     proposers.py (prefill)
     sample()              rejection sampling over k + 1 logits rows       rejection_sampler.py
-    post_step()           reserve KV slots, then propose k guesses        proposers.py (propose)
+    post_step()           num_drafts, reserve KV slots, propose guesses  engine.py, proposers.py
 
 One decoding request over two steps:
 
@@ -49,7 +48,7 @@ from level0_naive.metrics import Counter, Metric, Vector
 from level0_naive.outputs import logprob_entries
 from level0_naive.stats import Timer
 from level1_paged.worker import ModelInput, Worker
-from level2_continuous.scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import LLM as PrefixLLM
 from level3_prefix.engine import PrefixCachingEngine
 
@@ -58,7 +57,21 @@ from .kv_cache_manager import DraftAwareKVCacheManager
 from .proposers import DraftModelProposer, NgramProposer, Proposer, draft_state
 from .rejection_sampler import greedy_verify, rejection_sample
 from .request import SpecRequest
-from .scheduler import SpecScheduler
+
+
+def num_drafts(req: SpecRequest, k: int, batch_size: int, disable_by_batch_size: int | None) -> int:
+    """How many guesses a request may make for its next step: k while it is decoding (feeding
+    the one token it sampled last), fewer near `max_model_len` or its `max_tokens` (a step emits
+    at most k + 1 tokens: no point verifying a guess it could not keep), none while it prefills
+    or recomputes. With `disable_by_batch_size`, none while more requests run than that: a busy
+    target gains little from verifying k + 1 tokens per request, and on a CPU, where a step's
+    cost grows with its tokens, it loses. (The step's token budget may still cut some: level 2's
+    scheduler schedules what fits, and only the guesses scheduled are verified.)"""
+    crowded = disable_by_batch_size is not None and batch_size > disable_by_batch_size
+    if not req.is_decoding or crowded:
+        return 0
+    remaining = req.max_total_tokens - req.num_tokens  # tokens it may still add (max_tokens, max_model_len)
+    return max(0, min(k, remaining - 1))
 
 
 @dataclass
@@ -116,15 +129,15 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def load_draft(self, target: LoadedModel) -> None:
         """The draft model (whole, on this process), checked against the target's vocabulary."""
-        self.spec: SpeculativeConfig | None = self.config.speculative_config
+        self.speculative_config: SpeculativeConfig | None = self.config.speculative_config
         self.draft: LoadedModel | None = None
-        if self.spec is not None and self.spec.method == "draft_model":
-            self.draft = load_model(self.spec.model, self.dtype, self.device)
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            self.draft = load_model(self.speculative_config.model, self.dtype, self.device)
             tv, dv = target.config.vocab_size, self.draft.config.vocab_size
             if tv != dv:
-                raise ValueError(f"speculative_config.model {self.spec.model!r} has a vocabulary of {dv} tokens; "
+                raise ValueError(f"speculative_config.model {self.speculative_config.model!r} has a vocabulary of {dv} tokens; "
                                  f"the target's has {tv}: a draft must share the target's vocabulary")  # fmt: skip
-        k = self.spec.num_speculative_tokens if self.spec is not None else 0
+        k = self.speculative_config.num_speculative_tokens if self.speculative_config is not None else 0
         self.spec_stats = SpecDecodeStats(accepted_per_pos=[0] * k, drafted_per_pos=[0] * k)
 
     def kv_bytes_per_token(self) -> int:
@@ -142,12 +155,12 @@ class SpeculativeEngine(PrefixCachingEngine):
 
     def make_proposer(self) -> Proposer | None:
         """The draft model's own Worker (same block count and block tables as the target), or n-grams."""
-        if self.spec is None:
+        if self.speculative_config is None:
             return None
         if self.draft is None:
-            return NgramProposer(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+            return NgramProposer(self.speculative_config.prompt_lookup_min, self.speculative_config.prompt_lookup_max)
         if self.draft.config.max_position_embeddings < self.max_model_len:
-            raise ValueError(f"speculative_config.model {self.spec.model!r} handles {self.draft.config.max_position_embeddings} "
+            raise ValueError(f"speculative_config.model {self.speculative_config.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
         draft_worker = Worker(self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
         return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size, self.sampler)
@@ -158,20 +171,6 @@ class SpeculativeEngine(PrefixCachingEngine):
             return super().make_kv_manager()
         c = self.config
         return DraftAwareKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
-
-    def make_scheduler(self) -> Scheduler:
-        if self.spec is None:
-            return super().make_scheduler()
-        c = self.config
-        return SpecScheduler(
-            self.kv,
-            c.max_num_batched_tokens,
-            c.max_num_seqs,
-            c.policy,
-            append_token=self.append_token,
-            num_speculative_tokens=self.spec.num_speculative_tokens,
-            disable_by_batch_size=self.spec.disable_by_batch_size,
-        )
 
     # --- the step ------------------------------------------------------------------------------
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
@@ -213,13 +212,15 @@ class SpeculativeEngine(PrefixCachingEngine):
         """The step's tokens are in: guesses for the next step, for each request that may make some."""
         if self.proposer is None:
             return
+        c, batch_size = self.speculative_config, len(self.scheduler.running)
         with Timer() as t:
             drafting = []
             for req, _ in sched.scheduled:
-                req.keep_spec_tokens(0)  # verified (or cut) this step
+                req.drop_spec_tokens()  # verified this step (or cut by the budget: then never verified)
                 if self.proposer.has_kv_cache:  # the draft's K/V past the verified tokens is stale now
                     req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
-                if not req.is_finished and (k := self.reserve_slots(req, self.scheduler.num_drafts(req))):
+                k = num_drafts(req, c.num_speculative_tokens, batch_size, c.disable_by_batch_size)
+                if not req.is_finished and (k := self.reserve_slots(req, k)):
                     drafting.append((req, k))
             if drafting:
                 self.proposer.propose(drafting)
@@ -242,7 +243,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         draft = torch.zeros(len(spec), K, dtype=torch.long)
         num_draft = torch.tensor([k for _, k, _ in spec])
         for i, (req, k, _) in enumerate(spec):
-            draft[i, :k] = torch.tensor(req.spec_token_ids)
+            draft[i, :k] = torch.tensor(req.spec_token_ids[:k])  # the budget may have cut the rest
         rows = [logits[r : r + k + 1] for _, k, r in spec]  # each [k+1, V]
         target_argmax = torch.zeros(len(spec), K + 1, dtype=torch.long)
         p = torch.zeros(len(spec), K + 1, V, dtype=logits.dtype)
@@ -277,9 +278,9 @@ class SpeculativeEngine(PrefixCachingEngine):
         when the proposer is deterministic (n-gram). Rows past k are padding."""
         q = torch.zeros(K, V, dtype=dtype)
         if req.spec_probs is not None:
-            q[:k] = req.spec_probs.to(dtype)
+            q[:k] = req.spec_probs[:k].to(dtype)
         else:
-            q[torch.arange(k), torch.tensor(req.spec_token_ids)] = 1.0
+            q[torch.arange(k), torch.tensor(req.spec_token_ids[:k])] = 1.0
         return q
 
     # --- metrics ---------------------------------------------------------------------------------

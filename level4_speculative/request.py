@@ -48,13 +48,10 @@ class SpecRequest(Request):
             tokens = tokens + self.spec_token_ids[max(0, start - self.num_tokens) : past]
         return tokens
 
-    def keep_spec_tokens(self, k: int) -> None:
-        """Only the first k guesses are verified (the step's budget cut the others)."""
-        if k < len(self.spec_token_ids):
-            self.spec_token_ids = self.spec_token_ids[:k]
-            self.spec_probs = None if self.spec_probs is None else self.spec_probs[:k]
+    def drop_spec_tokens(self) -> None:
+        self.spec_token_ids, self.spec_probs = [], None
 
     def set_computed(self, n: int) -> None:
         super().set_computed(n)
         self.draft_num_computed = n  # a shared block holds both models' K/V; after a preemption, neither
-        self.keep_spec_tokens(0)
+        self.drop_spec_tokens()

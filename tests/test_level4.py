@@ -366,14 +366,15 @@ def test_bad_speculative_configs_name_the_key(checkpoint_factory):
 
 
 def test_draft_tokens_are_trimmed_to_what_a_step_can_keep():
-    """The documented trimming: `SpecScheduler.num_drafts` gives k drafts for a decoding request,
-    fewer when its max_tokens or max_model_len leave less room (a step emits at most k + 1 tokens),
-    none while it prefills or recomputes, none while the running batch is larger than
-    disable_by_batch_size; and `schedule()` verifies only the drafts the step's token budget
-    covers. Outputs stay exact under any trimming."""
+    """The documented trimming: `num_drafts` gives k drafts for a decoding request, fewer when its
+    max_tokens or max_model_len leave less room (a step emits at most k + 1 tokens), none while it
+    prefills or recomputes, none while the running batch is larger than disable_by_batch_size; and
+    level 2's scheduler, unchanged, schedules only the drafts the step's token budget covers, which
+    are the only ones fed and given logits rows. Outputs stay exact under any trimming."""
     from level2_continuous.kv_cache_manager import SimpleKVCacheManager
+    from level2_continuous.scheduler import Scheduler
+    from level4_speculative.engine import num_drafts
     from level4_speculative.request import SpecRequest
-    from level4_speculative.scheduler import SpecScheduler
 
     def req(prompt_len: int, outputs: int, max_tokens: int, computed: int, max_len: int = 10_000) -> SpecRequest:
         r = SpecRequest(0, "r", 0, None, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_len, [], None)  # fmt: skip
@@ -381,25 +382,23 @@ def test_draft_tokens_are_trimmed_to_what_a_step_can_keep():
         r.num_computed_tokens = computed
         return r
 
-    s = SpecScheduler(SimpleKVCacheManager(64, 4), 64, 8, num_speculative_tokens=4)
     decoding = req(6, 2, 20, 7)  # 8 tokens, 7 in the cache: it feeds the token it sampled last step
-    assert s.num_drafts(decoding) == 4
-    assert s.num_drafts(req(6, 2, 4, 7)) == 1, "2 tokens left to max_tokens: 1 draft + 1 more"
-    assert s.num_drafts(req(6, 3, 4, 8)) == 0, "the last token: nothing to speculate"
-    assert s.num_drafts(req(6, 2, 20, 7, max_len=10)) == 1, "max_model_len caps it too"
-    assert s.num_drafts(req(6, 0, 20, 0)) == 0, "a prefill drafts nothing"
-    assert s.num_drafts(req(6, 2, 20, 0)) == 0, "a recomputation drafts nothing"
-    busy = SpecScheduler(SimpleKVCacheManager(64, 4), 64, 8, num_speculative_tokens=4, disable_by_batch_size=2)
-    busy.running = [req(6, 2, 20, 7) for _ in range(2)]
-    assert busy.num_drafts(decoding) == 4, "a batch of exactly disable_by_batch_size drafts"
-    busy.running.append(req(6, 2, 20, 7))
-    assert busy.num_drafts(decoding) == 0, "a larger batch drafts nothing"
+    assert num_drafts(decoding, 4, 1, None) == 4
+    assert num_drafts(req(6, 2, 4, 7), 4, 1, None) == 1, "2 tokens left to max_tokens: 1 draft + 1 more"
+    assert num_drafts(req(6, 3, 4, 8), 4, 1, None) == 0, "the last token: nothing to speculate"
+    assert num_drafts(req(6, 2, 20, 7, max_len=10), 4, 1, None) == 1, "max_model_len caps it too"
+    assert num_drafts(req(6, 0, 20, 0), 4, 1, None) == 0, "a prefill drafts nothing"
+    assert num_drafts(req(6, 2, 20, 0), 4, 1, None) == 0, "a recomputation drafts nothing"
+    assert num_drafts(decoding, 4, 2, 2) == 4, "a batch of exactly disable_by_batch_size drafts"
+    assert num_drafts(decoding, 4, 3, 2) == 0, "a larger batch drafts nothing"
     for budget, want in ((100, [9, 8, 7, 6]), (3, [9, 8]), (1, [])):
-        tight = SpecScheduler(SimpleKVCacheManager(64, 4), budget, 8, num_speculative_tokens=4)
+        tight = Scheduler(SimpleKVCacheManager(64, 4), budget, 8)
         r = req(6, 2, 20, 7)
         r.spec_token_ids = [9, 8, 7, 6]
         tight.running = [r]
         out = tight.schedule()
-        assert out.scheduled == [(r, 1 + len(want))] and r.spec_token_ids == want, (
-            "draft tokens count against the token budget; the ones cut are not verified"
+        n = 1 + len(want)
+        assert out.scheduled == [(r, n)], "draft tokens count against the token budget"
+        assert r.token_slice(r.num_computed_tokens, n) == [5] + want and r.num_logits(n) == n, (
+            "the drafts the budget covers are fed, each with a logits row; the ones cut are not"
         )
