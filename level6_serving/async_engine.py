@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -280,11 +281,11 @@ class AsyncLLMEngine:
                        ) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Yield the request's DELTA outputs; closing or cancelling the iteration aborts it."""
         stream = await self.add_request(request_id, prompt, params)
-        try:
-            while not stream.finished:
-                yield await stream.get()
-        finally:
-            stream.abandon()  # closed or cancelled before the end: an abort, not a leak
+        # The stream's own iteration, which abandons the request if left early; `aclosing`, because
+        # closing this generator at its `yield` would not close that one (the garbage collector would, later).
+        async with contextlib.aclosing(aiter(stream)) as outputs:
+            async for out in outputs:
+                yield out
 
     def abort(self, request_id: str | list[str]) -> None:
         """Stop requests from outside (a drain, an operator): each stream still gets its final

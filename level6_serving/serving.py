@@ -8,6 +8,12 @@ What it is: `OpenAIServing`, the part of the server that speaks OpenAI. For one 
          ─> stream: one SSE event per choice per engine output, then usage, then [DONE]
             or not: the deltas concatenated into one JSON response
 
+Both endpoints turn engine outputs into a response in one place, `OpenAIServing.events` (a
+stream) and `OpenAIServing.response` (one JSON): the numbering of choices, which deltas are
+sent, the usage. Each endpoint says only what differs: the text a choice starts with (the
+echo), the chunks a stream opens with (the echo; chat: the role), and how one choice looks
+(`text` and the legacy logprobs; chat: `delta` or `message`, and chat's logprobs).
+
 A stream is framed exactly as OpenAI frames it, one `data: {json}\\n\\n` per event:
 
     data: {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": {"role": "assistant",
@@ -170,6 +176,14 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offse
     return out
 
 
+def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | None, offset: int) -> dict:
+    """One choice of /v1/completions: a chunk's (`c` a delta) or a whole response's (`c` a Choice);
+    `offset` is where `c`'s text starts in the choice's."""
+    lp = None if num_lp is None else completion_logprobs(c.token_ids, c.logprobs or [], num_lp, offset)
+    return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}  # fmt: skip
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level BPE alphabet, character -> byte: printable bytes stand for themselves,
     the others are shifted to U+0100 on (as in Llama 3, Qwen and the built-in tokenizer)."""
@@ -279,6 +293,51 @@ class OpenAIServing:
             raise
         return streams
 
+    # --- engine outputs to a response: what both endpoints share -------------------------------
+    async def events(self, ctx: dict, req: CompletionRequest | ChatCompletionRequest, streams: list[RequestStream],
+                     opening: list[dict], choice, logprobs_asked: bool):  # fmt: skip
+        """The SSE events of a stream: the `opening` choices (completions: the echo; chat: the role),
+        then one chunk per delta `c` with the endpoint's `choice(index, c)`, the usage, `[DONE]`.
+        Choice `index` = prompt index * n + c.index. A delta is not sent if its choice has finished,
+        or if it brings nothing (no text, no finish reason, and no logprobs asked for); its tokens
+        count all the same."""
+        n = req.num_samples
+        include_usage, continuous = req.usage_in_stream()
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        done, completion_tokens = set(), 0
+        extra = lambda: stream_usage(include_usage, continuous, prompt_tokens, completion_tokens)  # noqa: E731
+        try:
+            for first in opening:
+                yield sse({**ctx, "choices": [first], **extra()})
+            async for i, out in merge_streams(streams):
+                for c in out.outputs:
+                    index = i * n + c.index
+                    completion_tokens += len(c.token_ids)
+                    if index in done or not (c.text or c.finish_reason or (logprobs_asked and c.token_ids)):
+                        continue
+                    if c.finish_reason is not None:
+                        done.add(index)
+                    yield sse({**ctx, "choices": [choice(index, c)], **extra()})
+            if include_usage:
+                yield sse({**ctx, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
+            yield sse(stream_error(e))
+        yield sse("[DONE]")
+
+    async def response(self, ctx: dict, req: CompletionRequest | ChatCompletionRequest, streams: list[RequestStream],
+                       starts: list[str], choice) -> Response:  # fmt: skip
+        """A non-streaming response: each choice's deltas concatenated onto its start (prompt `i`'s
+        `starts[i]`: the echo, or ""), shaped by the endpoint's `choice(index, ch)`, and the usage."""
+        n = req.num_samples
+        choices = [Choice(starts[index // n]) for index in range(len(streams) * n)]
+        async for i, out in merge_streams(streams):
+            for c in out.outputs:
+                choices[i * n + c.index].add(c)
+        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
+        completion_tokens = sum(len(ch.token_ids) for ch in choices)
+        return JSONResponse({**ctx, "choices": [choice(index, ch) for index, ch in enumerate(choices)],
+                             "usage": usage(prompt_tokens, completion_tokens)})  # fmt: skip
+
     # --- /v1/completions -----------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
         req: CompletionRequest = await self.parse(CompletionRequest, raw)
@@ -308,54 +367,26 @@ class OpenAIServing:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
 
-    async def completion_events(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
+    def completion_events(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
+        """First each choice's echo, if any; then its text deltas, whose logprobs' `text_offset`
+        goes on from the choice's text so far (the echo included)."""
         n, num_lp = req.num_samples, req.logprobs
-        include_usage, continuous = req.usage_in_stream()
-        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-        offsets, done, completion_tokens = [len(echo[i // n]) for i in range(len(streams) * n)], set(), 0
-        extra = lambda: stream_usage(include_usage, continuous, prompt_tokens, completion_tokens)  # noqa: E731
-        try:
-            for index in range(len(streams) * n):
-                if echo[index // n]:
-                    choice = {"index": index, "text": echo[index // n], "logprobs": None, "finish_reason": None}
-                    yield sse({**ctx, "choices": [choice], **extra()})
-            async for i, out in merge_streams(streams):
-                for c in out.outputs:
-                    index = i * n + c.index
-                    completion_tokens += len(c.token_ids)
-                    if index in done or not (c.text or c.finish_reason or (num_lp is not None and c.token_ids)):
-                        continue
-                    lp = None
-                    if num_lp is not None:
-                        lp = completion_logprobs(c.token_ids, c.logprobs or [], num_lp, offsets[index])
-                        offsets[index] += sum(len(t or "") for t in lp["tokens"])
-                    if c.finish_reason is not None:
-                        done.add(index)
-                    choice = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-                              "stop_reason": c.stop_reason}  # fmt: skip
-                    yield sse({**ctx, "choices": [choice], **extra()})
-            if include_usage:
-                yield sse({**ctx, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-        except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
-            yield sse(stream_error(e))
-        yield sse("[DONE]")
+        offsets = [len(echo[index // n]) for index in range(len(streams) * n)]
 
-    async def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]) -> Response:
-        n = req.num_samples
-        choices = [Choice(echo[i // n]) for i in range(len(streams) * n)]
-        async for i, out in merge_streams(streams):
-            for c in out.outputs:
-                choices[i * n + c.index].add(c)
-        body = []
-        for index, ch in enumerate(choices):
-            lp = None
-            if req.logprobs is not None:
-                lp = completion_logprobs(ch.token_ids, ch.logprobs, req.logprobs, len(echo[index // n]))
-            body.append({"index": index, "text": ch.text, "logprobs": lp, "finish_reason": ch.finish_reason,
-                         "stop_reason": ch.stop_reason})  # fmt: skip
-        prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
-        completion_tokens = sum(len(c.token_ids) for c in choices)
-        return JSONResponse({**ctx, "choices": body, "usage": usage(prompt_tokens, completion_tokens)})
+        def choice(index: int, c: CompletionOutput) -> dict:
+            ch = completion_choice(index, c, num_lp, offsets[index])
+            if ch["logprobs"] is not None:
+                offsets[index] += sum(len(t or "") for t in ch["logprobs"]["tokens"])
+            return ch
+
+        opening = [{"index": index, "text": echo[index // n], "logprobs": None, "finish_reason": None}
+                   for index in range(len(streams) * n) if echo[index // n]]  # fmt: skip
+        return self.events(ctx, req, streams, opening, choice, num_lp is not None)
+
+    def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
+        n, num_lp = req.num_samples, req.logprobs
+        choice = lambda index, ch: completion_choice(index, ch, num_lp, len(echo[index // n]))  # noqa: E731
+        return self.response(ctx, req, streams, echo, choice)
 
     # --- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, raw: Request) -> Response:
@@ -379,52 +410,32 @@ class OpenAIServing:
         ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
         streams = await self.add_all(ctx["id"], [ids], params)
         if req.stream:
-            return EventStream(self.chat_events(ctx, req, streams[0]), streams)
-        return await unless_disconnected(raw, self.chat_response(ctx, req, streams[0]), streams)
+            return EventStream(self.chat_events(ctx, req, streams), streams)
+        return await unless_disconnected(raw, self.chat_response(ctx, req, streams), streams)
 
-    async def chat_events(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream):
-        ctx = {**ctx, "object": "chat.completion.chunk"}
-        num_lp = req.num_logprobs
-        include_usage, continuous = req.usage_in_stream()
-        prompt_tokens, done, completion_tokens = len(stream.prompt_token_ids), set(), 0
-        extra = lambda: stream_usage(include_usage, continuous, prompt_tokens, completion_tokens)  # noqa: E731
-        try:
-            for index in range(req.num_samples):  # the role comes first, in a chunk of its own, for every choice
-                delta = {"role": "assistant", "content": ""}
-                yield sse({**ctx, "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": None}],
-                           **extra()})  # fmt: skip
-            async for _, out in merge_streams([stream]):
-                for c in out.outputs:
-                    completion_tokens += len(c.token_ids)
-                    if c.index in done or not (c.text or c.finish_reason or (num_lp is not None and c.token_ids)):
-                        continue
-                    if c.finish_reason is not None:
-                        done.add(c.index)
-                    lp = None
-                    if num_lp is not None:
-                        lp = chat_logprobs(c.token_ids, c.logprobs or [], num_lp, self.engine.tokenizer)
-                    delta = {"content": c.text} if c.text else {}
-                    choice = {"index": c.index, "delta": delta, "logprobs": lp, "finish_reason": c.finish_reason}
-                    yield sse({**ctx, "choices": [choice], **extra()})
-            if include_usage:
-                yield sse({**ctx, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
-        except Exception as e:  # noqa: BLE001
-            yield sse(stream_error(e))
-        yield sse("[DONE]")
-
-    async def chat_response(self, ctx: dict, req: ChatCompletionRequest, stream: RequestStream) -> Response:
-        choices = [Choice() for _ in range(req.num_samples)]
-        async for _, out in merge_streams([stream]):
-            for c in out.outputs:
-                choices[c.index].add(c)
+    def chat_events(self, ctx: dict, req: ChatCompletionRequest, streams):
+        """First the role, in a chunk of its own for every choice; then content deltas (`{}` for
+        one without text), with chat's logprobs. A chunk has no stop_reason; the response does."""
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
-        body = [{"index": i, "message": {"role": "assistant", "content": ch.text, "refusal": None},
-                 "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
-                 "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
-                for i, ch in enumerate(choices)]  # fmt: skip
-        total = sum(len(c.token_ids) for c in choices)
-        return JSONResponse({**ctx, "object": "chat.completion", "choices": body,
-                             "usage": usage(len(stream.prompt_token_ids), total)})  # fmt: skip
+        role = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+                for index in range(req.num_samples)]  # fmt: skip
+
+        def choice(index: int, c: CompletionOutput) -> dict:
+            lp = None if num_lp is None else chat_logprobs(c.token_ids, c.logprobs or [], num_lp, tok)
+            return {"index": index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
+                    "finish_reason": c.finish_reason}  # fmt: skip
+
+        return self.events({**ctx, "object": "chat.completion.chunk"}, req, streams, role, choice, num_lp is not None)
+
+    def chat_response(self, ctx: dict, req: ChatCompletionRequest, streams):
+        num_lp, tok = req.num_logprobs, self.engine.tokenizer
+
+        def choice(index: int, ch: Choice) -> dict:
+            return {"index": index, "message": {"role": "assistant", "content": ch.text, "refusal": None},
+                    "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
+                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}  # fmt: skip
+
+        return self.response({**ctx, "object": "chat.completion"}, req, streams, [""], choice)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
