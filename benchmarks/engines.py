@@ -121,7 +121,8 @@ class LevelEngine:
         llm = self.new_llm()
         res = RunResult(self.name, forward_seconds=0.0)
         engine = llm.llm_engine
-        runner = getattr(engine, "worker", None) or engine.runner  # level 1 on: the Worker owns the model
+        worker = getattr(engine, "worker", None)  # level 1 on: the Worker has the model runner
+        runner = worker.runner if worker is not None else engine.runner
         inner = runner.forward
 
         def timed_forward(*args, **kwargs):  # an instance attribute: the engine code is untouched

@@ -28,9 +28,13 @@ import torch
 from .model import ModelConfig
 
 
-def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
-    """K and V, every layer, every KV head: the cost of one cached token."""
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
+                       num_kv_heads: int | None = None) -> int:  # fmt: skip
+    """K and V, every layer, every KV head: the cost of one cached token (level 5: a rank's
+    layers and heads)."""
+    layers = cfg.num_layers if num_layers is None else num_layers
+    heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
+    return 2 * layers * heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
 
 
 class Slab:

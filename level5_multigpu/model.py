@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.model import MLP, Attention, ModelConfig, RMSNorm, Transformer, rope_inv_freq
 from level0_naive.ops import DEFAULT_OPS, Ops
 
@@ -177,4 +178,4 @@ def _maybe(reader: ShardReader, name: str) -> torch.Tensor | None:
 def kv_bytes_per_token_of_rank(cfg: ModelConfig, tp: int, rank: int, num_layers: int, dtype: torch.dtype) -> int:
     """What one token costs in this rank's KV cache: its layers, its KV heads."""
     k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, rank)
-    return 2 * num_layers * (k1 - k0) * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    return kv_bytes_per_token(cfg, dtype, num_layers, k1 - k0)

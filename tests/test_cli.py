@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -144,22 +145,21 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
 
     env = {**os.environ, "INFERENCE_LADDER_OUT": str(env_out), "TMPDIR": str(tmp), "COLUMNS": "80"}
     env.pop("FORCE_COLOR", None)  # piped means no colours, as a user's pipe does
+    commands = {module: [sys.executable, "-m", module, "--no-progress", *args] for module, args in SMALL.items()}
+    commands["benchmark"] = [sys.executable, "-m", "benchmarks.throughput", "--quick", "--plots", "--workload", "spread",
+                             "--num-requests", "3", "--engines", "level0_naive,level2_continuous", "--no-progress"]  # fmt: skip
+    # Two at a time (each spends seconds importing torch, or waiting on its server): about half the wall time.
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        runs = dict(zip(commands, pool.map(lambda cmd: subprocess.run(cmd, cwd=REPO, env=env, capture_output=True,
+                                                                      text=True, timeout=600), commands.values())))  # fmt: skip
     outputs = {}
-    for module, args in SMALL.items():
-        res = subprocess.run(
-            [sys.executable, "-m", module, "--no-progress", *args],
-            cwd=REPO,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
+    for module in SMALL:
+        res = runs[module]
         assert res.returncode == 0, f"{module}: {res.stderr[-3000:]}"
         if module != "level0_naive.demo":  # level 0 draws no picture
             assert str(env_out) in res.stdout.replace("\n", ""), f"{module} did not say where its picture went"
         outputs[module] = res.stdout
-    res = subprocess.run([sys.executable, "-m", "benchmarks.throughput", "--quick", "--plots", "--workload", "spread", "--num-requests", "3",
-                          "--engines", "level0_naive,level2_continuous", "--no-progress"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    res = runs["benchmark"]
     assert res.returncode == 0, res.stderr[-3000:]
     assert "smoke run" in res.stdout and "the issue" not in res.stdout
     assert "1 torch thread" in res.stdout  # it says what it chose
@@ -200,7 +200,10 @@ def test_builtin_models_resolve_by_name_from_any_directory(tmp_path):
         "    out = LLM(name, max_model_len=64).generate(['ROMEO:\\n'], SamplingParams(max_tokens=4, temperature=0), progress=False)\n"
         "    print(name, len(out[0].outputs[0].token_ids))\n"
     )
-    res = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    explicit_code = code.replace("'tiny-shakespeare', ", f"{str(REPO / 'models' / 'tiny-shakespeare')!r}, ")
+    with ThreadPoolExecutor(max_workers=2) as pool:  # the two runs at once: about half the wall time
+        res, explicit = pool.map(lambda c: subprocess.run([sys.executable, "-c", c], cwd=tmp_path, capture_output=True,
+                                                          text=True, timeout=300), [code, explicit_code])  # fmt: skip
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.split() == [
         "tiny-shakespeare",
@@ -210,6 +213,4 @@ def test_builtin_models_resolve_by_name_from_any_directory(tmp_path):
         "tiny-shakespeare-draft",
         "4",
     ]
-    explicit = subprocess.run([sys.executable, "-c", code.replace("'tiny-shakespeare', ", f"{str(REPO / 'models' / 'tiny-shakespeare')!r}, ")],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)  # fmt: skip
     assert explicit.returncode == 0 and explicit.stdout.count(" 4") == 3  # explicit paths keep working

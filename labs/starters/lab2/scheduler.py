@@ -155,8 +155,8 @@ class Scheduler:
                 if req.is_finished:
                     break  # nothing after a stop is kept
         for req, n in sched.scheduled:
-            # Positions computed past the newest known token (level 4's unaccepted guesses, or
-            # anything after a stop) do not count: their K/V is overwritten later.
+            # Only positions up to the newest known token count: K/V computed past it (for
+            # tokens a stop cut off, say) is overwritten later.
             req.num_computed_tokens = min(req.num_computed_tokens + n, req.num_tokens - 1)
             self.kv.cache_blocks(req)
             if req.is_finished:
