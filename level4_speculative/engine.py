@@ -128,7 +128,9 @@ class SpeculativeEngine(PrefixCachingEngine):
         return loaded
 
     def load_draft(self, target: LoadedModel) -> None:
-        """The draft model (whole, on this process), checked against the target's vocabulary."""
+        """The draft model (whole, on this process), checked against the target's vocabulary; a
+        public step of loading, so that a level that loads its target otherwise (level 5: only
+        its metadata, on the driver) still gets its draft."""
         self.speculative_config: SpeculativeConfig | None = self.config.speculative_config
         self.draft: LoadedModel | None = None
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":

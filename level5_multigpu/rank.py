@@ -36,7 +36,7 @@ import torch.distributed as dist
 from ladder.models import resolve_path
 from level0_naive.config import EngineConfig, resolve_kv_budget
 from level0_naive.loader import model_config_from_hf
-from level1_paged.paged_cache import PagedAttention
+from level1_paged.paged_cache import PagedAttention, blocks_in_budget
 from level1_paged.worker import ModelInput, Worker
 
 from .layers import ShardReader
@@ -157,7 +157,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,
                                             gpu_memory_utilization=spec.gpu_memory_utilization), device)  # fmt: skip
-    capacity = torch.tensor([budget // (spec.block_size * per_token)], dtype=torch.int64, device=device)
+    capacity = torch.tensor([blocks_in_budget(budget, spec.block_size, per_token)], dtype=torch.int64, device=device)
     if topo.world > 1:
         dist.all_reduce(capacity, op=dist.ReduceOp.MIN)
     num_blocks = int(capacity.item())

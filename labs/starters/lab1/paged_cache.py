@@ -59,9 +59,14 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     raise NotImplementedError("lab 1: write blocks_for")
 
 
+def blocks_in_budget(kv_budget: int, block_size: int, bytes_per_token: int) -> int:
+    """How many whole blocks a KV budget in bytes holds (maybe 0)."""
+    return kv_budget // (block_size * bytes_per_token)
+
+
 def num_blocks_for_budget(kv_budget: int, block_size: int, bytes_per_token: int) -> int:
     """How many whole blocks a KV budget in bytes holds (at least one, or a ValueError)."""
-    num_blocks = kv_budget // (block_size * bytes_per_token)
+    num_blocks = blocks_in_budget(kv_budget, block_size, bytes_per_token)
     if num_blocks < 1:
         raise ValueError(
             f"kv_cache_memory={kv_budget} bytes holds no block of {block_size} tokens "
@@ -154,6 +159,7 @@ class PagedAttention:
 __all__ = [
     "blocks_for",
     "num_blocks_for_budget",
+    "blocks_in_budget",
     "check_fits_in_pool",
     "PagedKVCache",
     "BlockTables",
