@@ -221,13 +221,16 @@ class SpeculativeEngine(PrefixCachingEngine):
                 req.drop_spec_tokens()  # verified this step (or cut by the budget: then never verified)
                 if self.proposer.has_kv_cache:  # the draft's K/V past the verified tokens is stale now
                     req.draft_num_computed = min(req.draft_num_computed, req.num_computed_tokens)
+                if req.is_finished:
+                    continue
                 k = num_drafts(req, c.num_speculative_tokens, batch_size, c.disable_by_batch_size)
-                if not req.is_finished and (k := self.reserve_slots(req, k)):
+                if k := self.reserve_slots(req, k):
                     drafting.append((req, k))
             if drafting:
                 self.proposer.propose(drafting)
-                for req, _ in drafting:  # the draft caught up: blocks both caches now hold can be named
-                    self.kv.cache_blocks(req)
+                if self.proposer.has_kv_cache:  # the draft caught up: blocks both caches now hold can be named
+                    for req, _ in drafting:  # (without a draft cache, update_from_output named them already)
+                        self.kv.cache_blocks(req)
         self.spec_stats.draft_seconds += t.seconds
 
     def reserve_slots(self, req: SpecRequest, k: int) -> int:
