@@ -9,18 +9,25 @@ speculative decoding (level 4) can reuse the first for its draft's q and its tar
                    min-p (a greedy row: one-hot     greedy row takes its argmax
                    at the argmax)
 
-A `LogitsProcessor` (vLLM's idea) changes one row of logits given the row's history:
+A `LogitsProcessor` (vLLM's idea) changes logits given each row's history:
 `MinTokens` bans EOS and the stop tokens before `min_tokens`, `Penalties` applies
 repetition, presence and frequency penalties. Each says from the params alone whether
-it can touch a row (`applies`), so a batch where none applies to any greedy row takes
-the fast path, one `argmax`. A later mode adds a processor (a grammar's mask, a fixed
+it can touch a row (`applies`: `min_tokens` with `ignore_eos` and no stop ids bans
+nothing, so it does not apply), so a batch where none applies to any greedy row takes
+the fast path, one `argmax`.
+
+Two ways through stage 1, kept side by side and tested equal (tests/test_sampling.py):
+`probabilities_loop`, one row at a time through each processor's `__call__` and
+`sampling.filter_logits` (the reference, the one to read first), and `probabilities`,
+the whole batch at once: each processor's `batch` (a processor without one is run row by
+row), per-row temperatures as a column, `sampling.filter_logits_batch`. A later mode adds a processor (a grammar's mask, a fixed
 draw order) without touching the engine: `Sampler([*DEFAULT_PROCESSORS, MyMask()])`.
 Each request draws from its own `torch.Generator`, so a seeded request gives the same
 tokens whatever batch it lands in.
 
-What it is not: fast. Processed rows go one by one through small per-row loops; a real
-engine fuses this into one kernel (vLLM's `v1/sample/sampler.py`). Greedy rows, the case
-the equivalence tests and most benchmarks use, take one `argmax`.
+What it is not: fused. `probabilities` is a dozen tensor ops over the batch, and the draw
+is one `multinomial` per sampled row (each request has its own generator); vLLM's
+`v1/sample/sampler.py` draws the whole batch with one exponential race on the GPU.
 
 Reference: vLLM `v1/sample/sampler.py`, `v1/sample/logits_processor/`; Hugging Face's
 `LogitsProcessor`s (`RepetitionPenaltyLogitsProcessor`, `MinNewTokensLengthLogitsProcessor`).
@@ -33,7 +40,7 @@ from typing import Protocol
 
 import torch
 
-from .sampling import SamplingParams, SamplingState, apply_penalties, filter_logits
+from .sampling import SamplingParams, SamplingState, apply_penalties, filter_logits, filter_logits_batch
 
 
 class LogitsProcessor(Protocol):
@@ -45,20 +52,43 @@ class LogitsProcessor(Protocol):
         """row [V] -> row [V]."""
         ...
 
+    # Optional: `batch(logits [B, V], states) -> logits [B, V]`, the same for every row at once
+    # (rows it does not apply to unchanged). Without it, `Sampler.probabilities` calls the
+    # processor row by row.
+
 
 class MinTokens:
     """Before `min_tokens` are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be drawn."""
 
     def applies(self, params: SamplingParams) -> bool:
-        return params.min_tokens > 0
+        # With ignore_eos and no stop ids there is nothing to ban: the row stays plain.
+        return params.min_tokens > 0 and bool(params.stop_token_ids or not params.ignore_eos)
 
-    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
+    @staticmethod
+    def banned(st: SamplingState) -> list[int]:
+        """The ids this row may not draw now (none once min_tokens are out)."""
         p = st.params
         if len(st.output_token_ids) >= p.min_tokens:
-            return row
+            return []
         # every id is < V: InputProcessor refuses a request whose stop_token_ids are not
-        banned = p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
+        return p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
+
+    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
+        banned = self.banned(st)
         return row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf")) if banned else row
+
+    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """logits [B, V] -> logits [B, V] with every row's banned ids at -inf (one index_put)."""
+        rows, cols = [], []
+        for i, st in enumerate(states):
+            if self.applies(st.params):
+                banned = self.banned(st)
+                rows += [i] * len(banned)
+                cols += banned
+        if not rows:
+            return logits
+        where = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+        return logits.index_put(where, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
 
 
 class Penalties:
@@ -69,6 +99,38 @@ class Penalties:
 
     def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
         return apply_penalties(row, st)
+
+    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """logits [B, V] -> penalised logits [B, V]: `apply_penalties` for every row at once.
+
+        Rows the penalties do not apply to get factor 1 and weights 0, which leave them
+        bit for bit as they were (x * 1, x - 0)."""
+        B, V = logits.shape
+        dev, dt = logits.device, logits.dtype
+        rows = [i for i, st in enumerate(states) if self.applies(st.params)]
+        if not rows:
+            return logits
+        params = [st.params for st in states]
+        column = lambda values: torch.tensor(values, dtype=dt, device=dev)[:, None]  # [B, 1]
+        rep = [p.repetition_penalty for p in params]
+        if any(r != 1 for r in rep):
+            seen_r = [i for i in rows for _ in states[i].prompt_token_ids + states[i].output_token_ids]
+            seen_c = [t for i in rows for t in states[i].prompt_token_ids + states[i].output_token_ids]
+            seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
+            seen[torch.tensor(seen_r, device=dev), torch.tensor(seen_c, device=dev)] = True  # [B, V]
+            seen &= column([r != 1 for r in rep]).bool()
+            r = column(rep)
+            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+        if any(p.presence_penalty or p.frequency_penalty for p in params):
+            out_r = [i for i in rows for _ in states[i].output_token_ids]
+            out_c = [t for i in rows for t in states[i].output_token_ids]
+            counts = torch.zeros(B, V, dtype=dt, device=dev)
+            if out_r:
+                idx = (torch.tensor(out_r, device=dev), torch.tensor(out_c, device=dev))
+                counts.index_put_(idx, torch.ones(len(out_r), dtype=dt, device=dev), accumulate=True)  # [B, V]
+            logits = logits - column([p.frequency_penalty for p in params]) * counts
+            logits = logits - column([p.presence_penalty for p in params]) * (counts > 0).to(dt)
+        return logits
 
 
 DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), Penalties())
@@ -94,10 +156,11 @@ class Sampler:
             return row
         return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
 
-    def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Stage 1. logits [B, V] -> the distribution each row is sampled from, probs [B, V].
-        A greedy row is one-hot at the argmax of its processed logits: sampling from it is
-        the argmax, and level 4's rejection sampler needs no special case to be exact for it."""
+    def probabilities_loop(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Stage 1, the reference: logits [B, V] -> the distribution each row is sampled from,
+        probs [B, V], one row at a time. A greedy row is one-hot at the argmax of its processed
+        logits: sampling from it is the argmax, and level 4's rejection sampler needs no
+        special case to be exact for it."""
         probs = torch.empty_like(logits)  # [B, V]
         for i, st in enumerate(states):
             row = self.process_row(logits[i], st)  # [V]
@@ -105,6 +168,41 @@ class Sampler:
                 probs[i] = torch.nn.functional.one_hot(row.argmax(), row.shape[-1]).to(probs.dtype)
             else:
                 probs[i] = torch.softmax(row, dim=-1)
+        return probs
+
+    def process(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Every processor over the batch: logits [B, V] -> logits [B, V]."""
+        for proc in self.processors:
+            if hasattr(proc, "batch"):
+                logits = proc.batch(logits, states)
+                continue
+            rows = [i for i, st in enumerate(states) if proc.applies(st.params)]
+            if rows:
+                logits = logits.clone()
+                for i in rows:
+                    logits[i] = proc(logits[i], states[i])
+        return logits
+
+    def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Stage 1: `probabilities_loop`'s result for the whole batch at once, probs [B, V]."""
+        B, V = logits.shape
+        dev, dt = logits.device, logits.dtype
+        logits = self.process(logits, states)  # [B, V]
+        params = [st.params for st in states]
+        greedy = torch.tensor([p.greedy for p in params], device=dev)  # [B]
+        probs = torch.empty_like(logits)  # [B, V]
+        if not greedy.all():
+            temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=dt, device=dev)[:, None]  # [B, 1]
+            filtered = filter_logits_batch(
+                logits / temperature,
+                torch.tensor([p.top_k for p in params], device=dev),
+                torch.tensor([p.top_p for p in params], dtype=dt, device=dev),
+                torch.tensor([p.min_p for p in params], dtype=dt, device=dev),
+            )  # [B, V]
+            probs = torch.softmax(filtered, dim=-1)
+        if greedy.any():
+            one_hot = torch.nn.functional.one_hot(logits[greedy].argmax(-1), V).to(dt)  # [G, V]
+            probs[greedy] = one_hot
         return probs
 
     @staticmethod

@@ -157,12 +157,40 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     probs = torch.softmax(logits, dim=-1)  # [V], over what top-k left
     keep = torch.ones(V, dtype=torch.bool, device=logits.device)
     if top_p < 1:
-        sorted_p, order = probs.sort(descending=True)
+        sorted_p, order = probs.sort(descending=True, stable=True)  # stable: ties in id order, as the batch twin
         mass_before = sorted_p.cumsum(0) - sorted_p  # probability of strictly better tokens
         keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
         keep &= torch.zeros_like(keep).scatter(0, order, keep_sorted)
     if min_p > 0:
         keep &= probs >= min_p * probs.max()
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+def filter_logits_batch(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """`filter_logits` for every row at once, each with its own settings.
+
+    logits [B, V] (already divided by each row's temperature); top_k [B] long (0: off);
+    top_p [B], min_p [B] in logits' dtype -> logits [B, V] with disallowed tokens at -inf.
+    Row i's result equals ``filter_logits(logits[i], top_k[i], top_p[i], min_p[i])``
+    (tests/test_sampling.py): a per-row k becomes a per-row threshold read from one sort,
+    and a row whose setting is off keeps every token, as its twin would.
+    """
+    B, V = logits.shape
+    if bool(((top_k > 0) & (top_k < V)).any()):
+        k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [B]; V keeps everything
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [B, V], over what top-k left
+    keep = torch.ones(B, V, dtype=torch.bool, device=logits.device)
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V]: probability of strictly better tokens
+        keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1)[:, None]  # a row with top_p 1 keeps all
+        keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
+    if bool((min_p > 0).any()):
+        keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(~keep, float("-inf"))
 
 

@@ -40,7 +40,7 @@ from .worker import ModelInput, Worker
 @dataclass
 class PagedEngineConfig(EngineConfig):
     block_size: int = 16  # tokens per KV block
-    attention_backend: str = "auto"  # auto (triton on CUDA, torch on CPU) | torch | triton | ref
+    attention_backend: str = "auto"  # auto (triton on CUDA, the compiled kernel on CPU, else torch) | cpu | torch | triton | ref
 
     def __post_init__(self):
         super().__post_init__()

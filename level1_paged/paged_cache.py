@@ -112,11 +112,26 @@ class AttentionImpl(NamedTuple):
 
 
 def attention_impl(name: str, device: torch.device) -> AttentionImpl:
-    """'auto' | 'torch' | 'triton' | 'ref' -> the backend's functions."""
+    """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
+
+    'auto' is the Triton kernel on CUDA, and on a CPU the compiled kernel
+    (cpu_attention.py) if it builds here, else the torch backend."""
+    from . import cpu_attention
     from .attention_ref import paged_attention_ref, paged_attention_torch, write_kv_cache
 
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type == "cuda":
+            name = "triton"
+        else:
+            name = "cpu" if cpu_attention.available() else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU tensors, not {device.type}")
+        if not cpu_attention.available():
+            raise RuntimeError(
+                f"attention_backend='cpu': the kernel could not be built ({cpu_attention.build_error()})"
+            )
+        return AttentionImpl(write_kv_cache, cpu_attention.paged_attention_cpu)
     if name == "torch":
         return AttentionImpl(write_kv_cache, paged_attention_torch)
     if name == "ref":
@@ -125,7 +140,7 @@ def attention_impl(name: str, device: torch.device) -> AttentionImpl:
         from .triton_attention import paged_attention_triton, write_kv_cache_triton
 
         return AttentionImpl(write_kv_cache_triton, paged_attention_triton)
-    raise ValueError(f"attention_backend={name!r} is not one of: auto, torch, triton, ref")
+    raise ValueError(f"attention_backend={name!r} is not one of: auto, cpu, torch, triton, ref")
 
 
 class PagedAttention:

@@ -55,12 +55,15 @@ from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 class ContinuousEngineConfig(PagedEngineConfig):
     max_num_batched_tokens: int = 2048  # the token budget of one step (prefill chunks + decodes)
     policy: str = "fcfs"  # fcfs | priority
+    kv_admission_headroom: int = 0  # admit only if this many free blocks per running request are left (0: vLLM's rule)
     step_log_size: int = 1024  # the last steps kept for timelines (a ring buffer: memory stays bounded)
 
     def __post_init__(self):
         super().__post_init__()
         if self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= 1")
+        if self.kv_admission_headroom < 0:
+            raise ValueError(f"kv_admission_headroom={self.kv_admission_headroom} must be >= 0")
         if self.step_log_size < 0:
             raise ValueError(f"step_log_size={self.step_log_size} must be >= 0")
 
@@ -109,7 +112,8 @@ class ContinuousEngine(EngineBase):
 
     def make_scheduler(self) -> Scheduler:
         c = self.config
-        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token)
+        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token,
+                         c.kv_admission_headroom)  # fmt: skip
 
     def check_fits(self, seq: Request, i: int) -> None:
         check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)

@@ -39,9 +39,12 @@ class KVCacheManager(Protocol):
         """(cached blocks of the request's prefix, how many tokens they hold)."""
         ...
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None,
+                       keep_free: int = 0) -> bool:  # fmt: skip
         """Room up to num_computed + num_new, or False and nothing changed.
-        `computed_blocks` is given (possibly empty) only when the request is admitted."""
+        `computed_blocks` is given (possibly empty) only when the request is admitted;
+        `keep_free`: fail too if fewer than this many blocks would be left free (the
+        scheduler's admission headroom)."""
         ...
 
     def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
@@ -82,9 +85,10 @@ class SimpleKVCacheManager:
     def get_computed_blocks(self, req: Request) -> tuple[list, int]:
         return [], 0
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None,
+                       keep_free: int = 0) -> bool:  # fmt: skip
         total = req.num_computed_tokens + num_new_tokens
-        if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free:
+        if self.tables.missing_blocks(req.seq_id, total) > self.tables.allocator.num_free - keep_free:
             return False
         self.tables.grow(req.seq_id, total)
         return True

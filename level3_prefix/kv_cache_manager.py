@@ -70,13 +70,14 @@ class PrefixCachingKVCacheManager:
             hit.append(b)
         return hit, len(hit) * bs
 
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None) -> bool:
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None,
+                       keep_free: int = 0) -> bool:  # fmt: skip
         blocks = self.req_blocks.setdefault(req.seq_id, [])
         computed = computed_blocks or []
         total = req.num_computed_tokens + num_new_tokens
         need = blocks_for(total, self.block_size) - len(blocks) - len(computed)
         idle_hits = sum(b.ref_cnt == 0 for b in computed)  # touching them takes them off the free queue
-        if need > self.pool.num_free - idle_hits:
+        if need > self.pool.num_free - idle_hits - keep_free:
             if not blocks:
                 del self.req_blocks[req.seq_id]
             return False

@@ -5,7 +5,8 @@ What this is
 
         dense causal attention on contiguous K/V (plain torch, float64)
           == paged_attention_ref     (the oracle, through the block tables)
-          == paged_attention_torch   (the CPU backend)
+          == paged_attention_torch   (the CPU backend in plain torch)
+          == paged_attention_cpu     (the compiled CPU kernel, cpu_attention.cpp)
           == paged_attention_triton  (the kernel; Triton's interpreter on CPU)
 
     plus the cache writes (exactly the named slots change) and "mutants" that
@@ -48,11 +49,13 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux); the torch backends are tested elsewhere")
 
+from level1_paged import cpu_attention  # noqa: E402
 from level1_paged.attention_ref import (  # noqa: E402
     paged_attention_ref,
     paged_attention_torch,
     write_kv_cache,
 )
+from level1_paged.paged_cache import attention_impl  # noqa: E402
 from level1_paged.triton_attention import (  # noqa: E402
     _launch,
     paged_attention_triton,
@@ -270,6 +273,58 @@ def test_torch_backend_matches_ref(w):
     out = paged_attention_torch(*w.args())
     assert out.dtype == w.q.dtype
     assert_close(out, paged_attention_ref(*w.args()), w.q.dtype)
+
+
+needs_cpu_kernel = pytest.mark.skipif(
+    not cpu_attention.available(), reason=f"the compiled CPU kernel did not build here: {cpu_attention.build_error()}"
+)
+
+
+@needs_cpu_kernel
+@settings(max_examples=60, deadline=None)
+@given(workloads(ALL_DTYPES, max_seqs=5))
+def test_cpu_kernel_matches_ref(w):
+    """The compiled kernel, alone (every query length, long prefills too) and behind the
+    backend's routing (long queries to SDPA, the rest to the kernel, one output)."""
+    ref = paged_attention_ref(*w.args())
+    for out in (
+        cpu_attention.kernel(*w.args()) if w.q.dtype != torch.float16 else paged_attention_ref(*w.args()),
+        cpu_attention.paged_attention_cpu(*w.args()),
+    ):
+        assert out.dtype == w.q.dtype
+        assert_close(out, ref, w.q.dtype)
+
+
+@needs_cpu_kernel
+def test_cpu_kernel_mutant_and_auto():
+    """A context one shorter than the truth is caught; 'auto' on a CPU picks the kernel."""
+    w = make_workload([5, 1, 40], [9, 12, 3], 8, 2, 64, 8, torch.float64, seed=1)
+    ref = paged_attention_ref(*w.args())
+    wrong = cpu_attention.paged_attention_cpu(
+        w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens - 1, w.block_tables, w.scale
+    )
+    with pytest.raises(AssertionError):
+        assert_close(wrong, ref, torch.float64)
+    assert attention_impl("auto", torch.device("cpu")).attend is cpu_attention.paged_attention_cpu
+
+
+def test_without_a_compiler_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog):
+    """A build failure (no compiler, no ninja) is logged once and 'auto' uses the torch
+    backend; asking for 'cpu' by name raises with the reason."""
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found\n(and more lines)")
+
+    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
+    monkeypatch.setattr(cpu_attention, "_module", None)
+    monkeypatch.setattr(cpu_attention, "_error", None)
+    with caplog.at_level("WARNING", logger=cpu_attention.__name__):
+        impls = [attention_impl("auto", torch.device("cpu")) for _ in range(3)]
+    assert all(impl.attend is paged_attention_torch for impl in impls)
+    lines = [r.getMessage() for r in caplog.records if r.name == cpu_attention.__name__]
+    assert len(lines) == 1 and "c++: command not found" in lines[0] and "torch backend" in lines[0]
+    with pytest.raises(RuntimeError, match="command not found"):
+        attention_impl("cpu", torch.device("cpu"))
 
 
 def test_mutants_are_caught():

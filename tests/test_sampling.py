@@ -101,3 +101,76 @@ def test_min_tokens_suppresses_eos_and_stop_ids():
     late = SamplingState(params, [0], [3, 3], eos_token_ids=[1])
     assert int(sample(logits, [early])[0]) == 3
     assert int(sample(logits, [late])[0]) == 1
+
+
+# --------------------------------------------------------------------------- #
+# The batched stage 1 equals the per-row reference                             #
+# --------------------------------------------------------------------------- #
+
+VOCAB = 12
+
+
+@st.composite
+def mixed_rows(draw):
+    """One row's params and history: greedy or sampled, any filter, penalty, min_tokens, stops."""
+    greedy = draw(st.booleans())
+    params = SamplingParams(
+        temperature=0.0 if greedy else draw(st.floats(0.05, 3.0)),
+        top_k=draw(st.sampled_from([0, 1, 3, VOCAB - 1, VOCAB, VOCAB + 5])),
+        top_p=draw(st.sampled_from([1.0, 0.9, 0.5, 0.05])),
+        min_p=draw(st.sampled_from([0.0, 0.1, 0.6])),
+        repetition_penalty=draw(st.sampled_from([1.0, 1.3, 0.7])),
+        presence_penalty=draw(st.sampled_from([0.0, 0.5, -1.0])),
+        frequency_penalty=draw(st.sampled_from([0.0, 0.25, -0.5])),
+        min_tokens=draw(st.integers(0, 4)),
+        max_tokens=8,
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.lists(st.integers(0, VOCAB - 1), max_size=2)),
+    )
+    history = st.lists(st.integers(0, VOCAB - 1), max_size=6)
+    return SamplingState(params, draw(history), draw(history), eos_token_ids=[VOCAB - 1])
+
+
+@given(
+    st.lists(mixed_rows(), min_size=1, max_size=6),
+    st.sampled_from([torch.float64, torch.float32]),
+    st.integers(0, 2**31),
+)
+def test_batched_probabilities_equal_the_per_row_loop(states, dtype, seed):
+    """Bit for bit, in float64 and float32: per-row temperature, top-k/p, min-p, penalties
+    and min_tokens as tensor ops over the batch give what one row at a time gives."""
+    logits = torch.randn(len(states), VOCAB, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    logits = logits.mul(3).round(decimals=1).to(dtype)  # rounded: ties happen, and must break alike
+    sampler = Sampler()
+    batched, loop = sampler.probabilities(logits, states), sampler.probabilities_loop(logits, states)
+    assert torch.equal(batched, loop)
+
+
+def test_batched_probabilities_run_a_processor_without_batch_row_by_row():
+    class BanThree:
+        def applies(self, params):
+            return params.temperature > 0
+
+        def __call__(self, row, st):
+            return row.index_fill(0, torch.tensor([3]), float("-inf"))
+
+    logits = torch.zeros(2, 5, dtype=torch.float64)
+    states = [
+        SamplingState(SamplingParams(temperature=1.0), [0], []),
+        SamplingState(SamplingParams(temperature=0), [0], []),
+    ]
+    sampler = Sampler([BanThree()])
+    probs = sampler.probabilities(logits, states)
+    assert torch.equal(probs, sampler.probabilities_loop(logits, states))
+    assert probs[0, 3] == 0 and probs[0, 0] == 0.25 and probs[1].tolist() == [1, 0, 0, 0, 0]
+
+
+def test_min_tokens_with_nothing_to_ban_is_plain_greedy():
+    """The benchmark's requests (min_tokens = max_tokens, ignore_eos, no stop ids) can ban
+    nothing, so they take the one-argmax path; with a stop id or EOS to ban they do not."""
+    sampler = Sampler()
+    assert sampler.is_plain_greedy(SamplingParams(temperature=0, min_tokens=8, max_tokens=8, ignore_eos=True))
+    assert not sampler.is_plain_greedy(SamplingParams(temperature=0, min_tokens=8, max_tokens=8))
+    assert not sampler.is_plain_greedy(
+        SamplingParams(temperature=0, min_tokens=8, max_tokens=8, ignore_eos=True, stop_token_ids=[3])
+    )

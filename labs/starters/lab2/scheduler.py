@@ -15,6 +15,10 @@ What it is: vLLM V1's policy, written to be read. At every step, within a token 
      again. A request that must preempt itself waits for the next step.
   2. Then waiting requests, oldest first (or by priority), while budget, seats and
      blocks last. Not in a step that preempted: the memory is too tight to add anyone.
+     With `admission_headroom` h > 0, a request is admitted only if h free blocks per
+     running request are left after it: room for everyone's next block, so a batch
+     admitted at once does not all run out at the same token and preempt (thrash).
+     vLLM admits while blocks last (h = 0); docs/level2_continuous.md shows the difference.
 
     step t:  budget 8 tokens    running: A (decode) B (decode) C (prefill, 9 left)
              scheduled          A:1  B:1  C:6  -> C gets the rest (3) at step t+1
@@ -83,12 +87,14 @@ def append_token(req: Request, token: int, logprob=None) -> None:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int, policy: str = "fcfs",
-                 append_token: Callable[[Request, int, object], None] = append_token):  # fmt: skip
+                 append_token: Callable[[Request, int, object], None] = append_token, admission_headroom: int = 0):  # fmt: skip
         """`append_token(req, token, logprob)` is how a sampled token joins its request (stop rules
-        included); the engine passes its own, which also counts tokens and inter-token latency."""
+        included); the engine passes its own, which also counts tokens and inter-token latency.
+        `admission_headroom`: free blocks per running request an admission must leave (0: none)."""
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"policy={policy!r} is not one of: fcfs, priority")
         self.kv, self.policy, self.append_token = kv, policy, append_token
+        self.admission_headroom = admission_headroom
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
