@@ -20,8 +20,10 @@ Two ways through stage 1, kept side by side and tested equal (tests/test_samplin
 `probabilities_loop`, one row at a time through each processor's `__call__` and
 `sampling.filter_logits` (the reference, the one to read first), and `probabilities`,
 the whole batch at once: each processor's `batch` (a processor without one is run row by
-row), per-row temperatures as a column, `sampling.filter_logits_batch`. A later mode adds a processor (a grammar's mask, a fixed
-draw order) without touching the engine: `Sampler([*DEFAULT_PROCESSORS, MyMask()])`.
+row), per-row temperatures as a column, `sampling.filter_logits_batch`.
+
+A later mode adds a processor (a grammar's mask, a fixed draw order) without touching
+the engine: `Sampler([*DEFAULT_PROCESSORS, MyMask()])`.
 Each request draws from its own `torch.Generator`, so a seeded request gives the same
 tokens whatever batch it lands in.
 

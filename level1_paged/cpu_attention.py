@@ -2,10 +2,11 @@
 
 What this is
     ``paged_attention_cpu``, the attention function ``attention_backend="auto"`` picks on
-    a CPU (``paged_cache.attention_impl``). Decodes, short chunks and speculative
-    verifications go to the C++ kernel in ``cpu_attention.cpp``, which reads K and V in
+    a CPU (``paged_cache.attention_impl``). Decodes and speculative verifications of
+    up to ``LONG_QUERY`` tokens go to the C++ kernel in ``cpu_attention.cpp``, which reads K and V in
     place through the block tables (its header draws the loop nest); queries longer than
-    ``LONG_QUERY`` tokens, and float16, go to ``attention_ref.paged_attention_torch``.
+    ``LONG_QUERY`` tokens (prefill chunks), and float16, go to
+    ``attention_ref.paged_attention_torch``.
 
     Why compiled: a decode on a CPU is a few microseconds of arithmetic per sequence and
     layer, and the torch backend spends about 20 aten calls per sequence and layer around
@@ -58,11 +59,13 @@ ENTRY_POINTS = {
     torch.float64: "paged_attention_f64",
     torch.bfloat16: "paged_attention_bf16",
 }
-# Queries longer than this go to SDPA (attention_ref.paged_attention_torch). Measured here
-# (2-core EPYC, fp32, Hq 4, Hkv 2, D 64, one thread): the kernel is 3-13x the torch backend
-# for queries of 8-32 tokens, about even at 64-256, and 0.5-0.7x at 512 (SDPA's blocked
-# matmuls win once a query is long enough to amortise them).
-LONG_QUERY = 32
+# Queries longer than this go to SDPA (attention_ref.paged_attention_torch). Measured with
+# `python -m benchmarks.attention --heads 4 2` (2-core EPYC, fp32, D 64, one thread): for
+# decodes the kernel is 2.9-3.1x the torch backend at 160 context, 1.4-1.6x at 576, 1.3-1.5x
+# at 1024 (16 and 64 sequences); 4-token queries (a verification of 3 guesses) 1.9x at 160,
+# 1.0x at 576; one 16-token query over 512 keys 0.4x: each (row, key) is its own dot product,
+# and SDPA's matmuls win as soon as there are enough rows to block.
+LONG_QUERY = 4
 
 _lock = threading.Lock()
 _module = None  # the loaded library, once built

@@ -38,6 +38,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+
+def pytest_configure(config):
+    """Build the compiled CPU attention kernel (about a second, once per machine) before any
+    test runs, so no timed test or server start-up in a subprocess pays for the build."""
+    from level1_paged import cpu_attention
+
+    cpu_attention.available()
+
+
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 97  # deliberately not a power of two
 

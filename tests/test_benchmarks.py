@@ -157,3 +157,23 @@ def test_parallel_benchmark_writes_well_formed_json(checkpoint_factory, tmp_path
     tp2 = data["runs"][-1]
     assert tp2["all_reduce_calls"] > 0 and tp2["all_reduce_bytes"] > 0 and tp2["predicted_all_reduce_s"] > 0
     assert "model error" in capsys.readouterr().out
+
+
+def test_profile_takes_a_decode_step_apart(checkpoint_factory, tmp_path):
+    """`python -m benchmarks.profile`: every part of the step is timed, the parts and what lies
+    between them add up to the step, the forward's parts are there, and the ceiling is beside it."""
+    from benchmarks import profile
+
+    model = checkpoint_factory("llama")
+    data = profile.main(["--model", str(model), "--batches", "1,4", "--steps", "3", "--plot",
+                         "--img-dir", str(tmp_path), "--out", str(tmp_path / "p.json")])  # fmt: skip
+    assert json.loads((tmp_path / "p.json").read_text())["rows"] == data["rows"]
+    assert (tmp_path / "profile_level3_prefix.png").stat().st_size > 0
+    assert [r["batch"] for r in data["rows"]] == [1, 4]
+    for r in data["rows"]:
+        assert set(r["ms"]) == set(profile.PARTS)
+        assert math.isclose(sum(r["ms"].values()), r["step_ms"], rel_tol=1e-9)
+        assert all(r["ms"][p] > 0 for p in ("schedule", "input", "linears", "attention", "glue", "sampling", "outputs"))
+        assert r["ms"]["between"] >= 0, "the parts are disjoint pieces of the step"
+        assert r["aten_ops_per_step"] > 10 and r["matmul_ms"] > 0 and r["kv_ms"] > 0
+        assert 0 < r["of_ceiling"] and r["ceiling_tok_per_s"] > 0
