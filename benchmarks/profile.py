@@ -26,7 +26,8 @@ engine actually runs, not at the best batch the machine could run.
 
     python -m benchmarks.profile                                 # level 3, uniform, 1/16/64/128
     python -m benchmarks.profile --level level2_continuous --batches 16,64 --attention-backend torch
-    python -m benchmarks.profile --plot --img-dir docs/img       # the committed picture
+    python -m benchmarks.profile --plot docs/img/profile_level3_prefix.png   # the committed picture
+                                                                 # (python -m ladder.figures --only profile)
 
 What it is not: a trace (use `torch.profiler` for one op at a time) or a speed test: it reports
 and never fails on a number. Prefill is not profiled (a decode step is what a long generation
@@ -240,8 +241,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-backend", default=None, help="auto (default), cpu, torch, ref")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--plot", action="store_true")
-    p.add_argument("--img-dir", default=None)
+    p.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
+                   help="draw the stacked bars (to PATH, default profile_LEVEL.png outside the repository)")  # fmt: skip
     p.add_argument("--out", default=None, help="write the JSON here")
     p.set_defaults(default_model=default_model)
     return p
@@ -258,7 +259,9 @@ def main(argv=None) -> dict:
     dims, bandwidth = Dims.from_checkpoint(args.model), kv_read_bandwidth()
     for r in rows:
         r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth))
-    backend = args.attention_backend or "auto"
+    from level1_paged import cpu_attention
+
+    backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")
     title = (f"{args.level}, {args.workload} prompts, {args.dtype}, attention {backend}, "
              f"{args.threads} thread(s); KV read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     show(rows, title)
@@ -266,8 +269,8 @@ def main(argv=None) -> dict:
     out = Path(args.out) if args.out else output_dir() / f"profile_{args.level}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
-    if args.plot:
-        path = Path(args.img_dir or output_dir()) / f"profile_{args.level}.png"
+    if args.plot is not None:
+        path = Path(args.plot) if args.plot else output_dir() / f"profile_{args.level}.png"
         plot(rows, title, path)
         print(f"plot: {path}")
     print(f"json: {out}")

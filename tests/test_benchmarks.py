@@ -165,8 +165,8 @@ def test_profile_takes_a_decode_step_apart(checkpoint_factory, tmp_path):
     from benchmarks import profile
 
     model = checkpoint_factory("llama")
-    data = profile.main(["--model", str(model), "--batches", "1,4", "--steps", "3", "--plot",
-                         "--img-dir", str(tmp_path), "--out", str(tmp_path / "p.json")])  # fmt: skip
+    data = profile.main(["--model", str(model), "--batches", "1,4", "--steps", "3",
+                         "--plot", str(tmp_path / "profile_level3_prefix.png"), "--out", str(tmp_path / "p.json")])  # fmt: skip
     assert json.loads((tmp_path / "p.json").read_text())["rows"] == data["rows"]
     assert (tmp_path / "profile_level3_prefix.png").stat().st_size > 0
     assert [r["batch"] for r in data["rows"]] == [1, 4]
