@@ -3,9 +3,9 @@
 What this is
     ``paged_attention_cpu``, the attention function ``attention_backend="auto"`` picks on
     a CPU (``paged_cache.attention_impl``). Decodes and speculative verifications of
-    up to ``LONG_QUERY`` tokens go to the C++ kernel in ``cpu_attention.cpp``, which reads K and V in
-    place through the block tables (its header draws the loop nest); queries longer than
-    ``LONG_QUERY`` tokens (prefill chunks), and float16, go to
+    up to ``LONG_QUERY`` tokens go to the C++ kernel in ``cpu_attention.cpp``, which
+    reads K and V in place through the block tables (its header draws the loop nest);
+    longer queries (prefill chunks), and float16, go to
     ``attention_ref.paged_attention_torch``.
 
     Why compiled: a decode on a CPU is a few microseconds of arithmetic per sequence and
