@@ -111,7 +111,7 @@ def instrument(engine, clock: Counter) -> None:
     impl = worker.impl
     worker.impl = type(impl)(_timed(impl.write_kv, clock, "attention"), _timed(impl.attend, clock, "attention"))
     model = worker.model
-    model.set_ops(TimedOps(model.ops if hasattr(model, "ops") else Ops(), clock))
+    model.set_ops(TimedOps(model.ops, clock))
 
 
 def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:

@@ -187,7 +187,7 @@ class Sampler:
 
     def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Stage 1: `probabilities_loop`'s result for the whole batch at once, probs [B, V]."""
-        B, V = logits.shape
+        V = logits.shape[-1]
         dev, dt = logits.device, logits.dtype
         logits = self.process(logits, states)  # [B, V]
         params = [st.params for st in states]

@@ -46,7 +46,7 @@ import torch
 
 from .attention_ref import paged_attention_torch
 
-__all__ = ["LONG_QUERY", "available", "build_error", "kernel", "paged_attention_cpu"]
+__all__ = ["LONG_QUERY", "available", "build_error", "kernel", "paged_attention_cpu", "require"]
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,14 @@ def available() -> bool:
     return _load() is not None
 
 
+def require():
+    """The library, or a RuntimeError saying why it could not be built (`attention_backend="cpu"`)."""
+    module = _load()
+    if module is None:
+        raise RuntimeError(f"attention_backend='cpu': the compiled kernel could not be built ({_error})")
+    return module
+
+
 def build_error() -> str | None:
     """Why the kernel could not be built, or None (if it was, or has not been tried)."""
     return _error
@@ -132,9 +140,7 @@ def build_error() -> str | None:
 def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """One call of the C++ kernel, every query length (no routing): the contract of
     ``attention_ref.paged_attention_ref`` for float32, float64 and bfloat16 CPU tensors."""
-    module = _load()
-    if module is None:
-        raise RuntimeError(f"attention_backend='cpu': the compiled kernel could not be built ({_error})")
+    module = require()
     if q.dtype not in ENTRY_POINTS:
         raise TypeError(f"the CPU kernel takes {', '.join(map(str, ENTRY_POINTS))}, not {q.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):

@@ -137,10 +137,7 @@ def attention_impl(name: str, device: torch.device) -> AttentionImpl:
     if name == "cpu":
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on CPU tensors, not {device.type}")
-        if not cpu_attention.available():
-            raise RuntimeError(
-                f"attention_backend='cpu': the kernel could not be built ({cpu_attention.build_error()})"
-            )
+        cpu_attention.require()  # built, or a RuntimeError with the reason
         return AttentionImpl(write_kv_cache, cpu_attention.paged_attention_cpu)
     if name == "torch":
         return AttentionImpl(write_kv_cache, paged_attention_torch)
