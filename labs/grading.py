@@ -73,11 +73,14 @@ def resolve(lab: Lab, paths: list[str | Path]) -> dict[str, str]:
 
 
 def check_variant(name: str, lab: Lab, swaps: dict[str, str], workdir: Path, checks: list[Check] | None = None,
-                  timeout: float = 900, no_shrink: bool = False) -> dict:  # fmt: skip
-    """`no_shrink`: hypothesis reports a failure without minimising it (for runs expected to fail)."""
-    tests = list(dict.fromkeys(t for c in (checks or lab.checks) for t in c.tests))
+                  timeout: float = 900, expect_failures: bool = False) -> dict:  # fmt: skip
+    """`expect_failures`, for runs that only need to know *that* each check fails (a starter, a planted
+    bug): hypothesis reports a failure without minimising it, and a check stops at its first failure."""
+    checks = checks or lab.checks
+    tests = list(dict.fromkeys(t for c in checks for t in c.tests))
     safe = name.replace("/", "_")
-    return dict(name=name, kind="pytest", swaps=swaps, tests=tests, timeout=timeout, no_shrink=no_shrink,
+    return dict(name=name, kind="pytest", swaps=swaps, tests=tests, timeout=timeout, no_shrink=expect_failures,
+                stop_checks=[list(c.tests) for c in checks] if expect_failures else None,
                 results=str(workdir / f"{safe}.jsonl"), log=str(workdir / f"{safe}.log"))  # fmt: skip
 
 

@@ -18,7 +18,8 @@ process that asked for it.
     `python -m NAME ARGS...` would, under the swaps of the environment.
   - `python -m labs.runner plan PLAN.json` runs the variants of a plan, each a pytest
     selection or a module run with its own swaps. The heavy third-party imports (torch,
-    transformers, pytest, hypothesis, triton) happen once, in this process; each variant
+    transformers, pytest, hypothesis, triton, and pytest's installed plugins) happen once,
+    in this process, and are frozen out of the garbage collector's walks; each variant
     runs in a `fork()` of it that installs its swaps and imports the levels afresh. A
     student's check is a plan of one variant; the labs' own tests run dozens in one plan.
     Results are written as JSON lines as each test ends, so a variant that hangs and is
@@ -33,6 +34,7 @@ start method ("the parent's main module is imported in the child").
 
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.util
 import json
@@ -109,15 +111,30 @@ class CheckTimeout(BaseException):
     instead of replaying the (endless) example to shrink it."""
 
 
-def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT):
+def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT, stop_checks: list | None = None):
     """A pytest plugin: keep only the selected tests, and write one JSON line per outcome. Made here,
-    not at import, so that a process that only imports this module (a spawned rank) never loads pytest."""
+    not at import, so that a process that only imports this module (a spawned rank) never loads pytest.
+
+    `stop_checks` (the tests of each check, one list per check): a test is skipped once every check it
+    belongs to has a failure. For runs that only need to know *that* each check fails (the labs' own
+    tests of starters and planted bugs); a student's check runs every test, so it lists every failure."""
     import pytest
 
     class Recorder:
         def __init__(self):
             self.out = open(path, "a", buffering=1)
             self.timeout = test_timeout
+            self.failed: set[int] = set()  # the checks (indices into stop_checks) that already failed
+
+        def _checks_of(self, nodeid: str) -> list[int]:
+            return [i for i, specs in enumerate(stop_checks or []) if any(matches(nodeid, s) for s in specs)]
+
+        @pytest.hookimpl(tryfirst=True)
+        def pytest_runtest_setup(self, item):
+            """Before any fixture is built: a test whose every check has already failed cannot change a result."""
+            checks = self._checks_of(item.nodeid)
+            if checks and all(i in self.failed for i in checks):
+                pytest.skip("not run: its check had already failed")
 
         def _write(self, **record) -> None:
             self.out.write(json.dumps(record) + "\n")
@@ -151,6 +168,8 @@ def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT
                 self._write(collect=report.nodeid, message=_short(report))
 
         def pytest_runtest_logreport(self, report):
+            if report.failed:
+                self.failed.update(self._checks_of(report.nodeid))
             if report.when == "call" or report.outcome != "passed":
                 self._write(nodeid=report.nodeid, when=report.when, outcome=report.outcome, message=_short(report))
 
@@ -170,7 +189,7 @@ def _short(report) -> str:
     return (text[-1] if text else "")[:600]
 
 
-def run_pytest(selection: list[str], results: str) -> int:
+def run_pytest(selection: list[str], results: str, stop_checks: list | None = None) -> int:
     import pytest
 
     files = list(dict.fromkeys(s.split("::")[0] for s in selection))
@@ -188,7 +207,7 @@ def run_pytest(selection: list[str], results: str) -> int:
         "--durations",
         "12",
     ]
-    return int(pytest.main(args, plugins=[recorder(selection, results)]))
+    return int(pytest.main(args, plugins=[recorder(selection, results, stop_checks=stop_checks)]))
 
 
 # --- a plan: many variants, each in a fork of one warm process ---------------------------------------
@@ -217,6 +236,18 @@ def preload() -> None:
             getattr(sys.modules[mod], attr)
         except Exception:  # noqa: BLE001
             pass
+    # pytest imports every installed plugin (the `pytest11` entry points: hypothesis's, schemathesis's,
+    # anyio's, ...) at the start of each session: about 5 s here, once per variant unless done first.
+    from importlib.metadata import entry_points
+
+    for ep in entry_points(group="pytest11"):
+        try:
+            ep.load()
+        except Exception:  # noqa: BLE001 - a broken plugin breaks pytest itself, which will say so
+            pass
+    # What is loaded now lives as long as the process: out of the collector's sight, so that each
+    # variant's `gc.collect()` (pytest calls it five times as a session ends) walks only its own objects.
+    gc.freeze()
 
 
 def _child(variant: dict) -> int:
@@ -242,7 +273,7 @@ def _child(variant: dict) -> int:
     if variant.get("no_shrink"):
         no_shrink_profile()
     if variant["kind"] == "pytest":
-        return run_pytest(variant["tests"], variant["results"])
+        return run_pytest(variant["tests"], variant["results"], variant.get("stop_checks"))
     if variant["kind"] == "probe":
         return probe(variant["module"])
     return run_module(variant["module"], variant.get("argv", []))
@@ -311,6 +342,7 @@ def run_plan(plan: dict) -> list[dict]:
     finally:  # Ctrl-C: each variant is a process group of its own, which the terminal's SIGINT never reaches
         for pid in running:
             _reap_group(pid)
+        gc.unfreeze()  # an orderly exit: frozen objects are never freed, and some bindings print "leaked" then
     return [done[v["name"]] for v in plan["variants"]]
 
 

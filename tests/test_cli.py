@@ -172,6 +172,9 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
     level4 = outputs["level4_speculative.demo"]  # piped: no colours, so the marks carry the legend
     assert "[recovered]" in level4 and "{bonus}" in level4 and "\u2026" not in level4  # no header cut to "c_verif…"
     assert "c_draft:" in level4 and "c_verify:" in level4  # the cost columns are explained
+    level5 = outputs["level5_multigpu.demo"]  # (tests/test_demos.py runs no level-5 demo of its own: 40 s)
+    assert "identical text in all four layouts: True" in level5
+    assert (env_out / "level5_pipeline.png").stat().st_size > 10_000
     level6 = outputs["level6_serving.demo"]
     url = re.search(r"server up at (http://\S+)", level6)[1]
     assert level6.count(url) == 1, "it offered the demo's own server (stopped at the end) to try"

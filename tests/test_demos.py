@@ -157,20 +157,6 @@ def test_level5_pipeline_picture_has_a_legend_and_no_label_over_another(tmp_path
     assert ax.get_legend() is not None and ax.texts and not overlaps(figs[0], ax.texts)
 
 
-def test_level5_demo(tiny, tmp_path, capsys):
-    from level5_multigpu import demo
-
-    plot = tmp_path / "level5_pipeline.png"
-    res = demo.main(
-        ["--model", str(tiny), "--max-tokens", "6", "--requests", "4", "--plot", str(plot), "--no-progress"]
-    )
-    out = capsys.readouterr().out
-    assert res["identical"] and "identical text in all four layouts: True" in out
-    assert plot.stat().st_size > 10_000
-    rows = res["rows"]
-    assert rows["TP=1 PP=1"]["calls"] == 0 and rows["TP=2 PP=1"]["calls"] > rows["TP=1 PP=2"]["calls"] > 0
-
-
 def test_level6_clients_table_says_how_many_it_shows():
     from level6_serving.demo import client_table
 

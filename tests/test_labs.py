@@ -38,6 +38,7 @@ from pathlib import Path
 import pytest
 
 from labs import cli, grading
+from labs.runner import matches
 from labs.spec import HINTS, REPO, all_labs, get
 from labs.starters import starter_files
 
@@ -76,13 +77,13 @@ def runs(tmp_path_factory):
     for lab in LABS:
         if lab.id != "2":  # lab 2's starter goes through the real command line (test_the_command_line...)
             swaps = {m.name: str(lab.starter_dir / m.filename) for m in lab.modules}
-            variants.append(grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, no_shrink=True))
+            variants.append(grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, expect_failures=True))
         for bug in lab.bugs:
             d = work / "bugs" / f"{lab.id}-{bug.name}"
             cli.main(["plant", lab.id, bug.name, str(d)])
             swaps = {m.name: str(d / m.filename) for m in lab.modules}
             checks = [lab.check(c) for c in bug.caught_by]
-            variant = grading.check_variant(f"bug-{lab.id}-{bug.name}", lab, swaps, work, checks, 300, no_shrink=True)
+            variant = grading.check_variant(f"bug-{lab.id}-{bug.name}", lab, swaps, work, checks, 300, expect_failures=True)
             variants.append(variant)
         for i, argv in enumerate(handout_commands(lab)):
             args = cli.parse(argv)
@@ -123,6 +124,30 @@ def test_an_untouched_starter_fails_every_check(runs, lab_id):
     rep = report(runs, f"starter-{lab_id}", lab)
     assert rep.score == 0, explain(rep)
     assert any("NotImplementedError" in d for c in rep.checks for d in c.details), explain(rep)
+
+
+def test_a_run_that_expects_failures_stops_each_check_at_its_first(runs):
+    """A starter's or a planted bug's run only needs to know *that* each check fails: once every check a
+    test belongs to has a failure, the test is skipped before its fixtures are built (a student's own
+    check runs them all)."""
+    skipped = 0
+    for lab in LABS:
+        names = [f"starter-{lab.id}"] * (lab.id != "2") + [f"bug-{lab.id}-{b.name}" for b in lab.bugs]
+        for name in names:
+            variant, _ = runs[0][name]
+            failed, seen = set(), set()
+            for r in grading.read_results(variant["results"]):
+                if "nodeid" not in r or r["nodeid"] in seen or r["when"] == "teardown":
+                    continue
+                seen.add(r["nodeid"])
+                mine = {i for i, tests in enumerate(variant["stop_checks"]) if any(matches(r["nodeid"], t) for t in tests)}
+                assert mine, f"{name}: {r['nodeid']} belongs to no check it runs"
+                if mine <= failed:
+                    assert r["outcome"] == "skipped" and "already failed" in r["message"], (name, r)
+                    skipped += 1
+                elif r["outcome"] == "failed":
+                    failed |= mine
+    assert skipped > 0, "no test was ever skipped: every check has one test, or the stop does not work"
 
 
 REPORT_KEYS = {"lab", "score", "total", "passed", "problem", "hints", "checks", "log"}
