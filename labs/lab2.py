@@ -42,8 +42,10 @@ Admit waiting requests while budget is left and fewer than self.max_num_seqs req
   computed_blocks, num_computed = self.kv.get_computed_blocks(req); req.set_computed(num_computed)
       (level 3's prefix-cache hit; nothing at level 2, but keep the call: level 3 runs your code too)
   n = its uncomputed tokens, cut to the budget left
-  self.kv.allocate_slots(req, n, computed_blocks) says no: undo with req.set_computed(0) and stop
-      admitting; nobody behind it may jump the queue.
+  keep_free = self.admission_headroom blocks for each running request (their next blocks: 0 by default,
+      vLLM's rule; docs/level2_continuous.md, "Thrash, and its cure")
+  self.kv.allocate_slots(req, n, computed_blocks, keep_free) says no: undo with req.set_computed(0) and
+      stop admitting; nobody behind it may jump the queue.
   Otherwise it leaves self.waiting, req.to(RequestStatus.RUNNING), joins the end of self.running,
   out.add(req, n), and the budget loses n.""",
     ),
@@ -115,6 +117,13 @@ CHECKS = (
           "into self.running moves back by one.",
           rule="Under 'priority', the victim is the least urgent, latest-arriving running request, even one already "
                "scheduled this step, whose tokens then go back to the budget."),
+    Check("headroom", "admission headroom: an admission leaves the running requests their next blocks",
+          (L2 + "test_admission_headroom_cures_the_thrash",),
+          "In _admit, pass keep_free = self.admission_headroom * len(self.running) to self.kv.allocate_slots: with "
+          "headroom 1 a request is admitted only if every running request's next block stays free after it. "
+          "Ignore it and a crowd of same-shaped requests is admitted together, then preempted together.",
+          rule="With admission headroom h, a request is admitted only if h free blocks per running request remain "
+               "after it, so the running ones can grow without preempting each other."),
     Check("continuous", "a freed seat is refilled at the next step", (L2 + "test_continuous_batching_admits_into_freed_seats",),
           "schedule() admits waiting requests every step (unless it preempted): a request that finished leaves "
           "a seat, and the next schedule() fills it.",
@@ -144,6 +153,9 @@ BUGS = (
     Bug("no-chunking", "level2_continuous.scheduler",
         "            n = min(req.num_uncomputed_tokens, budget)\n            while not self.kv.allocate_slots(req, n):",
         "            n = req.num_uncomputed_tokens\n            while not self.kv.allocate_slots(req, n):", ("budget",)),
+    Bug("no-headroom", "level2_continuous.scheduler",
+        "            keep_free = self.admission_headroom * len(self.running)",
+        "            keep_free = 0", ("headroom",)),
     Bug("smallest-first", "level2_continuous.scheduler",
         "        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:\n"
         "            req = self._next_waiting()\n",

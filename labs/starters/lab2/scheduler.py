@@ -143,8 +143,10 @@ class Scheduler:
         #   computed_blocks, num_computed = self.kv.get_computed_blocks(req); req.set_computed(num_computed)
         #       (level 3's prefix-cache hit; nothing at level 2, but keep the call: level 3 runs your code too)
         #   n = its uncomputed tokens, cut to the budget left
-        #   self.kv.allocate_slots(req, n, computed_blocks) says no: undo with req.set_computed(0) and stop
-        #       admitting; nobody behind it may jump the queue.
+        #   keep_free = self.admission_headroom blocks for each running request (their next blocks: 0 by default,
+        #       vLLM's rule; docs/level2_continuous.md, "Thrash, and its cure")
+        #   self.kv.allocate_slots(req, n, computed_blocks, keep_free) says no: undo with req.set_computed(0) and
+        #       stop admitting; nobody behind it may jump the queue.
         #   Otherwise it leaves self.waiting, req.to(RequestStatus.RUNNING), joins the end of self.running,
         #   out.add(req, n), and the budget loses n.
         raise NotImplementedError("lab 2: write Scheduler._admit")
