@@ -17,6 +17,12 @@ end-to-end latency) plus the engine's KV and batching counters.
           timestamps every step, which gives each row its TTFT and finish time. Its
           KV figures are computed (batch x padded length per step), not measured.
 
+With arrivals (the `poisson` workload, `run(workload, rate=...)`) each request enters when
+its time comes: level 2 on gets it through `add_request` and it joins at the next `step()`;
+the static batchers (levels 0 and 1, and HF) start a batch of whatever has arrived and run
+it to its end, and whoever arrives meanwhile waits for the next one, as a static-batching
+server would. TTFT and end-to-end latency count from the request's arrival.
+
 What it is not: a fairness referee for memory. HF is given a batch size (default 16,
 what the KV budget holds at the workload's worst case), not a byte budget.
 
@@ -66,16 +72,30 @@ class RunResult:
     schedule_seconds: float | None = None  # level 2+: scheduler + metadata building
 
 
-def _records(outs, round_start: float) -> list[dict]:
+def _records(outs, round_start: float | list[float]) -> list[dict]:
+    """One record per output; times from `round_start` (one for all, or each request's own arrival)."""
+    starts = round_start if isinstance(round_start, list) else [round_start] * len(outs)
     return [
         {
             "prompt_len": len(o.prompt_token_ids),
             "output_len": len(o.outputs[0].token_ids),
-            "ttft": o.metrics.first_token_time - round_start,
-            "e2e": o.metrics.finished_time - round_start,
+            "ttft": o.metrics.first_token_time - t0,
+            "e2e": o.metrics.finished_time - t0,
         }
-        for o in outs
+        for o, t0 in zip(outs, starts)
     ]
+
+
+def arrived(times: list[float], start: int, now: float) -> int:
+    """The end of the run of requests from `start` whose arrival time has come."""
+    end = start
+    while end < len(times) and times[end] <= now:
+        end += 1
+    return end
+
+
+def wait_until(t: float) -> None:
+    time.sleep(max(0.0, t - time.perf_counter()))
 
 
 class LevelEngine:
@@ -117,7 +137,11 @@ class LevelEngine:
         params = self.module.SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, temperature=0)
         llm.generate([[40] * 8, [41] * 12], [params, params], progress=False)
 
-    def run(self, workload: Workload) -> RunResult:
+    def params(self, reqs: list[Request]) -> list:
+        SP = self.module.SamplingParams
+        return [SP(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs]
+
+    def run(self, workload: Workload, rate: float | None = None) -> RunResult:
         llm = self.new_llm()
         res = RunResult(self.name, forward_seconds=0.0)
         engine = llm.llm_engine
@@ -135,18 +159,17 @@ class LevelEngine:
         runner.forward = timed_forward
 
         def run_round(reqs: list[Request]) -> list[list[int]]:
-            SP = self.module.SamplingParams
-            params = [
-                SP(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True, temperature=0) for r in reqs
-            ]
             t0 = time.perf_counter()
-            outs = llm.generate([r.prompt for r in reqs], params, progress=self.progress)
+            outs = llm.generate([r.prompt for r in reqs], self.params(reqs), progress=self.progress)
             res.duration += time.perf_counter() - t0
             # arrival_time is when generate() received the request: the round's start.
             res.records += _records(outs, min(o.metrics.arrival_time for o in outs))
             return [list(o.outputs[0].token_ids) for o in outs]
 
-        workload.play(run_round)
+        if workload.arrivals is None:
+            workload.play(run_round)
+        else:
+            self.play_arrivals(llm, workload, rate, res)
         s = llm.stats
         res.stats = {k: v for k, v in s.as_dict().items() if k not in ("busy_time", "output_tokens_per_s")}
         if hasattr(engine, "scheduler"):
@@ -165,6 +188,34 @@ class LevelEngine:
                 "per_position": sp.per_position(),
             }
         return res
+
+    def play_arrivals(self, llm, workload: Workload, rate: float, res: RunResult) -> None:
+        """Each request enters at its arrival time (`workload.arrivals` / `rate`, from now)."""
+        reqs, params, engine = workload.first, self.params(workload.first), llm.llm_engine
+        start = time.perf_counter()
+        times = [start + a / rate for a in workload.arrivals]
+        done: dict[int, object] = {}
+        nxt = 0
+        if hasattr(engine, "add_request"):  # continuous batching: an arrival joins at the next step
+            while nxt < len(reqs) or engine.has_unfinished_requests():
+                end = arrived(times, nxt, time.perf_counter())
+                for i in range(nxt, end):
+                    engine.add_request(str(i), reqs[i].prompt, params[i], arrival_time=times[i])
+                nxt = end
+                if engine.has_unfinished_requests():
+                    done.update((int(o.request_id), o) for o in engine.step() if o.finished)
+                else:
+                    wait_until(times[nxt])
+        else:  # static batching: whoever has arrived is the next batch; later arrivals wait for it to end
+            while nxt < len(reqs):
+                wait_until(times[nxt])
+                end = arrived(times, nxt, time.perf_counter())
+                outs = llm.generate([r.prompt for r in reqs[nxt:end]], params[nxt:end], progress=False)
+                done.update(zip(range(nxt, end), outs))
+                nxt = end
+        res.duration = time.perf_counter() - start
+        order = sorted(done)
+        res.records = _records([done[i] for i in order], [times[i] for i in order])
 
 
 class StepClock:
@@ -224,7 +275,7 @@ class HFEngine:
         )
         return out[:, width:]  # [B, n]
 
-    def run(self, workload: Workload) -> RunResult:
+    def run(self, workload: Workload, rate: float | None = None) -> RunResult:
         from ladder.progress import GenerateProgress
 
         res = RunResult(self.name)
@@ -255,7 +306,22 @@ class HFEngine:
             res.duration += time.perf_counter() - start
             return answers
 
-        workload.play(run_round)
+        if workload.arrivals is None:
+            workload.play(run_round)
+        else:  # static batches of whoever has arrived, at most batch_size
+            reqs, start = workload.first, time.perf_counter()
+            times = [start + a / rate for a in workload.arrivals]
+            nxt = 0
+            while nxt < len(reqs):
+                wait_until(times[nxt])
+                end = min(arrived(times, nxt, time.perf_counter()), nxt + self.batch_size)
+                batch, clock = reqs[nxt:end], StepClock()
+                self._generate(batch, clock)
+                res.records += [{"prompt_len": len(r.prompt), "output_len": r.max_tokens, "ttft": clock.times[0] - t,
+                                 "e2e": clock.times[r.max_tokens - 1] - t} for r, t in zip(batch, times[nxt:end])]  # fmt: skip
+                self._account(kv, batch, len(clock.times))
+                nxt = end
+            res.duration = time.perf_counter() - start
         steps = max(kv["steps"], 1)
         res.stats = {
             "steps": kv["steps"], "prompt_tokens": kv["prefill"],

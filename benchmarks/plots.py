@@ -10,6 +10,9 @@ What it is: `make_all(data, img_dir)` writes
   bench_roofline.png     the matmul roofline over batch size, and where each engine sits
                          (achieved model FLOP/s at its mean batch)
   bench_prefix_ttft.png  level 3's TTFT with the prefix cache on and off (when level 3 ran)
+  bench_poisson.png      p99 TTFT and p99 end-to-end latency against the request rate, per
+                         engine (when `poisson` ran): static batching's head-of-line
+                         blocking against continuous batching's next-step join
 
 Because the plots read only the JSON, `--plots-from results.json` redraws them anywhere.
 A `--quick` run's plots say in their titles that they are a smoke run.
@@ -60,8 +63,13 @@ def _subtitle(data: dict) -> str:
     return f"{line}\n{SMOKE}" if c.get("quick") else line
 
 
+def _offline(data: dict) -> list[str]:
+    """The workloads whose requests all arrive at once (tokens/s at a fixed request rate say nothing)."""
+    return [w for w, wl in data["workloads"].items() if "sweep" not in wl]
+
+
 def throughput(data: dict, path: Path) -> None:
-    names, wls = _engines(data), list(data["workloads"])
+    names, wls = _engines(data), _offline(data)
     col, width = _colors(names), 0.8 / max(len(names), 1)
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(wls)) + 1.5, 4))
     seen: set[str] = set()
@@ -108,7 +116,7 @@ def latency_cdf(data: dict, path: Path) -> None:
 
 
 def kv_waste(data: dict, path: Path) -> None:
-    names, wls = _engines(data), list(data["workloads"])
+    names, wls = _engines(data), _offline(data)
     col, width = _colors(names), 0.8 / max(len(names), 1)
     focus = "spread" if "spread" in data["workloads"] else wls[0]
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
@@ -209,6 +217,33 @@ def prefix_ttft(data: dict, path: Path) -> bool:
     return True
 
 
+def poisson(data: dict, path: Path) -> bool:
+    wl = data["workloads"].get("poisson")
+    if not wl or "sweep" not in wl:
+        return False
+    col = _colors(_engines(data))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, key, title in (
+        (axes[0], "ttft_s", "p99 time to first token"),
+        (axes[1], "e2e_s", "p99 end-to-end latency"),
+    ):
+        for n, runs in wl["sweep"].items():
+            ax.plot([f["request_rate"] for f in runs], [f[key]["p99"] for f in runs], "-o", color=col[n],
+                    label=runs[0]["label"])  # fmt: skip
+        ax.axvline(wl["reference_rate"], color="0.6", ls=":", lw=1)
+        ax.set_xlabel(f"request rate, req/s ({wl['capacity_rps']:.2f}: level 1's capacity)")
+        ax.set_ylabel("seconds")
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=9)
+    axes[0].axhline(wl["ttft_slo_s"], color="k", ls="--", lw=1, label=f"SLO {wl['ttft_slo_s']:g} s")
+    axes[0].legend(fontsize=7)
+    fig.suptitle(f"Poisson arrivals: latency against load (dotted: the tables' rate)\n{_subtitle(data)}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def make_all(data: dict, img_dir: Path, prefix: str = "bench_") -> list[Path]:
     img_dir.mkdir(parents=True, exist_ok=True)
     written = []
@@ -218,6 +253,7 @@ def make_all(data: dict, img_dir: Path, prefix: str = "bench_") -> list[Path]:
         ("kv_waste", kv_waste),
         ("roofline", roofline),
         ("prefix_ttft", prefix_ttft),
+        ("poisson", poisson),
     ):
         path = img_dir / f"{prefix}{name}.png"
         if draw(data, path) is not False:

@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from level0_naive.ops import Ops
 
-from .roofline import Dims, matmul_flops_per_s
+from .roofline import Dims, kv_read_bandwidth, matmul_flops_per_s
 from .workloads import NAMES, make_workload
 
 PARTS = ("schedule", "input", "linears", "attention", "glue", "sampling", "outputs", "between")
@@ -112,18 +112,6 @@ def instrument(engine, clock: Counter) -> None:
     worker.impl = type(impl)(_timed(impl.write_kv, clock, "attention"), _timed(impl.attend, clock, "attention"))
     model = worker.model
     model.set_ops(TimedOps(model.ops, clock))
-
-
-def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats`)."""
-    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
-    x.sum()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
 
 
 def profile_batch(args, module, batch: int) -> dict:

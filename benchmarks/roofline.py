@@ -24,8 +24,14 @@ Throughput as a fraction of that limit (MFU, model FLOPs utilisation) says how m
 the hardware an engine turns into tokens. Decode at batch 1 is matrix-vector work and
 memory-bound: no engine reaches the peak there, which is why batching matters.
 
-What it is not: a memory-bandwidth roofline (a CPU's small-batch decode is bound by
-reading the weights) or a cycle-accurate model.
+  3. The ceiling at a batch (`ceiling_tokens_per_s`): a decode step of B tokens cannot take
+     less than the model's matmuls at batch B (the sweep's rate, interpolated in log B)
+     plus reading its B sequences' KV cache at the machine's read bandwidth
+     (`kv_read_bandwidth`). The peak above is reached only at batches no engine runs
+     at; this floor is the honest "how far from the limit" at the batch an engine had.
+
+What it is not: a cycle-accurate model, or a memory roofline for the weights (a CPU's
+small-batch decode is partly bound by reading them, which the timed matmuls include).
 
 Reference: Williams, Waterman, Patterson, "Roofline" (CACM 2009); the PaLM paper's MFU
 (Chowdhery et al. 2022, appendix B).
@@ -33,6 +39,7 @@ Reference: Williams, Waterman, Patterson, "Roofline" (CACM 2009); the PaLM paper
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -163,3 +170,37 @@ def measure(
         "lm_head_flops_per_token": dims.lm_head_flops,
         "attention_flops_per_token_per_context": dims.attention_flops(1),
     }
+
+
+def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+    """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats`)."""
+    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.numel() * 4 / best
+
+
+def rate_at(sweep: list[dict], batch: float) -> float:
+    """The matmul FLOP/s at `batch`, interpolated in log2(batch) between the sweep's points."""
+    pts = sorted((math.log2(s["batch"]), s["flops_per_s"]) for s in sweep)
+    x = math.log2(max(batch, 1.0))
+    if x <= pts[0][0]:
+        return pts[0][1]
+    for (x0, r0), (x1, r1) in zip(pts, pts[1:]):
+        if x <= x1:
+            return r0 + (r1 - r0) * (x - x0) / (x1 - x0)
+    return pts[-1][1]
+
+
+def ceiling_tokens_per_s(dims: Dims, sweep: list[dict], batch: float, context: float, bytes_per_token: int,
+                         bandwidth: float) -> float:  # fmt: skip
+    """Decode tokens/s at the floor for a batch of `batch` sequences of `context` tokens each:
+    B tokens / (matmuls at B + the KV bytes at the read bandwidth)."""
+    b = max(batch, 1.0)
+    matmul_s = b * (dims.body_flops + dims.lm_head_flops) / rate_at(sweep, b)
+    kv_s = b * context * bytes_per_token / bandwidth
+    return b / (matmul_s + kv_s)

@@ -11,10 +11,19 @@ What it is: the one command behind the committed results and plots.
 Per workload it picks a KV budget that holds `--kv-requests` (16) requests at the
 workload's longest prompt + output, the same bytes for every level (same memory,
 different ideas), and gives HF a batch of the same 16. Then it measures the CPU's
-matmul roofline for the model's shapes, warms every engine up, and runs each engine
-on the same requests in this one process, in alternating order across `--repeats`
-(a shared machine drifts; ratios from one process drift much less than absolutes),
-keeping each engine's fastest run.
+matmul rate for the model's shapes at a sweep of batches and its memory read bandwidth
+(together: the ceiling at each engine's own mean batch, `roofline.py`), warms every
+engine up, and runs each engine on the same requests in this one process, in
+alternating order across `--repeats` (a shared machine drifts; ratios from one process
+drift much less than absolutes), keeping each engine's fastest run.
+
+Two comparisons beside the same-budget one:
+  - on `uniform`, HF `generate` also at a sweep of batch sizes (`--hf-sweep`): HF at its
+    best batch, whatever memory that takes, is the strongest baseline a user could pick;
+  - `poisson` (requests arriving over time) runs at a sweep of request rates, multiples
+    (`--rate-multiples`) of level 1's capacity (its requests/s with all of them queued at
+    once); the table shows the rate at 0.9x, which level 1 can just sustain, and the goals
+    read p99 latency there and the highest rate that keeps p99 TTFT under `--ttft-slo`.
 
 By default it runs with one torch thread (the most stable figures on a shared machine,
 and what a tiny model runs fastest with) and writes its JSON, and with `--plots` its
@@ -122,8 +131,39 @@ def parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write the README's results tables (with a run, or with --markdown JSON)",
     )
+    p.add_argument("--hf-sweep", type=batch_list, default=None,
+                   help="HF batch sizes to also run on uniform, comma list, or none (default 8,16,32,64,128; --quick 4,8)")  # fmt: skip
+    p.add_argument("--rate-multiples", type=multiple_list, default=None,
+                   help="poisson: request rates as multiples of level 1's capacity (default 0.25,0.5,0.9,1.25,1.5,2; --quick 0.5,1.5)")  # fmt: skip
+    p.add_argument("--ttft-slo", type=float, default=2.0, help="poisson: the p99 TTFT target in seconds (default 2)")
     p.add_argument("--no-progress", action="store_true", help="draw no progress bars")
     return p
+
+
+POISSON_ENGINES = ("hf", "level1_paged", "level2_continuous", "level3_prefix")  # static vs continuous batching
+REFERENCE_MULTIPLE = 0.9  # the poisson rate the tables show: one level 1 can just sustain
+
+
+def batch_list(text: str) -> list[int]:
+    if text.strip() == "none":
+        return []
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive batch sizes, e.g. 8,16,32, or none")
+    return out
+
+
+def multiple_list(text: str) -> list[float]:
+    try:
+        out = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give positive multiples, e.g. 0.5,0.9,1.5")
+    return out
 
 
 def engine_list(text: str) -> list[str]:
@@ -186,6 +226,8 @@ def machine_info(device: torch.device) -> dict:
 
 
 def engine_names(args, workload: str, levels: list[str]) -> list[str]:
+    if workload == "poisson" and not args.engines:
+        return [n for n in POISSON_ENGINES if n == "hf" or n in levels]
     names = list(args.engines) if args.engines else ["hf", *levels]
     if not args.engines and "level3_prefix" in names and workload in PREFIX_WORKLOADS:
         names.append("level3_prefix:nocache")
@@ -224,6 +266,7 @@ def run(args, console: Console) -> dict:
     levels = available_levels()
     dims = roofline.Dims.from_checkpoint(model)
     bytes_per_token = 2 * dims.layers * dims.kv_width * dtype.itemsize
+    encode = tokenizer_encode(model)
 
     console.print(
         f"[bold]model[/] {model}  ({dims.params / 1e6:.1f}M matmul params, {dtype}, {device}); levels: {', '.join(levels)}; "
@@ -234,10 +277,11 @@ def run(args, console: Console) -> dict:
         roof = roofline.measure(
             dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5
         )
+        roof.update(bandwidth=roofline.kv_read_bandwidth(), bytes_per_token=bytes_per_token)
     console.print(
-        "matmul roofline: "
+        "matmul rate: "
         + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"])
-        + " GFLOP/s"
+        + f" GFLOP/s; memory read {roof['bandwidth'] / 1e9:.1f} GB/s"
     )
 
     common = dict(
@@ -253,24 +297,32 @@ def run(args, console: Console) -> dict:
     }  # fmt: skip
     warmed: dict[str, object] = {}
     for wname in workloads:
-        wl = make_workload(wname, num_requests, dims.vocab, seed=args.seed, quick=args.quick)
+        wl = make_workload(wname, num_requests, dims.vocab, seed=args.seed, quick=args.quick, encode=encode)
         kv_budget = args.kv_requests * wl.max_seq_len * bytes_per_token
         names = engine_names(args, wname, levels)
         console.rule(
             f"[bold]{wname}[/]: {wl.description}; {wl.num_requests} requests; KV budget {kv_budget / 2**20:.1f} MiB"
         )
+
+        def new_engine(name: str, hf_batch_size: int | None = None, wl=wl, kv_budget=kv_budget):  # this workload's
+            seqs = wl.max_num_seqs or args.max_num_seqs  # latency: everyone at batch 1
+            engine = make_engine(name, model, kv_cache_memory=kv_budget, max_num_seqs=seqs,
+                                 hf_batch_size=hf_batch_size or wl.max_num_seqs or hf_batch, **common)  # fmt: skip
+            if name not in warmed:
+                engine.warmup()
+                warmed[name] = True
+            return engine
+
+        if wl.arrivals is not None:
+            data["workloads"][wname] = run_arrivals(args, console, wl, names, new_engine, dims, roof, kv_budget)
+            continue
         runs: dict[str, list] = {n: [] for n in names}
         for rep in range(args.repeats):
             for name in names if rep % 2 == 0 else reversed(names):
-                seqs = wl.max_num_seqs or args.max_num_seqs  # latency: everyone at batch 1
-                engine = make_engine(name, model, kv_cache_memory=kv_budget, max_num_seqs=seqs,
-                                     hf_batch_size=wl.max_num_seqs or hf_batch, **common)  # fmt: skip
-                if name not in warmed:
-                    engine.warmup()
-                    warmed[name] = True
+                engine = new_engine(name)
                 console.print(f"[cyan]{label(name)}[/] (run {rep + 1}/{args.repeats})")
                 res = engine.run(wl)
-                runs[name].append(report.summarise(res, dims, roof["peak_flops_per_s"]))
+                runs[name].append(report.summarise(res, dims, roof))
                 console.print(f"  {runs[name][-1]['output_tokens_per_s']:.0f} output tok/s in {res.duration:.1f} s")
         results = {}
         for name in names:
@@ -281,10 +333,64 @@ def run(args, console: Console) -> dict:
         report.add_ratios(results)
         data["workloads"][wname] = {"description": wl.description, "num_requests": wl.num_requests, "max_seq_len": wl.max_seq_len,
                                     "kv_cache_memory": kv_budget, "results": results}  # fmt: skip
+        sweep = args.hf_sweep if args.hf_sweep is not None else ([4, 8] if args.quick else [8, 16, 32, 64, 128])
+        if wname == "uniform" and sweep and "hf" in names:
+            data["workloads"][wname]["hf_sweep"] = hf_sweep(console, wl, sweep, new_engine, dims, roof)
         for table in report.rich_tables(wname, data["workloads"][wname]):
             console.print(table)
     data["goals"] = report.goals(data["workloads"])
     return data
+
+
+def tokenizer_encode(model: str):
+    """The checkpoint's tokenizer as text -> ids (for the natural-text prompts), or None without one."""
+    try:
+        from level0_naive.loader import load_tokenizer
+
+        tok = load_tokenizer(Path(model))
+    except Exception:  # noqa: BLE001 - a checkpoint without a tokenizer: random-id prompts everywhere
+        return None
+    return None if tok is None else tok.encode
+
+
+def hf_sweep(console: Console, wl, batches: list[int], new_engine, dims, roof) -> list[dict]:
+    """HF `generate` at each batch size, one run each: the strongest static-batching baseline."""
+    out = []
+    for b in batches:
+        res = new_engine("hf", hf_batch_size=b).run(wl)
+        fig = report.summarise(res, dims, roof)
+        fig["batch_size"] = b
+        out.append(fig)
+        console.print(f"  HF at batch {b}: {fig['output_tokens_per_s']:.0f} output tok/s")
+    return out
+
+
+def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims, roof, kv_budget: int) -> dict:
+    """The poisson workload: level 1's capacity first, then every engine at each rate."""
+    from dataclasses import replace
+
+    base = "level1_paged" if "level1_paged" in names else next(n for n in names if n != "hf")
+    offline = report.summarise(new_engine(base).run(replace(wl, arrivals=None)), dims, roof)
+    capacity = offline["requests_per_s"]
+    multiples = args.rate_multiples or ([0.5, 1.5] if args.quick else [0.25, 0.5, REFERENCE_MULTIPLE, 1.25, 1.5, 2.0])
+    rates = [round(m * capacity, 3) for m in multiples]
+    reference = min(rates, key=lambda r: abs(r - REFERENCE_MULTIPLE * capacity))
+    console.print(f"{label(base)} capacity: {capacity:.2f} req/s with all {wl.num_requests} queued at once; "
+                  f"rates {', '.join(f'{r:.2f}' for r in rates)} req/s")  # fmt: skip
+    sweep: dict[str, list] = {n: [] for n in names}
+    for i, rate in enumerate(rates):
+        for name in names if i % 2 == 0 else reversed(names):
+            fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
+            fig["request_rate"] = rate
+            sweep[name].append(fig)
+            console.print(f"  {label(name)} at {rate:.2f} req/s: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
+                          f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
+    results = {n: next(f for f in sweep[n] if f["request_rate"] == reference) for n in names}
+    report.add_ratios(results)
+    return {"description": f"{wl.description}, at {reference:.2f} req/s ({REFERENCE_MULTIPLE}x {label(base)}'s capacity)",
+            "num_requests": wl.num_requests, "max_seq_len": wl.max_seq_len, "kv_cache_memory": kv_budget,
+            "capacity_rps": capacity, "capacity_engine": base, "rates": rates, "reference_rate": reference,
+            "ttft_slo_s": args.ttft_slo, "sweep": sweep, "results": results}  # fmt: skip
 
 
 def print_goals(console: Console, goals: list[dict], quick: bool) -> None:

@@ -12,25 +12,36 @@ What it is: four request mixes, each a function of (number of requests, seed, vo
                  + its answer + new user text, so each turn's prompt starts with the whole
                  previous exchange (level 3's case again, across calls)
   latency        one request at a time (every engine runs it at batch 1), outputs 128-256:
-                 a decode step leaves the hardware idle, level 4's case
+                 a decode step leaves the hardware idle, level 4's case. Its prompts are
+                 natural text (`texts/sonnets.txt`, sixteen public-domain lines) when the
+                 harness passes the model's tokenizer, so a draft model or an n-gram
+                 proposer meets the kind of text a user sends, not random ids
+  poisson        prompts 16-64, outputs 8-128, arriving one by one as a Poisson process
+                 (`arrivals`: seeded times at 1 request/s, which the harness divides by its
+                 request rate): a request that arrives while a static batch runs waits for
+                 the whole batch, under continuous batching it joins at the next step (head-
+                 of-line blocking, measured as latency)
 
-Prompts are seeded random token ids in the printable-ASCII range (a readable text is
-not needed: the work depends on lengths, not on which tokens). Every output length is
-exact (`min_tokens = max_tokens`, `ignore_eos`), so every engine does the same work.
+The other prompts are seeded random token ids in the printable-ASCII range (there the
+work depends on lengths, not on which tokens). Every output length is exact
+(`min_tokens = max_tokens`, `ignore_eos`), so every engine does the same work.
 
-What it is not: a trace of real traffic. Arrivals are all at once (an offline batch, as
-vLLM's benchmark_throughput), not a Poisson process.
+What it is not: a trace of real traffic. Except for `poisson`, arrivals are all at once (an
+offline batch, as vLLM's benchmark_throughput).
 
 Reference: vLLM `benchmarks/benchmark_dataset.py` (random and prefix-repetition datasets).
 """
 
 from __future__ import annotations
 
+import itertools
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
-NAMES = ("uniform", "spread", "shared-prefix", "chat", "latency")
+NAMES = ("uniform", "spread", "shared-prefix", "chat", "latency", "poisson")
+TEXTS = Path(__file__).resolve().parent / "texts" / "sonnets.txt"
 
 
 @dataclass
@@ -47,6 +58,8 @@ class Workload:
     # For chat: one list per later turn, one (user tokens, answer length) per conversation.
     follow_ups: list[list[tuple[list[int], int]]] = field(default_factory=list)
     max_num_seqs: int | None = None  # a batch limit every engine must use (latency: 1)
+    arrivals: list[float] | None = None  # poisson: each request's arrival (s) at 1 request/s; None: all at once
+    natural_text: bool = False  # the prompts are tokenized text, not random ids
 
     def play(self, run_round: Callable[[list[Request]], list[list[int]]]) -> None:
         """Run every round; `run_round(requests) -> output token ids per request`."""
@@ -81,8 +94,16 @@ def _tokens(rng: random.Random, n: int, vocab: int) -> list[int]:
     return [rng.randrange(lo, hi) for _ in range(n)]
 
 
-def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick: bool = False) -> Workload:
-    """Build workload `name` with about `num_requests` requests (chat: conversations x turns)."""
+def natural_prompts(encode: Callable[[str], list[int]]) -> list[list[int]]:
+    """The committed public-domain lines, tokenized by the model's own tokenizer."""
+    return [encode(line) for line in TEXTS.read_text().splitlines() if line.strip()]
+
+
+def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick: bool = False,
+                  encode: Callable[[str], list[int]] | None = None) -> Workload:  # fmt: skip
+    """Build workload `name` with about `num_requests` requests (chat: conversations x turns).
+
+    `encode` (text -> token ids, the model's tokenizer): `latency` then uses natural text."""
     rng = random.Random(f"{name}-{seed}")  # each workload its own stream: adding one changes no other
     q = quick  # quick mode keeps the shapes but shrinks every length about 8-16x
     if name == "uniform":
@@ -105,8 +126,23 @@ def make_workload(name: str, num_requests: int, vocab: int, seed: int = 0, quick
         (plo, phi), (olo, ohi), n = (
             ((8, 16), (16, 32), min(num_requests, 4)) if q else ((16, 64), (128, 256), min(num_requests, 16))
         )
+        if encode is None:
+            reqs = [Request(_tokens(rng, rng.randint(plo, phi), vocab), rng.randint(olo, ohi)) for _ in range(n)]
+            return Workload(name, f"one at a time: prompt {plo}-{phi}, output {olo}-{ohi} tokens", reqs, max_num_seqs=1)
+        lines = natural_prompts(encode)
+        prompts = [p[:phi] if q else p for p in itertools.islice(itertools.cycle(lines), n)]
+        reqs = [Request(p, rng.randint(olo, ohi)) for p in prompts]
+        plen = sorted(len(p) for p in prompts)
+        desc = f"one at a time: natural text ({TEXTS.name}), prompt {plen[0]}-{plen[-1]}, output {olo}-{ohi} tokens"
+        return Workload(name, desc, reqs, max_num_seqs=1, natural_text=True)
+    if name == "poisson":
+        (plo, phi), (olo, ohi) = ((8, 16), (4, 16)) if q else ((16, 64), (8, 128))
+        n = min(num_requests, 16 if q else 64)
         reqs = [Request(_tokens(rng, rng.randint(plo, phi), vocab), rng.randint(olo, ohi)) for _ in range(n)]
-        return Workload(name, f"one at a time: prompt {plo}-{phi}, output {olo}-{ohi} tokens", reqs, max_num_seqs=1)
+        gaps = [0.0] + [rng.expovariate(1.0) for _ in range(n - 1)]  # the first arrives at once
+        arrivals = list(itertools.accumulate(gaps))  # seconds, at 1 request/s
+        desc = f"Poisson arrivals: prompt {plo}-{phi}, output {olo}-{ohi} tokens"
+        return Workload(name, desc, reqs, arrivals=arrivals)
     if name == "chat":
         turns = 2 if q else 4
         system, (ulo, uhi), (alo, ahi) = (16, (4, 8), (4, 8)) if q else (32, (16, 48), (32, 128))

@@ -5,7 +5,8 @@ own, saves its picture outside the repository (so trying a demo never modifies t
 tree); this command runs the demos with the settings the docs describe and points
 their `--plot` at `docs/img/`, runs `benchmarks.parallel` for `bench_parallel.png` (a
 TP/PP comparison of its own; its JSON goes outside the repository) and `benchmarks.profile`
-for `profile_level3_prefix.png` (where a decode step's time goes), and redraws the
+for `profile_level3_prefix.png` (where a decode step's time goes), `benchmarks.thrash` for
+`level2_thrash.png` (admission headroom against the thrash), and redraws the
 throughput benchmark's plots from the committed results (`latest.json`,
 `roofline_100m.json`). `--only level2` (repeatable) picks some.
 
@@ -35,6 +36,7 @@ FIGURES = {  # name: (module, picture, its other flags); each takes `--plot PATH
     "level5": ("level5_multigpu.demo", "level5_pipeline.png", ["--no-progress"]),
     "parallel": ("benchmarks.parallel", "bench_parallel.png", []),
     "profile": ("benchmarks.profile", "profile_level3_prefix.png", []),
+    "thrash": ("benchmarks.thrash", "level2_thrash.png", []),
 }
 BENCH = "benchmarks"
 BENCH_RESULTS = [  # (committed results, picture prefix): bench_throughput.png, bench_100m_roofline.png, ...

@@ -43,6 +43,51 @@ def test_workloads_are_seeded_and_shaped():
         assert all(p2 > p1 + n1 for (p1, n1), (p2, _) in zip(prev, cur))
 
 
+def test_poisson_and_natural_text_workloads(checkpoint_factory):
+    from transformers import AutoTokenizer
+
+    from benchmarks.workloads import TEXTS
+
+    poisson = make_workload("poisson", 128, 259)
+    times = poisson.arrivals
+    assert len(times) == poisson.num_requests == 64 and times[0] == 0 and all(b > a for a, b in zip(times, times[1:]))
+    assert 0.7 < times[-1] / (len(times) - 1) < 1.3  # a mean gap of about 1 s: rate 1 request/s before scaling
+    assert make_workload("spread", 16, 259).arrivals is None  # everything else arrives at once
+    tok = AutoTokenizer.from_pretrained(checkpoint_factory("llama", tokenizer=True))
+    lines = [line for line in TEXTS.read_text().splitlines() if line.strip()]
+    latency = make_workload("latency", 128, 259, encode=tok.encode)
+    assert latency.natural_text and [r.prompt for r in latency.first] == [tok.encode(line) for line in lines]
+    assert not make_workload("latency", 128, 259).natural_text  # no tokenizer: random ids, as before
+
+
+def test_the_ceiling_interpolates_the_measured_sweep():
+    dims = roofline.Dims(hidden=64, layers=2, q_width=64, kv_width=32, ffn=128, vocab=100)
+    sweep = [{"batch": 1, "flops_per_s": 1e9}, {"batch": 4, "flops_per_s": 3e9}, {"batch": 16, "flops_per_s": 5e9}]
+    assert roofline.rate_at(sweep, 4) == 3e9 and roofline.rate_at(sweep, 2) == 2e9  # halfway in log2
+    assert roofline.rate_at(sweep, 0.5) == 1e9 and roofline.rate_at(sweep, 64) == 5e9  # flat outside the sweep
+    per_token = dims.body_flops + dims.lm_head_flops
+    got = roofline.ceiling_tokens_per_s(dims, sweep, 4, context=100, bytes_per_token=8, bandwidth=1e9)
+    assert got == pytest.approx(4 / (4 * per_token / 3e9 + 4 * 100 * 8 / 1e9))
+    longer = roofline.ceiling_tokens_per_s(dims, sweep, 4, context=1000, bytes_per_token=8, bandwidth=1e9)
+    assert longer < got  # more KV to read, a lower ceiling
+
+
+@pytest.mark.parametrize("engine", ["hf", "level1_paged", "level2_continuous"])
+def test_arrivals_are_waited_for_and_latency_counts_from_them(checkpoint_factory, engine):
+    """Static batching (HF, level 1) and continuous batching (level 2) on a Poisson workload: every
+    request is answered with its exact length, and none starts before it arrived (TTFT > 0)."""
+    from benchmarks.engines import make_engine
+
+    model = str(checkpoint_factory("llama", tokenizer=True))
+    wl = make_workload("poisson", 6, 259, quick=True)
+    eng = make_engine(engine, model, dtype="float32", device="cpu", kv_cache_memory=2**22, max_num_seqs=8,
+                      hf_batch_size=4, seed=0, progress=False)  # fmt: skip
+    res = eng.run(wl, rate=40.0)  # 6 requests within about 0.15 s
+    assert sorted((r["prompt_len"], r["output_len"]) for r in res.records) == sorted(wl.rounds()[0])
+    assert all(0 < r["ttft"] <= r["e2e"] for r in res.records)
+    assert res.duration >= wl.arrivals[-1] / 40.0  # it waited for the last arrival
+
+
 def test_flops_match_the_training_script(checkpoint_factory):
     from transformers import AutoConfig
 
@@ -90,7 +135,8 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
                 "output_tokens_per_s",
                 "total_tokens_per_s",
                 "mfu",
-                "decode_roofline_fraction",
+                "ceiling_tokens_per_s",
+                "of_ceiling",
             ):
                 assert isinstance(f[key], float) and f[key] > 0 and math.isfinite(f[key]), (engine, key)
             for key in ("ttft_s", "tpot_s", "e2e_s"):
@@ -121,6 +167,46 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
     text = readme.read_text()
     assert "old table" not in text and text.startswith("# title") and text.endswith("## after\n")
     assert "| engine | out tok/s | x L0 | x HF |" in text and text.count("L0 naive") == len(data["workloads"])
+
+
+def test_hf_sweep_and_poisson_rates_in_one_run(checkpoint_factory, tmp_path):
+    model = checkpoint_factory("llama", tokenizer=True)
+    out = tmp_path / "q.json"
+    threads = torch.get_num_threads()
+    try:
+        throughput.main(["--quick", "--model", str(model), "--workload", "uniform", "--workload", "poisson",
+                         "--num-requests", "4", "--engines", "hf,level1_paged,level2_continuous", "--hf-sweep", "2,4",
+                         "--rate-multiples", "0.5,0.9,3", "--no-progress", "--out", str(out)])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    data = json.loads(out.read_text())
+    sweep = data["workloads"]["uniform"]["hf_sweep"]
+    assert [f["batch_size"] for f in sweep] == [2, 4] and all(f["output_tokens_per_s"] > 0 for f in sweep)
+    wl = data["workloads"]["poisson"]
+    cap = wl["capacity_rps"]
+    assert wl["capacity_engine"] == "level1_paged" and cap > 0
+    assert wl["rates"] == [round(m * cap, 3) for m in (0.5, 0.9, 3)] and wl["reference_rate"] == wl["rates"][1]
+    for name in ("hf", "level1_paged", "level2_continuous"):
+        assert [f["request_rate"] for f in wl["sweep"][name]] == wl["rates"]
+        assert wl["results"][name]["request_rate"] == wl["reference_rate"]
+    goals = {g["goal"].split(":")[0] for g in data["goals"]}
+    assert {"uniform, same KV budget", "uniform", "poisson at %.2f req/s" % wl["reference_rate"]} <= goals
+
+
+def test_thrash_picture_shows_headroom_cutting_preemptions(checkpoint_factory, tmp_path):
+    from benchmarks import thrash
+
+    threads = torch.get_num_threads()
+    try:
+        runs = thrash.main(["--model", str(checkpoint_factory("llama", tokenizer=True)), "--headroom", "0", "2",
+                            "--num-requests", "48", "--plot", str(tmp_path / "t.png")])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    h0, h2 = runs
+    assert h0["prompt_tokens"] == 48 * 32 and len(h0["running"]) == h0["steps"] == len(h0["prefilled"])
+    assert h0["preemptions"] > 0 and h2["preemptions"] < h0["preemptions"]  # the thrash, and its cure
+    assert h0["prefilled"][-1] > h2["prefilled"][-1] >= h0["prompt_tokens"]  # recomputation on top of the prompts
+    assert (tmp_path / "t.png").stat().st_size > 10_000
 
 
 def test_plots_go_outside_the_repository_unless_asked():

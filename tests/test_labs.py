@@ -77,13 +77,17 @@ def runs(tmp_path_factory):
     for lab in LABS:
         if lab.id != "2":  # lab 2's starter goes through the real command line (test_the_command_line...)
             swaps = {m.name: str(lab.starter_dir / m.filename) for m in lab.modules}
-            variants.append(grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, expect_failures=True))
+            variants.append(
+                grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, expect_failures=True)
+            )
         for bug in lab.bugs:
             d = work / "bugs" / f"{lab.id}-{bug.name}"
             cli.main(["plant", lab.id, bug.name, str(d)])
             swaps = {m.name: str(d / m.filename) for m in lab.modules}
             checks = [lab.check(c) for c in bug.caught_by]
-            variant = grading.check_variant(f"bug-{lab.id}-{bug.name}", lab, swaps, work, checks, 300, expect_failures=True)
+            variant = grading.check_variant(
+                f"bug-{lab.id}-{bug.name}", lab, swaps, work, checks, 300, expect_failures=True
+            )
             variants.append(variant)
         for i, argv in enumerate(handout_commands(lab)):
             args = cli.parse(argv)
@@ -140,7 +144,9 @@ def test_a_run_that_expects_failures_stops_each_check_at_its_first(runs):
                 if "nodeid" not in r or r["nodeid"] in seen or r["when"] == "teardown":
                     continue
                 seen.add(r["nodeid"])
-                mine = {i for i, tests in enumerate(variant["stop_checks"]) if any(matches(r["nodeid"], t) for t in tests)}
+                mine = {
+                    i for i, tests in enumerate(variant["stop_checks"]) if any(matches(r["nodeid"], t) for t in tests)
+                }
                 assert mine, f"{name}: {r['nodeid']} belongs to no check it runs"
                 if mine <= failed:
                     assert r["outcome"] == "skipped" and "already failed" in r["message"], (name, r)
