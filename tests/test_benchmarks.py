@@ -207,6 +207,13 @@ def test_thrash_picture_shows_headroom_cutting_preemptions(checkpoint_factory, t
     assert h0["preemptions"] > 0 and h2["preemptions"] < h0["preemptions"]  # the thrash, and its cure
     assert h0["prefilled"][-1] > h2["prefilled"][-1] >= h0["prompt_tokens"]  # recomputation on top of the prompts
     assert (tmp_path / "t.png").stat().st_size > 10_000
+    try:  # --measure: the tokens/s table that chose the default
+        rows = thrash.main(["--model", str(checkpoint_factory("llama", tokenizer=True)), "--measure", "uniform",
+                            "--headroom", "0", "1", "--repeats", "1", "--num-requests", "8"])  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r["workload"], r["headroom"]) for r in rows] == [("uniform", 0), ("uniform", 1)]
+    assert all(r["output_tokens_per_s"] > 0 for r in rows)
 
 
 def test_plots_go_outside_the_repository_unless_asked():
