@@ -369,7 +369,7 @@ def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims,
     """The poisson workload: level 1's capacity first, then every engine at each rate."""
     from dataclasses import replace
 
-    base = "level1_paged" if "level1_paged" in names else next(n for n in names if n != "hf")
+    base = "level1_paged" if "level1_paged" in names else next((n for n in names if n != "hf"), names[0])
     offline = report.summarise(new_engine(base).run(replace(wl, arrivals=None)), dims, roof)
     capacity = offline["requests_per_s"]
     multiples = args.rate_multiples or ([0.5, 1.5] if args.quick else [0.25, 0.5, REFERENCE_MULTIPLE, 1.25, 1.5, 2.0])

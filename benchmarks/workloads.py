@@ -1,6 +1,6 @@
 """Named, seeded workloads: the same requests, token for token, for every engine.
 
-What it is: four request mixes, each a function of (number of requests, seed, vocab):
+What it is: six request mixes, each a function of (number of requests, seed, vocab):
 
   uniform        every prompt 32 tokens, every output 128: the easy case for static batching
   spread         prompts 16-64, outputs 8-512 uniformly at random: short requests wait
