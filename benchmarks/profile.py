@@ -52,7 +52,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from level0_naive.ops import Ops
 
-from .roofline import Dims, kv_read_bandwidth, matmul_flops_per_s
+from .roofline import Dims, kv_read_bandwidth, matmul_flops_per_s, step_floor
 from .workloads import NAMES, make_workload
 
 PARTS = ("schedule", "input", "linears", "attention", "glue", "sampling", "outputs", "between")
@@ -164,9 +164,8 @@ def profile_batch(args, module, batch: int) -> dict:
 def ceiling(dims: Dims, row: dict, dtype: torch.dtype, bandwidth: float) -> dict:
     """The step's floor at this batch: matmuls at this batch + KV bytes at the read bandwidth."""
     b = row["batch"]
-    rate = matmul_flops_per_s(dims, b, dtype, torch.device("cpu"), window=0.1, repeats=3)
-    matmul_s = b * (dims.body_flops + dims.lm_head_flops) / rate
-    kv_s = b * row["mean_context"] * row["bytes_per_token"] / bandwidth
+    rate = matmul_flops_per_s(dims, b, dtype, torch.device("cpu"), window=0.1, repeats=3)  # at this very batch
+    matmul_s, kv_s = step_floor(dims, rate, b, row["mean_context"], row["bytes_per_token"], bandwidth)
     floor = matmul_s + kv_s
     return {"matmul_ms": 1e3 * matmul_s, "kv_ms": 1e3 * kv_s, "ceiling_tok_per_s": b / floor,
             "of_ceiling": row["tok_per_s"] / (b / floor)}  # fmt: skip

@@ -88,6 +88,10 @@ class Dims:
         """Non-embedding matmul parameters plus the lm_head (the FLOP-bearing ones)."""
         return (self.body_flops + self.lm_head_flops) // 2
 
+    def kv_bytes_per_token(self, itemsize: int) -> int:
+        """KV-cache bytes one token takes in every layer (K and V), at `itemsize` bytes per element."""
+        return 2 * self.layers * self.kv_width * itemsize
+
     def attention_flops(self, context: int) -> int:
         return 4 * context * self.q_width * self.layers
 
@@ -196,11 +200,16 @@ def rate_at(sweep: list[dict], batch: float) -> float:
     return pts[-1][1]
 
 
+def step_floor(dims: Dims, flops_per_s: float, batch: float, context: float, bytes_per_token: int,
+               bandwidth: float) -> tuple[float, float]:  # fmt: skip
+    """The two halves of a decode step's floor, in seconds: the matmuls of `batch` tokens at
+    `flops_per_s`, and reading `batch` sequences' KV cache of `context` tokens at `bandwidth`."""
+    return batch * (dims.body_flops + dims.lm_head_flops) / flops_per_s, batch * context * bytes_per_token / bandwidth
+
+
 def ceiling_tokens_per_s(dims: Dims, sweep: list[dict], batch: float, context: float, bytes_per_token: int,
                          bandwidth: float) -> float:  # fmt: skip
     """Decode tokens/s at the floor for a batch of `batch` sequences of `context` tokens each:
-    B tokens / (matmuls at B + the KV bytes at the read bandwidth)."""
+    B tokens / (matmuls at B, at the sweep's rate there + the KV bytes at the read bandwidth)."""
     b = max(batch, 1.0)
-    matmul_s = b * (dims.body_flops + dims.lm_head_flops) / rate_at(sweep, b)
-    kv_s = b * context * bytes_per_token / bandwidth
-    return b / (matmul_s + kv_s)
+    return b / sum(step_floor(dims, rate_at(sweep, b), b, context, bytes_per_token, bandwidth))

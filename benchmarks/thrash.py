@@ -29,6 +29,7 @@ import torch
 
 from ladder.cli import LadderParser, nonneg_int, plot_path, positive_int
 
+from .roofline import Dims
 from .workloads import NAMES, make_workload
 
 
@@ -36,10 +37,10 @@ def run(model: str, headroom: int, num_requests: int) -> dict:
     """One level-2 run of `uniform` at this headroom: the per-step series and the totals."""
     import level2_continuous
 
-    probe = level2_continuous.LLM(model, dtype="float32", max_model_len=-1)
-    bpt, vocab = probe.llm_engine.bytes_per_token, probe.llm_engine.model_config.vocab_size
-    wl = make_workload("uniform", num_requests, vocab, seed=0)
-    llm = level2_continuous.LLM(model, dtype="float32", max_model_len=-1, kv_cache_memory=16 * wl.max_seq_len * bpt,
+    dims = Dims.from_checkpoint(model)
+    wl = make_workload("uniform", num_requests, dims.vocab, seed=0)
+    budget = 16 * wl.max_seq_len * dims.kv_bytes_per_token(4)  # the benchmark's budget, float32 KV
+    llm = level2_continuous.LLM(model, dtype="float32", max_model_len=-1, kv_cache_memory=budget,
                                 kv_admission_headroom=headroom, step_log_size=100_000)  # fmt: skip
     params = [level2_continuous.SamplingParams(max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True,
                                                temperature=0) for r in wl.first]  # fmt: skip
@@ -60,13 +61,12 @@ def measure(model: str, workloads: list[str], headrooms: list[int], repeats: int
     """Level 2's output tokens/s at each headroom on each workload (the benchmark's budget and
     requests), in alternating order across repeats, keeping the fastest run of each."""
     from .engines import LevelEngine
-    from .roofline import Dims
 
     dims = Dims.from_checkpoint(model)
     best: dict[tuple[str, int], float] = {}
     for name in workloads:
         wl = make_workload(name, num_requests, dims.vocab, seed=0)
-        budget = 16 * wl.max_seq_len * 2 * dims.layers * dims.kv_width * 4  # float32 KV
+        budget = 16 * wl.max_seq_len * dims.kv_bytes_per_token(4)  # the benchmark's budget, float32 KV
         for rep in range(repeats):
             for h in headrooms if rep % 2 == 0 else reversed(headrooms):
                 engine = LevelEngine("level2_continuous", model, "float32", "cpu", budget, 256, 0, False)

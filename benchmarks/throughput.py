@@ -265,7 +265,7 @@ def run(args, console: Console) -> dict:
     hf_batch = args.hf_batch_size or args.kv_requests
     levels = available_levels()
     dims = roofline.Dims.from_checkpoint(model)
-    bytes_per_token = 2 * dims.layers * dims.kv_width * dtype.itemsize
+    bytes_per_token = dims.kv_bytes_per_token(dtype.itemsize)
     encode = tokenizer_encode(model)
 
     console.print(
