@@ -98,6 +98,19 @@ def wait_until(t: float) -> None:
     time.sleep(max(0.0, t - time.perf_counter()))
 
 
+def static_batches(times: list[float], limit: int | None = None):
+    """A static-batching server's loop: wait for the next arrival, then yield (start, end), the
+    requests that have arrived by now (at most `limit`); the caller runs them to their end
+    before asking for the next batch, so whoever arrives meanwhile waits."""
+    nxt = 0
+    while nxt < len(times):
+        wait_until(times[nxt])
+        end = arrived(times, nxt, time.perf_counter())
+        end = end if limit is None else min(end, nxt + limit)
+        yield nxt, end
+        nxt = end
+
+
 class LevelEngine:
     def __init__(
         self,
@@ -195,8 +208,8 @@ class LevelEngine:
         start = time.perf_counter()
         times = [start + a / rate for a in workload.arrivals]
         done: dict[int, object] = {}
-        nxt = 0
         if hasattr(engine, "add_request"):  # continuous batching: an arrival joins at the next step
+            nxt = 0
             while nxt < len(reqs) or engine.has_unfinished_requests():
                 end = arrived(times, nxt, time.perf_counter())
                 for i in range(nxt, end):
@@ -207,12 +220,9 @@ class LevelEngine:
                 else:
                     wait_until(times[nxt])
         else:  # static batching: whoever has arrived is the next batch; later arrivals wait for it to end
-            while nxt < len(reqs):
-                wait_until(times[nxt])
-                end = arrived(times, nxt, time.perf_counter())
-                outs = llm.generate([r.prompt for r in reqs[nxt:end]], params[nxt:end], progress=False)
-                done.update(zip(range(nxt, end), outs))
-                nxt = end
+            for a, b in static_batches(times):
+                outs = llm.generate([r.prompt for r in reqs[a:b]], params[a:b], progress=False)
+                done.update(zip(range(a, b), outs))
         res.duration = time.perf_counter() - start
         order = sorted(done)
         res.records = _records([done[i] for i in order], [times[i] for i in order])
@@ -311,16 +321,12 @@ class HFEngine:
         else:  # static batches of whoever has arrived, at most batch_size
             reqs, start = workload.first, time.perf_counter()
             times = [start + a / rate for a in workload.arrivals]
-            nxt = 0
-            while nxt < len(reqs):
-                wait_until(times[nxt])
-                end = min(arrived(times, nxt, time.perf_counter()), nxt + self.batch_size)
-                batch, clock = reqs[nxt:end], StepClock()
+            for a, b in static_batches(times, self.batch_size):
+                batch, clock = reqs[a:b], StepClock()
                 self._generate(batch, clock)
                 res.records += [{"prompt_len": len(r.prompt), "output_len": r.max_tokens, "ttft": clock.times[0] - t,
-                                 "e2e": clock.times[r.max_tokens - 1] - t} for r, t in zip(batch, times[nxt:end])]  # fmt: skip
+                                 "e2e": clock.times[r.max_tokens - 1] - t} for r, t in zip(batch, times[a:b])]  # fmt: skip
                 self._account(kv, batch, len(clock.times))
-                nxt = end
             res.duration = time.perf_counter() - start
         steps = max(kv["steps"], 1)
         res.stats = {
