@@ -33,6 +33,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
     seed: int = 0  # seeds every unseeded sampling request, so whole runs repeat
+    ops: str = "auto"  # the model's norms and RoPE: auto (compiled on a CPU when it builds) | cpu | torch (cpu_ops.py)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -41,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.ops not in ("auto", "cpu", "torch"):
+            raise ValueError(f"ops={self.ops!r} is not one of: auto, cpu, torch")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (or -1: the model's positions)")
 

@@ -28,10 +28,12 @@ import torch
 from ladder.progress import GenerateProgress
 
 from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
+from .cpu_ops import resolve_ops
 from .inputs import InputProcessor
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .metrics import Metric
+from .ops import Ops
 from .outputs import OutputProcessor, Sequence, logprob_entries
 from .sampler import Sampler
 from .stats import EngineStats
@@ -46,6 +48,7 @@ class EngineBase:
         self.config = self.config_class(model=str(model), **kwargs)
         self.device = resolve_device(self.config.device)
         self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.ops = self.make_ops()
         self.loaded = self.load_model()
         self.model_config, self.tokenizer = self.loaded.config, self.loaded.tokenizer
         limit = self.model_config.max_position_embeddings
@@ -76,9 +79,13 @@ class EngineBase:
         """Where the checkpoint was loaded from (a Path): what a server reports as the model's root."""
         return self.loaded.path
 
+    def make_ops(self) -> Ops:
+        """What the model's linears, norms and RoPE compute with (ops.py; `ops=`: cpu_ops.resolve_ops)."""
+        return resolve_ops(self.config.ops, self.device)
+
     def load_model(self) -> LoadedModel:
         """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
-        return load_model(self.config.model, self.dtype, self.device)
+        return load_model(self.config.model, self.dtype, self.device, self.ops)
 
     def kv_bytes_per_token(self) -> int:
         """What one cached token costs in every KV cache the engine keeps (level 4 adds its draft's)."""

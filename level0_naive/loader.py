@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 from ladder.models import resolve_path
 
 from .model import ModelConfig, Transformer, rope_inv_freq
+from .ops import DEFAULT_OPS, Ops
 
 # model_type -> what differs from plain Llama
 SUPPORTED = {
@@ -134,11 +135,13 @@ def load_metadata(model: str | os.PathLike) -> LoadedModel:
     return LoadedModel(None, cfg, tokenizer, eos_ids(hf, gen, tokenizer), path, hf, gen)
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> LoadedModel:
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               ops: Ops = DEFAULT_OPS) -> LoadedModel:  # fmt: skip
+    """The checkpoint's weights, config and tokenizer; its model computes through `ops` (ops.py)."""
     meta = load_metadata(model)
     path, cfg, hf = meta.path, meta.config, meta.hf_config
     with torch.device("meta"):
-        net = Transformer(cfg)  # no memory yet; weights arrive below
+        net = Transformer(cfg, ops)  # no memory yet; weights arrive below
     state = load_state_dict(path)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)

@@ -9,9 +9,9 @@ What it is not: it never owns a KV cache and never decides how attention reads o
 Every layer hands its new q, k, v to an *attention backend* object the engine passes in
 (`attn(layer, q, k, v) -> out`): level 0 passes a contiguous slab per request, level 1
 a paged cache with a Triton kernel. The model file never changes per level. Likewise
-every linear layer and norm computes through an *ops* object (`ops.py`: `linear`,
-`rms_norm`), which `Transformer.set_ops` swaps, so fixed-order kernels can replace
-PyTorch's without an edit here.
+every linear layer, norm and RoPE computes through an *ops* object (`ops.py`: `linear`,
+`rms_norm`, `rope`), which `Transformer.set_ops` swaps, so compiled or fixed-order
+kernels can replace PyTorch's without an edit here.
 
 One flattened batch per forward, as in vLLM V1: the new tokens of every sequence are
 concatenated into `input_ids [T]` with their absolute `positions [T]`; which token
@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .ops import DEFAULT_OPS, Ops
+from .ops import DEFAULT_OPS, Ops, apply_rope  # noqa: F401 (apply_rope: HF's RoPE, ops.py)
 
 
 @dataclass(frozen=True)
@@ -116,13 +116,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, H, D]; cos/sin [T, D/2]. HF's "rotate half" layout: pairs are (i, i + D/2)."""
-    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
-    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -132,6 +125,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
         self.v_proj = Linear(cfg.hidden_size, self.nkv * self.d, bias=cfg.qkv_bias)
         self.o_proj = Linear(self.nh * self.d, cfg.hidden_size, bias=cfg.o_bias)
+        self.ops: Ops = DEFAULT_OPS  # for RoPE (ops.apply_rope: HF's "rotate half" pairs (i, i + D/2))
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
@@ -148,7 +142,7 @@ class Attention(nn.Module):
         v = v.view(T, self.nkv, self.d)  # [T, Hkv, D]
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.ops.rope(q, k, cos, sin)  # [T, Hq, D], [T, Hkv, D]
         out = attn(self.layer, q, k, v)  # [T, Hq, D]; the backend also stores k, v
         return self.o_proj(out.reshape(T, self.nh * self.d))  # [T, hidden]
 

@@ -1,13 +1,16 @@
-"""The ops seam: the model's matmuls and norms, behind one small object.
+"""The ops seam: the model's matmuls, norms and rotary embedding, behind one small object.
 
-What it is: `Ops`, the two computations of `model.py` whose result depends on the order
-of a reduction: `linear` (each output is a sum over the input features) and `rms_norm`
-(a mean over the hidden features). Every linear layer (q, k, v, o, gate, up, down, the LM
-head) and every RMSNorm calls `self.ops.linear` / `self.ops.rms_norm`, and so do level
-5's sharded linears; `Transformer.set_ops(ops)` hands one object to all of them. As
+What it is: `Ops`, the computations of `model.py` that another kernel may want to do
+differently: the two whose result depends on the order of a reduction, `linear` (each
+output is a sum over the input features) and `rms_norm` (a mean over the hidden
+features), and `rope`, the rotary embedding of q and k, which PyTorch spends ten small
+ops on. Every linear layer (q, k, v, o, gate, up, down, the LM head), every RMSNorm and
+every attention layer's RoPE calls `self.ops.linear` / `rms_norm` / `rope`, and so do
+level 5's sharded layers; `Transformer.set_ops(ops)` hands one object to all of them. As
 attention goes through the backend the engine passes in, these go through this seam, so
-a level can swap other kernels in (fixed reduction order for batch invariance, a CPU
-fast path) by subclassing `Ops`, without touching `model.py`:
+a level or a mode swaps other kernels in (the compiled CPU fast path, `cpu_ops.py`; the
+fixed reduction order of batch invariance, `invariant_ops.py`) by subclassing `Ops`,
+without touching `model.py`:
 
     class Float64Ops(Ops):
         def linear(self, x, weight, bias=None):
@@ -18,10 +21,10 @@ fast path) by subclassing `Ops`, without touching `model.py`:
 `DEFAULT_OPS` is exactly what the model computed before the seam existed (the same torch
 calls), so its outputs are bit for bit the same.
 
-What it is not: a kernel library, a dispatcher on device or dtype, or a home for
-elementwise ops (SiLU, RoPE, the residual adds: their results do not depend on what else
-is in the batch) or for attention (the backend's job). The weights stay in the modules,
-under their checkpoint names; an op receives them as arguments.
+What it is not: a kernel library, a dispatcher on device or dtype, or a home for every
+elementwise op (SiLU and the residual adds are one aten call each: nothing to gain) or
+for attention (the backend's job). The weights stay in the modules, under their
+checkpoint names; an op receives them as arguments.
 
 Reference: vLLM's `LinearMethodBase.apply(layer, x, bias)` (`model_executor/layers/linear.py`),
 the per-layer seam quantisation plugs into; Thinking Machines, "Defeating Nondeterminism in
@@ -34,8 +37,15 @@ import torch
 import torch.nn.functional as F
 
 
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos/sin [T, D/2]. HF's "rotate half" layout: pairs are (i, i + D/2)."""
+    x1, x2 = x.chunk(2, dim=-1)  # [T, H, D/2] each
+    cos, sin = cos[:, None, :], sin[:, None, :]  # [T, 1, D/2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 class Ops:
-    """The default ops: PyTorch's own, bit for bit what `nn.Linear` and HF's RMSNorm compute."""
+    """The default ops: PyTorch's own, bit for bit what `nn.Linear`, HF's RMSNorm and HF's RoPE compute."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
@@ -51,7 +61,11 @@ class Ops:
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
         return weight * x32.to(dtype)
 
+    def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] -> the rotated (q, k), same shapes."""
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
 
 DEFAULT_OPS = Ops()
 
-__all__ = ["Ops", "DEFAULT_OPS"]
+__all__ = ["Ops", "DEFAULT_OPS", "apply_rope"]

@@ -134,7 +134,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         self.speculative_config: SpeculativeConfig | None = self.config.speculative_config
         self.draft: LoadedModel | None = None
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            self.draft = load_model(self.speculative_config.model, self.dtype, self.device)
+            self.draft = load_model(self.speculative_config.model, self.dtype, self.device, self.ops)
             tv, dv = target.config.vocab_size, self.draft.config.vocab_size
             if tv != dv:
                 raise ValueError(f"speculative_config.model {self.speculative_config.model!r} has a vocabulary of {dv} tokens; "

@@ -18,7 +18,7 @@ which is what its KV cache is sized from.
     8 layers, pp 2, tp 2:   rank 0: layers 0-3, heads 0-1 + embedding   rank 1: layers 0-3, heads 2-3 + embedding
                             rank 2: layers 4-7, heads 0-1 + LM head     rank 3: layers 4-7, heads 2-3 + LM head
 
-The sharded linears and the norms go through level 0's ops seam like the unsharded ones
+The sharded linears, the norms and RoPE go through level 0's ops seam like the unsharded ones
 (`level0_naive/ops.py`): `StageModel(..., ops=...)` or `set_ops` swaps them all.
 
 What it is not: a forward hook, or a copy of the model: level 0's classes do the math.
@@ -74,6 +74,7 @@ class ParallelAttention(Attention):
         nn.Module.__init__(self)  # not Attention.__init__: that would build the full-size projections
         self.layer, self.nh, self.nkv, self.d = layer, heads, kv_heads, head_dim
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
+        self.ops: Ops = DEFAULT_OPS  # RoPE's (set_ops replaces it)
         if q_norm is not None:
             self.q_norm, self.k_norm = q_norm, k_norm
 

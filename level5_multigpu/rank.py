@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from ladder.models import resolve_path
 from level0_naive.config import EngineConfig, resolve_kv_budget
+from level0_naive.cpu_ops import resolve_ops
 from level0_naive.loader import model_config_from_hf
 from level1_paged.paged_cache import PagedAttention, blocks_in_budget
 from level1_paged.worker import ModelInput, Worker
@@ -60,6 +61,7 @@ class ParallelSpec:
     partition: list[int] | None  # layers per stage (None: as even as possible)
     block_size: int
     attention_backend: str
+    ops: str  # level 0's `ops=` (cpu_ops.resolve_ops), resolved on each rank
     kv_cache_memory: int | None
     gpu_memory_utilization: float
     backend: str  # "gloo" | "nccl"
@@ -90,6 +92,7 @@ class ParallelSpec:
             partition=config.pipeline_partition,
             block_size=config.block_size,
             attention_backend=config.attention_backend,
+            ops=config.ops,
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             backend=backend,
@@ -152,7 +155,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     path = resolve_path(spec.model)
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
-    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers)
+    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, resolve_ops(spec.ops, device))
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,

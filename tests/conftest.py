@@ -40,11 +40,13 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_configure(config):
-    """Build the compiled CPU attention kernel (about a second, once per machine) before any
-    test runs, so no timed test or server start-up in a subprocess pays for the build."""
+    """Build the compiled CPU kernels (about a second each, once per machine) before any test
+    runs, so no timed test or server start-up in a subprocess pays for the build."""
+    from level0_naive import cpu_ops
     from level1_paged import cpu_attention
 
     cpu_attention.available()
+    cpu_ops.LIBRARY.available()
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -284,12 +284,12 @@ needs_cpu_kernel = pytest.mark.skipif(
 @settings(max_examples=60, deadline=None)
 @given(workloads(ALL_DTYPES, max_seqs=5))
 def test_cpu_kernel_matches_ref(w):
-    """The compiled kernel, alone (every query length, long prefills too; not float16, which
-    it does not take) and behind the backend's routing (long queries to SDPA, the rest to
-    the kernel, one output)."""
+    """The compiled kernel, alone (every query length, long chunks too; not float16, which it
+    does not take) and behind the backend's routing (chunks over longer contexts to SDPA, the
+    rest to the kernel, one output)."""
     ref = paged_attention_ref(*w.args())
     outs = [cpu_attention.paged_attention_cpu(*w.args())]  # float16: the torch backend, behind the routing
-    if w.q.dtype in cpu_attention.ENTRY_POINTS:  # the kernel itself takes float32, float64, bfloat16
+    if w.q.dtype in cpu_attention.SUFFIX:
         outs.append(cpu_attention.kernel(*w.args()))
     for out in outs:
         assert out.dtype == w.q.dtype
@@ -298,7 +298,7 @@ def test_cpu_kernel_matches_ref(w):
 
 @needs_cpu_kernel
 def test_cpu_kernel_mutant_and_auto():
-    """A context one shorter than the truth is caught; 'auto' on a CPU picks the kernel."""
+    """A context one shorter than the truth is caught; 'auto' on a CPU picks the kernel and its write."""
     w = make_workload([5, 1, 40], [9, 12, 3], 8, 2, 64, 8, torch.float64, seed=1)
     ref = paged_attention_ref(*w.args())
     wrong = cpu_attention.paged_attention_cpu(
@@ -306,26 +306,55 @@ def test_cpu_kernel_mutant_and_auto():
     )
     with pytest.raises(AssertionError):
         assert_close(wrong, ref, torch.float64)
-    assert attention_impl("auto", torch.device("cpu")).attend is cpu_attention.paged_attention_cpu
+    impl = attention_impl("auto", torch.device("cpu"))
+    assert (impl.write_kv, impl.attend) == (cpu_attention.write_kv_cpu, cpu_attention.paged_attention_cpu)
+
+
+@needs_cpu_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_kernel_rows_are_batch_invariant(dtype):
+    """Each row's output bits depend only on its own query, keys and values: one sequence's
+    last 5 positions, attended as one 5-token chunk, as five decodes, and as a chunk inside
+    batches of 1..40 other sequences, give identical bits (docs/batch_invariance.md)."""
+    w = make_workload([5] + [3] * 39, [70] + list(range(1, 118, 3)), 8, 2, 64, 16, dtype, seed=4)
+    ctx = int(w.seq_lens[0]) - 5
+    alone = cpu_attention.kernel(
+        w.q[:5], w.k_cache, w.v_cache, w.query_start_loc[:2], w.seq_lens[:1], w.block_tables[:1], w.scale
+    )
+    for r in range(5):  # a decode at position ctx + r: the keys up to it, as if the rest were not there yet
+        one = cpu_attention.kernel(
+            w.q[r : r + 1], w.k_cache, w.v_cache, torch.tensor([0, 1], dtype=torch.int32),
+            torch.tensor([ctx + r + 1], dtype=torch.int32), w.block_tables[:1], w.scale,
+        )  # fmt: skip
+        assert torch.equal(one[0], alone[r])
+    for n in (2, 7, 40):
+        batch = cpu_attention.kernel(
+            w.q[: 5 + 3 * (n - 1)], w.k_cache, w.v_cache, w.query_start_loc[: n + 1], w.seq_lens[:n],
+            w.block_tables[:n], w.scale,
+        )  # fmt: skip
+        assert torch.equal(batch[:5], alone)
 
 
 def test_without_a_compiler_auto_falls_back_to_torch_with_one_log_line(monkeypatch, caplog):
-    """A build failure (no compiler, no ninja) is logged once and 'auto' uses the torch
-    backend; asking for 'cpu' by name raises with the reason."""
+    """A build failure (no compiler) is logged once and 'auto' uses the torch backend; asking
+    for 'cpu' by name raises with the reason."""
 
     def no_compiler():
         raise RuntimeError("c++: command not found\n(and more lines)")
 
-    monkeypatch.setattr(cpu_attention, "_build", no_compiler)
-    monkeypatch.setattr(cpu_attention, "_module", None)
-    monkeypatch.setattr(cpu_attention, "_error", None)
-    with caplog.at_level("WARNING", logger=cpu_attention.__name__):
-        impls = [attention_impl("auto", torch.device("cpu")) for _ in range(3)]
-    assert all(impl.attend is paged_attention_torch for impl in impls)
-    lines = [r.getMessage() for r in caplog.records if r.name == cpu_attention.__name__]
-    assert len(lines) == 1 and "c++: command not found" in lines[0] and "torch backend" in lines[0]
-    with pytest.raises(RuntimeError, match="command not found"):
-        attention_impl("cpu", torch.device("cpu"))
+    library = cpu_attention.LIBRARY
+    monkeypatch.setattr(library, "build", no_compiler)
+    library.reset()
+    try:
+        with caplog.at_level("WARNING", logger="level0_naive.native"):
+            impls = [attention_impl("auto", torch.device("cpu")) for _ in range(3)]
+        with pytest.raises(RuntimeError, match="command not found"):
+            attention_impl("cpu", torch.device("cpu"))
+    finally:
+        library.reset()  # the next test loads the built library again
+    assert all(impl.attend is paged_attention_torch and impl.write_kv is write_kv_cache for impl in impls)
+    lines = [r.getMessage() for r in caplog.records if r.name == "level0_naive.native"]
+    assert len(lines) == 1 and "c++: command not found" in lines[0] and "torch path" in lines[0]
 
 
 def test_mutants_are_caught():
@@ -387,7 +416,7 @@ def test_triton_empty_batch():
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("write", [write_kv_cache, write_kv_cache_triton])
+@pytest.mark.parametrize("write", [write_kv_cache, write_kv_cache_triton, cpu_attention.write_kv_cpu])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_write_kv_cache_touches_only_named_slots(write, dtype):
     gen = torch.Generator().manual_seed(3)

@@ -8,7 +8,11 @@ What it is:
     projections + the LM head linears and layers x 2 (+ 2 q/k norms) + 1 norms per forward,
     and the logits stay identical; a float64-linear subclass changes them (slightly);
     `set_ops(DEFAULT_OPS)` brings the exact logits back;
-  - level 5's sharded model goes through the same seam: 4 fused linears per layer + the head.
+  - level 5's sharded model goes through the same seam: 4 fused linears per layer + the head;
+  - the compiled CPU fast path (`cpu_ops.CpuOps`) against its default twin: RoPE bit for bit
+    in every dtype (strided q|k slices too), RMSNorm within a few ulps (its own fixed sum
+    order) and row by row the same bits however many rows come with it; a whole model's
+    logits within float32 noise and its greedy text unchanged; `ops=` resolved as documented.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from conftest import VOCAB
 
-from level0_naive import load_model
+from level0_naive import cpu_ops, load_model
 from level0_naive.kv_cache import Slab, SlabAttention
 from level0_naive.model import apply_rope
 from level0_naive.ops import DEFAULT_OPS, Ops
@@ -67,7 +71,7 @@ class CountingOps(Ops):
     """The default ops, counting their calls."""
 
     def __init__(self):
-        self.calls = {"linear": 0, "rms_norm": 0}
+        self.calls = {"linear": 0, "rms_norm": 0, "rope": 0}
 
     def linear(self, x, weight, bias=None):
         self.calls["linear"] += 1
@@ -76,6 +80,10 @@ class CountingOps(Ops):
     def rms_norm(self, x, weight, eps):
         self.calls["rms_norm"] += 1
         return super().rms_norm(x, weight, eps)
+
+    def rope(self, q, k, cos, sin):
+        self.calls["rope"] += 1
+        return super().rope(q, k, cos, sin)
 
 
 class Float64LinearOps(Ops):
@@ -106,7 +114,7 @@ def test_a_swapped_in_ops_is_used_by_every_linear_and_norm(arch, checkpoint_fact
     got = forward(model, torch.float32)
     L = cfg.num_layers
     norms = 2 * L + 1 + (2 * L if cfg.qk_norm else 0)  # input, post-attention (+ q, k) per layer; final
-    assert counting.calls == {"linear": 7 * L + 1, "rms_norm": norms}  # q k v o gate up down per layer; head
+    assert counting.calls == {"linear": 7 * L + 1, "rms_norm": norms, "rope": L}  # q k v o gate up down per layer; head
     assert torch.equal(got, want), "counting delegates to the defaults: the logits must not move"
 
     model.set_ops(Float64LinearOps())
@@ -144,5 +152,89 @@ def test_level5_sharded_layers_go_through_the_seam(checkpoint_factory):
     reader = ShardReader(path, torch.float32, "cpu")
     got = forward(StageModel(cfg, reader, OneRank(), range(cfg.num_layers), ops=counting), torch.float32)
     L = cfg.num_layers
-    assert counting.calls == {"linear": 4 * L + 1, "rms_norm": 2 * L + 1}  # [q|k|v], o, [gate|up], down; head
+    assert counting.calls == {
+        "linear": 4 * L + 1,
+        "rms_norm": 2 * L + 1,
+        "rope": L,
+    }  # [q|k|v], o, [gate|up], down; head
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fused matmuls may round differently
+
+
+# --- the CPU fast path (cpu_ops.py) ---------------------------------------------------------------
+needs_cpu_ops = pytest.mark.skipif(
+    not cpu_ops.LIBRARY.available(), reason=f"cpu_ops.cpp did not build: {cpu_ops.LIBRARY.error}"
+)
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_cpu_rope_is_bit_identical_to_the_default(dtype):
+    """Contiguous q and k, and q, k as column slices of one [T, (Hq + 2 Hkv) D] tensor (level 5's q|k|v)."""
+    g = torch.Generator().manual_seed(0)
+    T, hq, hkv, d = 37, 4, 2, 64
+    qkv = torch.randn(T, (hq + 2 * hkv) * d, generator=g).to(dtype)  # [T, (Hq + 2 Hkv) D]
+    angles = torch.randn(T, d // 2, generator=g) * 50  # [T, D/2]: large angles, as far positions have
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    sliced = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
+    for q, k in (sliced, (sliced[0].contiguous(), sliced[1].contiguous())):
+        got, want = cpu_ops.CpuOps().rope(q, k, cos, sin), DEFAULT_OPS.rope(q, k, cos, sin)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_rms_norm_is_close_to_the_default_and_row_invariant(dtype):
+    g = torch.Generator().manual_seed(1)
+    x = (torch.randn(64, 256, generator=g) * 3).to(dtype)  # [T, hidden]
+    w = torch.randn(256, generator=g).to(dtype)
+    ops = cpu_ops.CpuOps()
+    got = ops.rms_norm(x, w, 1e-5)
+    ulp = torch.finfo(dtype).eps
+    torch.testing.assert_close(got, DEFAULT_OPS.rms_norm(x, w, 1e-5), rtol=4 * ulp, atol=4 * ulp)
+    for n in (1, 3, 17):  # the first n rows alone: the same bits as among 64
+        assert torch.equal(ops.rms_norm(x[:n], w, 1e-5), got[:n])
+    heads = x.view(64, 4, 64)  # [T, H, D]: Qwen3's per-head q/k norm
+    torch.testing.assert_close(ops.rms_norm(heads, w[:64], 1e-6), DEFAULT_OPS.rms_norm(heads, w[:64], 1e-6),
+                               rtol=4 * ulp, atol=4 * ulp)  # fmt: skip
+
+
+@needs_cpu_ops
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_a_model_on_the_cpu_fast_path_matches_the_default(arch, checkpoint_factory):
+    """float32 logits within noise; float64 (the equivalence tests' dtype) bit for bit, since
+    CpuOps keeps HF's float32 RMSNorm formula there and its RoPE is exact."""
+    path = checkpoint_factory(arch)
+    for dtype in (torch.float32, torch.float64):
+        default = load_model(path, dtype).model
+        fast = load_model(path, dtype, ops=cpu_ops.CpuOps()).model
+        want, got = forward(default, dtype), forward(fast, dtype)
+        if dtype == torch.float64:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_ops_setting_resolves_as_documented(monkeypatch, caplog):
+    cpu = torch.device("cpu")
+    assert cpu_ops.resolve_ops("torch", cpu) is DEFAULT_OPS
+    with pytest.raises(ValueError, match="ops='fast' is not one of"):
+        cpu_ops.resolve_ops("fast", cpu)
+    if cpu_ops.LIBRARY.available():
+        assert isinstance(cpu_ops.resolve_ops("auto", cpu), cpu_ops.CpuOps)
+
+    def no_compiler():
+        raise RuntimeError("c++: command not found")
+
+    monkeypatch.setattr(cpu_ops.LIBRARY, "build", no_compiler)
+    cpu_ops.LIBRARY.reset()
+    try:
+        with caplog.at_level("WARNING", logger="level0_naive.native"):
+            assert cpu_ops.resolve_ops("auto", cpu) is DEFAULT_OPS  # a missing compiler is never an error ...
+            assert cpu_ops.resolve_ops("auto", cpu) is DEFAULT_OPS
+        with pytest.raises(RuntimeError, match="ops='cpu'.*command not found"):  # ... unless asked for by name
+            cpu_ops.resolve_ops("cpu", cpu)
+    finally:
+        cpu_ops.LIBRARY.reset()
+    lines = [r.getMessage() for r in caplog.records if r.name == "level0_naive.native"]
+    assert len(lines) == 1 and "cpu_ops.cpp" in lines[0] and "command not found" in lines[0]

@@ -138,7 +138,7 @@ def attention_impl(name: str, device: torch.device) -> AttentionImpl:
         if device.type != "cpu":
             raise ValueError(f"attention_backend='cpu' runs on CPU tensors, not {device.type}")
         cpu_attention.require()  # built, or a RuntimeError with the reason
-        return AttentionImpl(write_kv_cache, cpu_attention.paged_attention_cpu)
+        return AttentionImpl(cpu_attention.write_kv_cpu, cpu_attention.paged_attention_cpu)
     if name == "torch":
         return AttentionImpl(write_kv_cache, paged_attention_torch)
     if name == "ref":

@@ -1,0 +1,123 @@
+// The model's norms and rotary embedding for the CPU, compiled: one call where PyTorch makes a dozen.
+//
+// What this is
+//   rms_norm_{f32,bf16}(x, weight, rows, dim, row_stride, eps, out)
+//       out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)), in float32 as Hugging Face does;
+//   rope_{f32,f64,bf16}(x, cos, sin, rows, heads, head_dim, row_stride, out)
+//       HF's "rotate half" RoPE: for the pair (i, i + D/2) of every head of token t,
+//       out = (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2].
+//   level0_naive/cpu_ops.py builds this file (native.py) and calls it through ctypes.
+//
+//   Why: at the batch sizes a CPU runs (1 to 128 tokens of a 256-wide model) an RMSNorm is
+//   a few hundred nanoseconds of arithmetic and PyTorch spends 6 aten calls on it (cast,
+//   square, mean, add, rsqrt, two multiplies), a RoPE 10 (chunk, four multiplies, a sub, an
+//   add, a cat, a cast) for q and again for k: about 200 calls per forward of the built-in
+//   model, at a few microseconds each. Here each is one call.
+//
+// Exactness
+//   RoPE rounds exactly as PyTorch's elementwise ops do (each product and sum once, in the
+//   tensor's dtype: bfloat16 rounds after every op, as torch's bfloat16 kernels do; the
+//   build's -ffp-contract=off keeps a * b - c two roundings), so rope_* equals
+//   model.apply_rope bit for bit, float64 included. RMSNorm's sum of squares is added in a
+//   fixed order of its own (8 lanes, then a fixed tree), not PyTorch's, so it differs from
+//   the torch formula in the last bits; that order depends only on the row, never on how
+//   many rows there are (batch invariance). float64 models keep the torch formula (HF
+//   normalises in float32 even there, and the equivalence tests match it exactly).
+//
+// What this is not: the matmuls (PyTorch's, through oneDNN/MKL, are faster than anything
+// this short; invariant_ops.cpp holds the fixed-order one), threaded, or fused across
+// layers (vLLM's fused_add_rms_norm also folds in the residual add: one op, not worth the
+// model's readability here).
+//
+// Reference: vLLM's csrc/layernorm_kernels.cu and pos_encoding_kernels.cu (the GPU twins);
+// Zhang & Sennrich, "Root Mean Square Layer Normalization" (2019); Su et al., "RoFormer" (2021).
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+struct bf16 {
+  uint16_t bits;
+};
+static inline float widen(float x) { return x; }
+static inline double widen(double x) { return x; }
+static inline float widen(bf16 x) {
+  uint32_t u = uint32_t(x.bits) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+template <typename T, typename A> static inline T narrow(A x) { return static_cast<T>(x); }
+template <> inline bf16 narrow<bf16, float>(float x) {  // round to nearest even, as torch's .to(bfloat16)
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  if (std::isnan(x)) return bf16{uint16_t(0x7fc0)};
+  u += 0x7fff + ((u >> 16) & 1);
+  return bf16{uint16_t(u >> 16)};
+}
+// What one elementwise op of PyTorch leaves in a tensor of dtype T: the value rounded to T
+// (nothing to do for float and double, whose arithmetic already rounds to them).
+template <typename T, typename A> static inline A rounded(A x) { return widen(narrow<T, A>(x)); }
+
+template <typename T>
+static void rms_norm(const T* x, const T* weight, int64_t rows, int64_t dim, int64_t row_stride, double eps_d, T* out) {
+  constexpr int N = 8;  // lanes of the sum of squares: lane l adds i = l, l + 8, ... in order
+  const float eps = float(eps_d);
+  for (int64_t t = 0; t < rows; ++t) {
+    const T* xr = x + t * row_stride;
+    T* o = out + t * dim;
+    float part[N] = {};
+    int64_t i = 0;
+    for (; i + N <= dim; i += N)
+#pragma omp simd
+      for (int l = 0; l < N; ++l) part[l] += widen(xr[i + l]) * widen(xr[i + l]);
+    for (int l = 0; i < dim; ++i, ++l) part[l] += widen(xr[i]) * widen(xr[i]);
+    for (int w = N / 2; w > 0; w /= 2)
+      for (int l = 0; l < w; ++l) part[l] += part[l + w];
+    const float inv = 1.0f / std::sqrt(part[0] / float(dim) + eps);  // torch.rsqrt(mean + eps)
+#pragma omp simd
+    for (int64_t j = 0; j < dim; ++j) o[j] = narrow<T, float>(widen(weight[j]) * rounded<T, float>(widen(xr[j]) * inv));
+  }
+}
+
+template <typename T>
+static void rope(const T* x, const T* cos, const T* sin, int64_t rows, int64_t heads, int64_t head_dim,
+                 int64_t row_stride, T* out) {  // x rows `row_stride` apart (a slice of q|k|v); out contiguous
+  const int64_t h = head_dim / 2;
+  for (int64_t t = 0; t < rows; ++t) {
+    const T *c = cos + t * h, *s = sin + t * h;
+    for (int64_t j = 0; j < heads; ++j) {
+      const T* a = x + t * row_stride + j * head_dim;  // x1 = a[0:h], x2 = a[h:2h]
+      T* o = out + (t * heads + j) * head_dim;
+#pragma omp simd
+      for (int64_t i = 0; i < h; ++i) {
+        const auto x1 = widen(a[i]), x2 = widen(a[i + h]), ci = widen(c[i]), si = widen(s[i]);
+        using A = std::remove_const_t<decltype(x1)>;  // float, or double for float64
+        o[i] = narrow<T, A>(rounded<T, A>(x1 * ci) - rounded<T, A>(x2 * si));
+        o[i + h] = narrow<T, A>(rounded<T, A>(x2 * ci) + rounded<T, A>(x1 * si));
+      }
+    }
+  }
+}
+
+extern "C" {
+void rms_norm_f32(const void* x, const void* w, int64_t rows, int64_t dim, int64_t stride, double eps, void* out) {
+  rms_norm<float>(static_cast<const float*>(x), static_cast<const float*>(w), rows, dim, stride, eps, static_cast<float*>(out));
+}
+void rms_norm_bf16(const void* x, const void* w, int64_t rows, int64_t dim, int64_t stride, double eps, void* out) {
+  rms_norm<bf16>(static_cast<const bf16*>(x), static_cast<const bf16*>(w), rows, dim, stride, eps, static_cast<bf16*>(out));
+}
+void rope_f32(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
+  rope<float>(static_cast<const float*>(x), static_cast<const float*>(c), static_cast<const float*>(s), rows, heads, d, stride,
+              static_cast<float*>(out));
+}
+void rope_f64(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
+  rope<double>(static_cast<const double*>(x), static_cast<const double*>(c), static_cast<const double*>(s), rows, heads, d,
+               stride, static_cast<double*>(out));
+}
+void rope_bf16(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
+  rope<bf16>(static_cast<const bf16*>(x), static_cast<const bf16*>(c), static_cast<const bf16*>(s), rows, heads, d, stride,
+             static_cast<bf16*>(out));
+}
+}
