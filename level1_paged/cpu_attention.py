@@ -42,11 +42,12 @@ from .attention_ref import paged_attention_torch, write_kv_cache
 __all__ = ["LIBRARY", "LONG_QUERY", "available", "build_error", "kernel", "paged_attention_cpu", "require", "write_kv_cpu"]
 
 # A query of more than LONG_QUERY tokens over a cached context longer than itself goes to SDPA.
-# Measured with `python -m benchmarks.attention` (fp32, 4 query / 2 KV heads, D 64, one thread):
-# the kernel is 1.7-3.3x the torch backend on decodes, 1.8-2.5x on 4-token verifications, 1.1-2x
-# on prefills from the start (96 to 2048 tokens); a 16-token query over 512 keys 0.7x, a
-# 100-token chunk over 1100 keys 0.6x: many keys per row is where blocked matmuls win.
-LONG_QUERY = 4
+# Measured over `benchmarks.attention.decode_batch` (fp32, 4 query / 2 KV heads, D 64, one
+# thread): the kernel is 1.7-3.3x the torch backend on decodes, 1.1-2.3x on 5- and 8-token
+# queries (verifications of k = 4 or 7 guesses) over 160-1024 keys, 1.1-2x on prefills from the
+# start (96 to 2048 tokens); 0.9-1.2x at 12 tokens, 0.86-1.2x at 16, and a 100-token chunk over
+# 1100 keys 0.6x: many keys per row is where blocked matmuls win.
+LONG_QUERY = 8
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}  # the dtypes the kernel takes
 LIBRARY = NativeLibrary(
