@@ -9,7 +9,8 @@ What it is not: global state. Every engine owns its own config object.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +35,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
     seed: int = 0  # seeds every unseeded sampling request, so whole runs repeat
     ops: str = "auto"  # the model's norms and RoPE: auto (compiled on a CPU when it builds) | cpu | torch (cpu_ops.py)
+    # A request's tokens and logprobs bit for bit the same whatever else is in the batch (invariant_ops.py,
+    # docs/batch_invariance.md); the default comes from LADDER_BATCH_INVARIANT=1, as vLLM's VLLM_BATCH_INVARIANT.
+    batch_invariant: bool = field(default_factory=lambda: os.environ.get("LADDER_BATCH_INVARIANT", "0") == "1")
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -44,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.ops not in ("auto", "cpu", "torch"):
             raise ValueError(f"ops={self.ops!r} is not one of: auto, cpu, torch")
+        if not isinstance(self.batch_invariant, bool):
+            raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (or -1: the model's positions)")
 

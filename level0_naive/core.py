@@ -29,6 +29,7 @@ from ladder.progress import GenerateProgress
 
 from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
 from .cpu_ops import resolve_ops
+from .invariant_ops import invariant_ops
 from .inputs import InputProcessor
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
@@ -71,8 +72,9 @@ class EngineBase:
         self.sampler = self.make_sampler()
 
     def make_sampler(self) -> Sampler:
-        """The sampler and its logits processors (a level or a mode adds its own)."""
-        return Sampler()
+        """The sampler and its logits processors (a level or a mode adds its own); batch_invariant=True
+        keys its draws by position (sampling.keyed_gumbel)."""
+        return Sampler(keyed_draws=self.config.batch_invariant)
 
     @property
     def model_path(self):
@@ -80,7 +82,10 @@ class EngineBase:
         return self.loaded.path
 
     def make_ops(self) -> Ops:
-        """What the model's linears, norms and RoPE compute with (ops.py; `ops=`: cpu_ops.resolve_ops)."""
+        """What the model's linears, norms, RoPE and SwiGLU compute with (ops.py; `ops=`: cpu_ops.resolve_ops;
+        `batch_invariant=True`: invariant_ops.InvariantOps, which says why when it cannot run here)."""
+        if self.config.batch_invariant:
+            return invariant_ops(self.device, self.dtype)
         return resolve_ops(self.config.ops, self.device)
 
     def load_model(self) -> LoadedModel:

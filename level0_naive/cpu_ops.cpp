@@ -1,12 +1,15 @@
 // The model's norms and rotary embedding for the CPU, compiled: one call where PyTorch makes a dozen.
 //
 // What this is
-//   rms_norm_{f32,bf16}(x, weight, rows, dim, row_stride, eps, out)
+//   rms_norm_{f32,bf16,f64}(x, weight, rows, dim, row_stride, eps, out)
 //       out[t] = weight * (x[t] / sqrt(mean(x[t]^2) + eps)), in float32 as Hugging Face does;
-//   rope_{f32,f64,bf16}(x, cos, sin, rows, heads, head_dim, row_stride, out)
+//   rope_{f32,bf16,f64}(x, cos, sin, rows, heads, head_dim, row_stride, out)
 //       HF's "rotate half" RoPE: for the pair (i, i + D/2) of every head of token t,
-//       out = (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2].
-//   level0_naive/cpu_ops.py builds this file (native.py) and calls it through ctypes.
+//       out = (x1 cos - x2 sin, x2 cos + x1 sin) with cos, sin [T, D/2];
+//   silu_mul_{f32,bf16,f64}(gate, up, rows, dim, gate_stride, up_stride, out)
+//       SwiGLU's silu(gate) * up, every element by one code path (batch invariance).
+//   level0_naive/cpu_ops.py (CpuOps) and invariant_ops.py (InvariantOps) build this file
+//   (native.py) and call it through ctypes.
 //
 //   Why: at the batch sizes a CPU runs (1 to 128 tokens of a 256-wide model) an RMSNorm is
 //   a few hundred nanoseconds of arithmetic and PyTorch spends 6 aten calls on it (cast,
@@ -21,8 +24,10 @@
 //   model.apply_rope bit for bit, float64 included. RMSNorm's sum of squares is added in a
 //   fixed order of its own (8 lanes, then a fixed tree), not PyTorch's, so it differs from
 //   the torch formula in the last bits; that order depends only on the row, never on how
-//   many rows there are (batch invariance). float64 models keep the torch formula (HF
-//   normalises in float32 even there, and the equivalence tests match it exactly).
+//   many rows there are (batch invariance). CpuOps keeps the torch formula for float64 (HF
+//   normalises in float32 even there, and the equivalence tests match it exactly); the
+//   batch-invariant ops use rms_norm_f64. SiLU uses its own exp (exp_f32, within 2 ulp of
+//   libm's): a libm call would not vectorise, and PyTorch's own SiLU is not one code path.
 //
 // What this is not: the matmuls (PyTorch's, through oneDNN/MKL, are faster than anything
 // this short; invariant_ops.cpp holds the fixed-order one), threaded, or fused across
@@ -62,7 +67,8 @@ template <typename T, typename A> static inline A rounded(A x) { return widen(na
 
 template <typename T>
 static void rms_norm(const T* x, const T* weight, int64_t rows, int64_t dim, int64_t row_stride, double eps_d, T* out) {
-  constexpr int N = 8;  // lanes of the sum of squares: lane l adds i = l, l + 8, ... in order
+  using W = decltype(widen(T{}));  // what one op of the tensor's dtype computes in: float, or double
+  constexpr int N = 8;             // lanes of the sum of squares: lane l adds i = l, l + 8, ... in order
   const float eps = float(eps_d);
   for (int64_t t = 0; t < rows; ++t) {
     const T* xr = x + t * row_stride;
@@ -71,14 +77,59 @@ static void rms_norm(const T* x, const T* weight, int64_t rows, int64_t dim, int
     int64_t i = 0;
     for (; i + N <= dim; i += N)
 #pragma omp simd
-      for (int l = 0; l < N; ++l) part[l] += widen(xr[i + l]) * widen(xr[i + l]);
-    for (int l = 0; i < dim; ++i, ++l) part[l] += widen(xr[i]) * widen(xr[i]);
+      for (int l = 0; l < N; ++l) part[l] += float(widen(xr[i + l])) * float(widen(xr[i + l]));
+    for (int l = 0; i < dim; ++i, ++l) part[l] += float(widen(xr[i])) * float(widen(xr[i]));
     for (int w = N / 2; w > 0; w /= 2)
       for (int l = 0; l < w; ++l) part[l] += part[l + w];
-    const float inv = 1.0f / std::sqrt(part[0] / float(dim) + eps);  // torch.rsqrt(mean + eps)
+    const float inv = 1.0f / std::sqrt(part[0] / float(dim) + eps);  // torch.rsqrt(mean + eps), in float32
+    // HF: weight * (x32 * inv).to(dtype): the normalised value is rounded to the dtype, then scaled in it
 #pragma omp simd
-    for (int64_t j = 0; j < dim; ++j) o[j] = narrow<T, float>(widen(weight[j]) * rounded<T, float>(widen(xr[j]) * inv));
+    for (int64_t j = 0; j < dim; ++j)
+      o[j] = narrow<T, W>(W(widen(weight[j])) * W(rounded<T, float>(float(widen(xr[j])) * inv)));
   }
+}
+
+// e^x for float32 to about 2 ulp with no libm call, so `#pragma omp simd` vectorises it and the
+// vector lanes and the scalar tail compute the same bits (Cephes' expf: x = n ln2 + r with
+// |r| <= ln2 / 2, e^r by a degree-7 polynomial, then the exponent bits of 2^n).
+static inline float exp_f32(float x) {
+  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  const float t = x * 1.44269504088896341f;                 // x / ln 2
+  const int32_t n = int32_t(t < 0.0f ? t - 0.5f : t + 0.5f);  // rounded (std::floor would not vectorise)
+  const float r = (x - float(n) * 0.693359375f) + float(n) * 2.12194440e-4f;  // ln 2 in two parts (Cody and Waite)
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float e = p * (r * r) + r + 1.0f;
+  const int32_t bits = (n + 127) << 23;  // 2^n as a float's exponent
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return e * scale;
+}
+
+// SwiGLU's middle: silu(gate) * up = gate / (1 + e^-gate) * up, each element computed the same
+// way wherever it sits in the tensor. (PyTorch's CPU loop computes a tensor's last few elements
+// with a scalar SiLU and the rest with a vector one, and the two round differently: one reason
+// a row's result can depend on how many rows there are.)
+template <typename T>
+static void silu_mul(const T* gate, const T* up, int64_t rows, int64_t dim, int64_t g_stride, int64_t u_stride, T* out) {
+  for (int64_t t = 0; t < rows; ++t) {
+    const T *g = gate + t * g_stride, *u = up + t * u_stride;
+    T* o = out + t * dim;
+#pragma omp simd
+    for (int64_t i = 0; i < dim; ++i) {
+      const float x = widen(g[i]);
+      o[i] = narrow<T, float>(rounded<T, float>(x / (1.0f + exp_f32(-x))) * widen(u[i]));
+    }
+  }
+}
+template <>
+void silu_mul<double>(const double* g, const double* u, int64_t rows, int64_t dim, int64_t gs, int64_t us, double* o) {
+  for (int64_t t = 0; t < rows; ++t)
+    for (int64_t i = 0; i < dim; ++i) o[t * dim + i] = g[t * gs + i] / (1.0 + std::exp(-g[t * gs + i])) * u[t * us + i];
 }
 
 template <typename T>
@@ -101,23 +152,20 @@ static void rope(const T* x, const T* cos, const T* sin, int64_t rows, int64_t h
   }
 }
 
-extern "C" {
-void rms_norm_f32(const void* x, const void* w, int64_t rows, int64_t dim, int64_t stride, double eps, void* out) {
-  rms_norm<float>(static_cast<const float*>(x), static_cast<const float*>(w), rows, dim, stride, eps, static_cast<float*>(out));
-}
-void rms_norm_bf16(const void* x, const void* w, int64_t rows, int64_t dim, int64_t stride, double eps, void* out) {
-  rms_norm<bf16>(static_cast<const bf16*>(x), static_cast<const bf16*>(w), rows, dim, stride, eps, static_cast<bf16*>(out));
-}
-void rope_f32(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
-  rope<float>(static_cast<const float*>(x), static_cast<const float*>(c), static_cast<const float*>(s), rows, heads, d, stride,
-              static_cast<float*>(out));
-}
-void rope_f64(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
-  rope<double>(static_cast<const double*>(x), static_cast<const double*>(c), static_cast<const double*>(s), rows, heads, d,
-               stride, static_cast<double*>(out));
-}
-void rope_bf16(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d, int64_t stride, void* out) {
-  rope<bf16>(static_cast<const bf16*>(x), static_cast<const bf16*>(c), static_cast<const bf16*>(s), rows, heads, d, stride,
-             static_cast<bf16*>(out));
-}
-}
+#define ENTRIES(S, T)                                                                                        \
+  extern "C" void rms_norm_##S(const void* x, const void* w, int64_t rows, int64_t dim, int64_t stride, double eps, \
+                               void* out) {                                                                         \
+    rms_norm<T>(static_cast<const T*>(x), static_cast<const T*>(w), rows, dim, stride, eps, static_cast<T*>(out));  \
+  }                                                                                                                 \
+  extern "C" void rope_##S(const void* x, const void* c, const void* s, int64_t rows, int64_t heads, int64_t d,     \
+                           int64_t stride, void* out) {                                                             \
+    rope<T>(static_cast<const T*>(x), static_cast<const T*>(c), static_cast<const T*>(s), rows, heads, d, stride,   \
+            static_cast<T*>(out));                                                                                  \
+  }                                                                                                                 \
+  extern "C" void silu_mul_##S(const void* g, const void* u, int64_t rows, int64_t dim, int64_t gs, int64_t us,     \
+                               void* out) {                                                                         \
+    silu_mul<T>(static_cast<const T*>(g), static_cast<const T*>(u), rows, dim, gs, us, static_cast<T*>(out));       \
+  }
+ENTRIES(f32, float)
+ENTRIES(bf16, bf16)
+ENTRIES(f64, double)

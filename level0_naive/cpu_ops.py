@@ -9,9 +9,11 @@ an engine's `ops=` setting means:
     "torch"  the default Ops: PyTorch's own calls, bit for bit what Hugging Face computes
 
 `linear` stays PyTorch's (oneDNN/MKL at these shapes is at the machine's matmul rate:
-`python -m benchmarks.profile`). What is not float32 or bfloat16, or not laid out as the
-kernels expect, goes to the default twin: float64 keeps HF's exact formulas (the
-equivalence tests' dtype), float16 and strided tensors are rare here.
+`python -m benchmarks.profile`), and so does `silu_mul` (PyTorch's vectorised SiLU is
+faster than cpu_ops.cpp's beyond one row; invariant_ops.py uses the compiled one for its
+single code path). What is not float32 or bfloat16, or not laid out as the kernels
+expect, goes to the default twin: float64 keeps HF's exact formulas (the equivalence
+tests' dtype), float16 and strided tensors are rare here.
 
 What it is not: a GPU path (on CUDA "auto" is the default Ops), or exact for RMSNorm: its
 sum of squares runs in a fixed order of its own, so it agrees with the torch formula to a
@@ -30,12 +32,13 @@ import torch
 from .native import NativeLibrary
 from .ops import DEFAULT_OPS, Ops
 
-NORM = {torch.float32: "f32", torch.bfloat16: "bf16"}  # the dtypes rms_norm takes (float64: the torch formula)
-ROPE = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
+SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}  # what cpu_ops.cpp takes
+NORM = {torch.float32, torch.bfloat16}  # CpuOps' compiled norms (float64: the torch formula, HF's bits)
 LIBRARY = NativeLibrary(
     Path(__file__).with_name("cpu_ops.cpp"),
-    {f"rms_norm_{s}": "ppiiidp" for s in NORM.values()} | {f"rope_{s}": "pppiiiip" for s in ROPE.values()},
-)
+    {f"{op}_{s}": codes for s in SUFFIX.values() for op, codes in
+     (("rms_norm", "ppiiidp"), ("rope", "pppiiiip"), ("silu_mul", "ppiiiip"))},
+)  # fmt: skip
 OPS_NAMES = ("auto", "cpu", "torch")
 
 
@@ -50,30 +53,38 @@ def _row_stride(x: torch.Tensor) -> int | None:
 class CpuOps(Ops):
     """PyTorch's matmuls, compiled RMSNorm and RoPE (cpu_ops.cpp); the default formulas where they do not apply."""
 
-    def __init__(self):
-        self.lib = LIBRARY.require("ops='cpu'")
+    norm_dtypes = NORM  # the batch-invariant ops (invariant_ops.py) add float64
+
+    def __init__(self, asked_for: str = "ops='cpu'"):
+        self.lib = LIBRARY.require(asked_for)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., dim], weight [dim] -> [..., dim] (float32, bfloat16; anything else: Ops.rms_norm)."""
         dim = x.shape[-1]
         # rows of `dim` values: all of them if x is contiguous; a 2-D column slice, rows `stride` apart
         stride = dim if x.is_contiguous() else (x.stride(0) if x.dim() == 2 and x.stride(1) == 1 else None)
-        if x.dtype not in NORM or weight.dtype != x.dtype or x.device.type != "cpu" or stride is None or dim == 0:
+        if (
+            x.dtype not in self.norm_dtypes
+            or weight.dtype != x.dtype
+            or x.device.type != "cpu"
+            or not stride
+            or not dim
+        ):
             return super().rms_norm(x, weight, eps)
         out = torch.empty(x.shape, dtype=x.dtype)  # [..., dim]
-        getattr(self.lib, f"rms_norm_{NORM[x.dtype]}")(
+        getattr(self.lib, f"rms_norm_{SUFFIX[x.dtype]}")(
             x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // dim, dim, stride, eps, out.data_ptr()
         )
         return out
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] -> rotated copies (ops.apply_rope's bits)."""
-        if q.dtype not in ROPE or not all(t.dtype == q.dtype and t.device.type == "cpu" for t in (k, cos, sin)):
+        if q.dtype not in SUFFIX or not all(t.dtype == q.dtype and t.device.type == "cpu" for t in (k, cos, sin)):
             return super().rope(q, k, cos, sin)
         rows = [_row_stride(t) for t in (q, k)]
         if None in rows or not (cos.is_contiguous() and sin.is_contiguous()):
             return super().rope(q, k, cos, sin)
-        fn = getattr(self.lib, f"rope_{ROPE[q.dtype]}")
+        fn = getattr(self.lib, f"rope_{SUFFIX[q.dtype]}")
         outs = []
         for x, stride in zip((q, k), rows):
             out = torch.empty(x.shape, dtype=x.dtype)  # [T, H, D]
@@ -93,4 +104,4 @@ def resolve_ops(name: str, device: torch.device) -> Ops:
     return CpuOps()
 
 
-__all__ = ["CpuOps", "resolve_ops", "LIBRARY", "OPS_NAMES"]
+__all__ = ["CpuOps", "resolve_ops", "LIBRARY", "OPS_NAMES", "SUFFIX"]

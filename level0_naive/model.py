@@ -9,9 +9,9 @@ What it is not: it never owns a KV cache and never decides how attention reads o
 Every layer hands its new q, k, v to an *attention backend* object the engine passes in
 (`attn(layer, q, k, v) -> out`): level 0 passes a contiguous slab per request, level 1
 a paged cache with a Triton kernel. The model file never changes per level. Likewise
-every linear layer, norm and RoPE computes through an *ops* object (`ops.py`: `linear`,
-`rms_norm`, `rope`), which `Transformer.set_ops` swaps, so compiled or fixed-order
-kernels can replace PyTorch's without an edit here.
+every linear layer, norm, RoPE and SwiGLU computes through an *ops* object (`ops.py`:
+`linear`, `rms_norm`, `rope`, `silu_mul`), which `Transformer.set_ops` swaps, so compiled
+or fixed-order kernels can replace PyTorch's without an edit here.
 
 One flattened batch per forward, as in vLLM V1: the new tokens of every sequence are
 concatenated into `input_ids [T]` with their absolute `positions [T]`; which token
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .ops import DEFAULT_OPS, Ops, apply_rope  # noqa: F401 (apply_rope: HF's RoPE, ops.py)
@@ -148,16 +147,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), the middle computed by `self.ops.silu_mul`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.ops: Ops = DEFAULT_OPS
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.ops.silu_mul(self.gate_proj(x), self.up_proj(x)))  # [T, ff] -> [T, hidden]
 
 
 class DecoderLayer(nn.Module):
@@ -199,10 +199,10 @@ class Transformer(nn.Module):
         self.set_ops(ops)
 
     def set_ops(self, ops: Ops) -> None:
-        """Route every linear and norm of this model through `ops` (see ops.py)."""
+        """Route every linear, norm, RoPE and SwiGLU of this model through `ops` (see ops.py)."""
         self.ops = ops
         for module in self.modules():
-            if hasattr(module, "ops"):  # Linear, RMSNorm, and level 5's sharded linears
+            if hasattr(module, "ops"):  # Linear, RMSNorm, Attention, MLP, and level 5's sharded layers
                 module.ops = ops
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):

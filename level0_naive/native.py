@@ -20,7 +20,10 @@ The flags: -O3 and -fopenmp-simd let the compiler vectorise the loops marked `#p
 simd` (no OpenMP runtime is linked); -march=native uses the building CPU's instructions
 (the cache is per machine); -ffp-contract=off keeps every `a * b + c` two roundings, as
 PyTorch's own elementwise ops round, so one loop computes the same bits whether the
-compiler vectorised it or not (the batch-invariant kernels depend on that).
+compiler vectorised it or not (the batch-invariant kernels depend on that; a library may
+add flags: the fixed-order matmul asks for fused multiply-adds); -fno-trapping-math and
+-fno-math-errno promise no floating-point traps and no errno, which lets the compiler
+turn a branch into a vector select; neither changes a single result.
 
 What it is not: a kernel library or a JIT; no torch tensors cross this file (the callers
 pass `data_ptr()`s).
@@ -40,9 +43,9 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
 
-# ctypes argument codes for `signatures`: p a pointer (data_ptr()), i an int64, d a double
+# ctypes codes for `signatures`: p a pointer (data_ptr()), i an int64, d a double; "ppi->i" returns an int64
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
 
 
@@ -53,9 +56,9 @@ def cache_dir() -> Path:
 class NativeLibrary:
     """One C++ source, built on first use: `lib.get()` is the ctypes library or None (why: `lib.error`)."""
 
-    def __init__(self, source: Path, signatures: dict[str, str]):
-        """signatures: C function name -> argument codes, e.g. {"rms_norm_f32": "ppiidp"}."""
-        self.source, self.signatures = Path(source), signatures
+    def __init__(self, source: Path, signatures: dict[str, str], flags: tuple[str, ...] = ()):
+        """signatures: C function name -> argument codes, e.g. {"rms_norm_f32": "ppiidp"}; flags: added to CFLAGS."""
+        self.source, self.signatures, self.flags = Path(source), signatures, [*CFLAGS, *flags]
         self.error: str | None = None  # why it could not be built, once tried and failed
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()  # two threads asking at once build it once
@@ -66,14 +69,14 @@ class NativeLibrary:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256("\n".join([self.source.read_text(), " ".join(CFLAGS), version]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\n".join([self.source.read_text(), " ".join(self.flags), version]).encode()).hexdigest()[:16]
         path = cache_dir() / f"{self.source.stem}-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             try:
-                done = subprocess.run([cxx, *CFLAGS, str(self.source), "-o", tmp], capture_output=True, text=True)
+                done = subprocess.run([cxx, *self.flags, str(self.source), "-o", tmp], capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[:500]}")
                 os.replace(tmp, path)  # atomic: another process sees no library or a whole one
@@ -82,9 +85,10 @@ class NativeLibrary:
                     os.unlink(tmp)
         lib = ctypes.CDLL(str(path))
         for name, codes in self.signatures.items():
+            args, _, ret = codes.partition("->")
             fn = getattr(lib, name)
-            fn.argtypes = [_CTYPES[c] for c in codes]
-            fn.restype = None
+            fn.argtypes = [_CTYPES[c] for c in args]
+            fn.restype = _CTYPES[ret] if ret else None
         return lib
 
     def get(self) -> ctypes.CDLL | None:

@@ -3,10 +3,12 @@
 What it is: `Ops`, the computations of `model.py` that another kernel may want to do
 differently: the two whose result depends on the order of a reduction, `linear` (each
 output is a sum over the input features) and `rms_norm` (a mean over the hidden
-features), and `rope`, the rotary embedding of q and k, which PyTorch spends ten small
-ops on. Every linear layer (q, k, v, o, gate, up, down, the LM head), every RMSNorm and
-every attention layer's RoPE calls `self.ops.linear` / `rms_norm` / `rope`, and so do
-level 5's sharded layers; `Transformer.set_ops(ops)` hands one object to all of them. As
+features); `rope`, the rotary embedding of q and k, which PyTorch spends ten small ops
+on; and `silu_mul`, SwiGLU's silu(gate) * up, which PyTorch computes with one function
+for most elements of a tensor and another for its last few (docs/batch_invariance.md).
+Every linear layer (q, k, v, o, gate, up, down, the LM head), every RMSNorm, every
+attention layer's RoPE and every MLP's activation calls `self.ops.<op>`, and so do level
+5's sharded layers; `Transformer.set_ops(ops)` hands one object to all of them. As
 attention goes through the backend the engine passes in, these go through this seam, so
 a level or a mode swaps other kernels in (the compiled CPU fast path, `cpu_ops.py`; the
 fixed reduction order of batch invariance, `invariant_ops.py`) by subclassing `Ops`,
@@ -22,8 +24,8 @@ without touching `model.py`:
 calls), so its outputs are bit for bit the same.
 
 What it is not: a kernel library, a dispatcher on device or dtype, or a home for every
-elementwise op (SiLU and the residual adds are one aten call each: nothing to gain) or
-for attention (the backend's job). The weights stay in the modules, under their
+elementwise op (the residual adds are exact whatever computes them) or for attention
+(the backend's job). The weights stay in the modules, under their
 checkpoint names; an op receives them as arguments.
 
 Reference: vLLM's `LinearMethodBase.apply(layer, x, bias)` (`model_executor/layers/linear.py`),
@@ -45,7 +47,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Ops:
-    """The default ops: PyTorch's own, bit for bit what `nn.Linear`, HF's RMSNorm and HF's RoPE compute."""
+    """The default ops: PyTorch's own, bit for bit what `nn.Linear` and HF's RMSNorm, RoPE and MLP compute."""
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in], weight [out, in], bias [out] or None -> [..., out]."""
@@ -64,6 +66,10 @@ class Ops:
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] -> the rotated (q, k), same shapes."""
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up [T, ff] -> silu(gate) * up [T, ff]: SwiGLU between the up and down projections."""
+        return F.silu(gate) * up
 
 
 DEFAULT_OPS = Ops()

@@ -25,7 +25,9 @@ row), per-row temperatures as a column, `sampling.filter_logits_batch`.
 A later mode adds a processor (a grammar's mask, a fixed draw order) without touching
 the engine: `Sampler([*DEFAULT_PROCESSORS, MyMask()])`.
 Each request draws from its own `torch.Generator`, so a seeded request gives the same
-tokens whatever batch it lands in.
+tokens whatever batch it lands in. With `keyed_draws` (`batch_invariant=True`) a sampled
+row's token is argmax(log p + Gumbel noise keyed by the request's seed and the token's
+position), an exact sample that does not depend on how many draws came before it.
 
 What it is not: fused. `probabilities` is a dozen tensor ops over the batch, and the draw
 is one `multinomial` per sampled row (each request has its own generator); vLLM's
@@ -42,7 +44,14 @@ from typing import Protocol
 
 import torch
 
-from .sampling import SamplingParams, SamplingState, apply_penalties, filter_logits, filter_logits_batch
+from .sampling import (
+    SamplingParams,
+    SamplingState,
+    apply_penalties,
+    filter_logits,
+    filter_logits_batch,
+    keyed_gumbel,
+)
 
 
 class LogitsProcessor(Protocol):
@@ -119,7 +128,7 @@ class Penalties:
             seen_r = [i for i in rows for _ in states[i].prompt_token_ids + states[i].output_token_ids]
             seen_c = [t for i in rows for t in states[i].prompt_token_ids + states[i].output_token_ids]
             seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            seen[torch.tensor(seen_r, device=dev), torch.tensor(seen_c, device=dev)] = True  # [B, V]
+            seen[torch.tensor(seen_r, dtype=torch.long, device=dev), torch.tensor(seen_c, dtype=torch.long, device=dev)] = True
             seen &= column([r != 1 for r in rep]).bool()
             r = column(rep)
             logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
@@ -139,8 +148,11 @@ DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), Penalties())
 
 
 class Sampler:
-    def __init__(self, processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS):
+    def __init__(self, processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS, keyed_draws: bool = False):
+        """`keyed_draws` (batch_invariant=True): a sampled row's token is argmax(log p + noise), the
+        noise a function of the request's seed and the token's position (sampling.keyed_gumbel)."""
         self.processors = tuple(processors)
+        self.keyed_draws = keyed_draws
 
     def is_plain_greedy(self, params: SamplingParams) -> bool:
         """Greedy with nothing that reshapes the logits: the row's token is its raw argmax."""
@@ -207,13 +219,17 @@ class Sampler:
             probs[greedy] = one_hot
         return probs
 
-    @staticmethod
-    def draw(probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Stage 2. probs [B, V] -> one token per row [B] (long), each from its own generator."""
+    def draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Stage 2. probs [B, V] -> one token per row [B] (long), each from its own generator (or,
+        with keyed draws, from noise keyed by its seed and position)."""
         out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
         for i, st in enumerate(states):
             if st.params.greedy:
                 out[i] = probs[i].argmax()
+            elif self.keyed_draws:
+                position = len(st.prompt_token_ids) + len(st.output_token_ids)  # of the token being drawn
+                noise = keyed_gumbel(st.generator.initial_seed(), position, probs.shape[-1], probs.dtype, probs.device)
+                out[i] = (probs[i].log() + noise).argmax()  # probability 0: log 0 = -inf, never drawn
             else:
                 out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
         return out

@@ -194,6 +194,22 @@ def filter_logits_batch(
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def keyed_gumbel(seed: int, position: int, vocab_size: int, dtype: torch.dtype, device=None) -> torch.Tensor:
+    """Gumbel noise [V] that is a function of (seed, position) alone.
+
+    argmax(log p + noise) is an exact sample from p (the Gumbel-max trick: the argmax of
+    log p_i + G_i, G_i independent Gumbel(0, 1), is i with probability p_i). Keyed by the
+    token's position instead of drawn from a generator whose state advances with every
+    draw, the sample at a position no longer depends on how many draws came before it: a
+    preemption that throws drafts away, a speculative step cut short by the token budget,
+    speculation on or off, all sample the same token there. `batch_invariant=True` draws
+    this way (sampler.py); the default draws from the request's generator as vLLM does.
+    """
+    key = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)  # mix: nearby keys differ
+    u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(key), dtype=torch.float64)  # [V] in [0, 1)
+    return (-torch.log(-torch.log(u))).to(dtype=dtype, device=device)  # u = 0 gives -inf: never the argmax
+
+
 def top_logprobs(
     logits: torch.Tensor, chosen: torch.Tensor, n: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,7 +54,8 @@ class PagedEngine(NaiveEngine):
     def _init_kv_cache(self) -> None:
         bs = self.config.block_size
         self.num_blocks = num_blocks_for_budget(self.kv_budget, bs, self.bytes_per_token)
-        self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.attention_backend)
+        self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.attention_backend,
+                             self.config.batch_invariant)  # fmt: skip
         self.blocks = BlockTables(self.num_blocks, bs)
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 

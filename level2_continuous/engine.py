@@ -104,7 +104,8 @@ class ContinuousEngine(EngineBase):
         """The model and its paged KV cache, as many blocks as the budget holds (level 5: an
         executor over ranks, which agree on the fewest any of them can hold)."""
         num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
-        return Worker(self.loaded.model, num_blocks, self.config.block_size, self.config.attention_backend)
+        c = self.config
+        return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, c.batch_invariant)
 
     def make_kv_manager(self) -> KVCacheManager:
         """The part level 3 replaces with its prefix-caching manager."""

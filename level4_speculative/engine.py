@@ -164,7 +164,8 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.draft.config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config.model {self.speculative_config.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
-        draft_worker = Worker(self.draft.model, self.num_blocks, self.config.block_size, self.config.attention_backend)
+        c = self.config
+        draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend, c.batch_invariant)
         return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size, self.sampler)
 
     def make_kv_manager(self):
@@ -259,8 +260,12 @@ class SpeculativeEngine(PrefixCachingEngine):
                 continue
             states = [draft_state(req, draft[i, :j].tolist()) for j in range(k + 1)]
             p[i, : k + 1] = self.sampler.probabilities(rows[i], states)  # processed exactly as the draft's q was
-            if req.params.greedy:
-                target_argmax[i, : k + 1] = p[i, : k + 1].argmax(-1)
+            if req.params.greedy or self.sampler.keyed_draws:
+                # greedy: the argmax. Keyed draws (batch_invariant): the target's own sample at each position,
+                # argmax(log p + noise keyed by the position), the noise the draft sampled its guess with; a
+                # guess is accepted iff it is that sample, so what is emitted at a position never depends on
+                # the guesses (an exact sample of p, coupled through shared noise instead of a rejection test).
+                target_argmax[i, : k + 1] = self.sampler.draw(p[i, : k + 1], states)
             else:
                 sampled.append(i)
         results = dict(zip(range(len(spec)), zip(*greedy_verify(draft, num_draft, target_argmax))))

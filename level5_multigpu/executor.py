@@ -159,7 +159,7 @@ class MultiprocExecutor:
                 self._finalizer = weakref.finalize(self, _kill, self.procs)  # no orphan even if nobody calls shutdown()
                 self._guard(lambda: init_process_group(spec.backend, init_method, self.topo, spec.timeout_s))
                 self.owns_group = True  # only this executor may destroy it (a stale one's __del__ must not)
-            self.comm = Comm(self.topo)
+            self.comm = Comm(self.topo, fixed_order=spec.batch_invariant)
             self.worker = self._guard(lambda: build_rank(spec, self.comm))  # every rank agrees on num_blocks here
         except BaseException:  # a rank that failed to load, a bad config: leave no process or group behind
             self._abandon()

@@ -32,7 +32,6 @@ from __future__ import annotations
 from dataclasses import replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from level0_naive.kv_cache import kv_bytes_per_token
@@ -88,10 +87,11 @@ class ParallelMLP(MLP):
     def __init__(self, gate_up: MergedColumnParallelLinear, down_proj: RowParallelLinear):
         nn.Module.__init__(self)  # not MLP.__init__: that would build the full-size projections
         self.gate_up, self.down_proj = gate_up, down_proj
+        self.ops: Ops = DEFAULT_OPS  # its silu_mul (set_ops replaces it)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)  # [T, ff/tp] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.ops.silu_mul(gate, up))
 
 
 def load_norm(reader: ShardReader, name: str, dim: int, eps: float) -> RMSNorm:

@@ -94,8 +94,9 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 class Comm:
-    def __init__(self, topo: Topology):
-        self.topo = topo
+    def __init__(self, topo: Topology, fixed_order: bool = False):
+        """`fixed_order` (batch_invariant=True): an all-reduce sums the ranks' parts in rank order."""
+        self.topo, self.fixed_order = topo, fixed_order
         self.stats = CommStats()
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.tp_group = None
@@ -113,7 +114,21 @@ class Comm:
 
     # --- tensor parallelism: within a stage ----------------------------------------------------
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.topo.tp > 1:
+        """The sum of every TP rank's x, on every TP rank.
+
+        A library's all-reduce adds the parts in an order it picks by message size (gloo's
+        ring cuts the tensor into one chunk per rank), so with three or more ranks a row's
+        sum can depend on how many rows the message has. With `fixed_order`, and more than
+        two ranks, every rank gathers all the parts and adds them in rank order (two parts
+        add the same either way: a + b == b + a)."""
+        if self.topo.tp > 2 and self.fixed_order:
+            parts = [torch.empty_like(x) for _ in range(self.topo.tp)]
+            self._timed("all_gather", _nbytes(x), lambda: dist.all_gather(parts, x.contiguous(), group=self.tp_group))
+            total = parts[0].clone()
+            for part in parts[1:]:
+                total += part
+            x.copy_(total)
+        elif self.topo.tp > 1:
             self._timed("all_reduce", _nbytes(x), lambda: dist.all_reduce(x, group=self.tp_group))
         return x
 

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ladder.models import resolve_path
 from level0_naive.config import EngineConfig, resolve_kv_budget
 from level0_naive.cpu_ops import resolve_ops
+from level0_naive.invariant_ops import invariant_ops
 from level0_naive.loader import model_config_from_hf
 from level1_paged.paged_cache import PagedAttention, blocks_in_budget
 from level1_paged.worker import ModelInput, Worker
@@ -62,6 +63,7 @@ class ParallelSpec:
     block_size: int
     attention_backend: str
     ops: str  # level 0's `ops=` (cpu_ops.resolve_ops), resolved on each rank
+    batch_invariant: bool  # fixed-order ops, attention and all-reduce on every rank
     kv_cache_memory: int | None
     gpu_memory_utilization: float
     backend: str  # "gloo" | "nccl"
@@ -93,6 +95,7 @@ class ParallelSpec:
             block_size=config.block_size,
             attention_backend=config.attention_backend,
             ops=config.ops,
+            batch_invariant=config.batch_invariant,
             kv_cache_memory=config.kv_cache_memory,
             gpu_memory_utilization=config.gpu_memory_utilization,
             backend=backend,
@@ -113,8 +116,9 @@ class RankWorker(Worker):
     """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache.
     Its methods are what `collective_rpc` can call on every rank."""
 
-    def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str):
-        super().__init__(model, num_blocks, block_size, attention_backend)
+    def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str,
+                 batch_invariant: bool = False):  # fmt: skip
+        super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant)
         self.comm = comm
         self.timeline = Timeline()
 
@@ -155,7 +159,8 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     path = resolve_path(spec.model)
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
-    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, resolve_ops(spec.ops, device))
+    ops = invariant_ops(device, spec.dtype) if spec.batch_invariant else resolve_ops(spec.ops, device)
+    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,
@@ -166,7 +171,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     num_blocks = int(capacity.item())
     if num_blocks < 1:
         raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
-    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend)
+    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant)
 
 
 # --- a worker rank's life ---------------------------------------------------------------------------
@@ -213,7 +218,7 @@ def rank_main(rank: int, spec: ParallelSpec, init_method: str, started=None) -> 
     topo = Topology(spec.tp, spec.pp, rank)
     init_process_group(spec.backend, init_method, topo, spec.timeout_s)
     try:
-        comm = Comm(topo)
+        comm = Comm(topo, fixed_order=spec.batch_invariant)
         worker = build_rank(spec, comm)
         serve(worker, comm, spec)
     except Exception:  # the driver sees the closed connection; this says why

@@ -1,0 +1,122 @@
+"""Batch-invariant ops: every row's result depends on that row alone, never on the batch.
+
+What it is: `InvariantOps`, the ops (ops.py) that `batch_invariant=True` gives the model,
+each beside its default twin and named for what it fixes:
+
+    linear     invariant_ops.cpp: each output one sum over k = 0 .. K-1 in order, with the
+               weight packed once per matrix; PyTorch's matmul changes its algorithm (and
+               so its order of additions) with the number of rows
+    rms_norm   cpu_ops.cpp: a fixed order of its own for the sum of squares, in every dtype
+    silu_mul   cpu_ops.cpp: one code path for every element; PyTorch computes a tensor's
+               last few elements with a scalar SiLU that rounds differently from its vector one
+    rope       CpuOps' (cpu_ops.cpp), bit for bit PyTorch's: elementwise and already invariant
+
+Attention is the other half (level 1's compiled kernel, which adds every sum in a fixed
+order, takes every query: `paged_cache.attention_impl(..., batch_invariant=True)`), and
+the sampler is invariant already (a row's probabilities are computed from its own logits,
+a sampled token is drawn from the request's own generator).
+
+Why: a request's tokens and logprobs should not depend on what else the server is doing.
+docs/batch_invariance.md has the worked example, the measured cost and what it does not
+promise (other machines, dtypes, tensor-parallel layouts).
+
+What it is not: a GPU path (vLLM's VLLM_BATCH_INVARIANT=1 has Triton kernels for that),
+threaded, or as fast as oneDNN for large batches.
+
+Reference: He, "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025);
+vLLM `model_executor/layers/batch_invariant.py`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+
+import torch
+
+from .cpu_ops import SUFFIX, CpuOps
+from .native import NativeLibrary
+
+LIBRARY = NativeLibrary(
+    Path(__file__).with_name("invariant_ops.cpp"),
+    {f"{op}_{s}": codes for s in SUFFIX.values() for op, codes in
+     (("panel_width", "->i"), ("pack", "piip"), ("linear", "pppiiip"))},
+    flags=("-ffp-contract=fast",),  # one fused multiply-add per product where the CPU has them
+)  # fmt: skip
+ACCUMULATOR = {torch.float32: torch.float32, torch.bfloat16: torch.float32, torch.float64: torch.float64}
+
+
+class InvariantOps(CpuOps):
+    """Fixed-order linear, norm and SwiGLU (see the module docstring); float32, bfloat16, float64 on a CPU."""
+
+    norm_dtypes = set(SUFFIX)  # float64 too: its default twin is not row-invariant by construction
+
+    def __init__(self):
+        super().__init__("batch_invariant=True")
+        self.matmul = LIBRARY.require("batch_invariant=True")
+        self._packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(weight) -> (the weight, its panels)
+
+    def panels(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] -> its packed panels, made on first use (then reused: weights do not change)."""
+        ref, packed = self._packed.get(id(weight), (None, None))
+        if ref is None or ref() is not weight:  # never packed (or an id reused by a new tensor)
+            s = SUFFIX[weight.dtype]
+            width = getattr(self.matmul, f"panel_width_{s}")()
+            N, K = weight.shape
+            w = weight.detach().contiguous()
+            packed = torch.empty(-(-N // width) * K * width, dtype=ACCUMULATOR[weight.dtype])
+            getattr(self.matmul, f"pack_{s}")(w.data_ptr(), N, K, packed.data_ptr())
+            self._packed[id(weight)] = (weakref.ref(weight), packed)
+        return packed
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K], weight [N, K], bias [N] or None -> [..., N]; row i of the result depends on row i of x alone."""
+        self._check(x, weight, bias)
+        N, K = weight.shape
+        rows = x.reshape(-1, K).contiguous()  # [M, K]
+        out = torch.empty(rows.shape[0], N, dtype=x.dtype)  # [M, N]
+        if rows.shape[0] and N:
+            b = None if bias is None else bias.contiguous().data_ptr()
+            getattr(self.matmul, f"linear_{SUFFIX[x.dtype]}")(
+                rows.data_ptr(), self.panels(weight).data_ptr(), b, rows.shape[0], N, K, out.data_ptr()
+            )
+        return out.view(*x.shape[:-1], N)
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """CpuOps' compiled norm (a fixed order per row) for every layout: a strided x is copied first."""
+        self._check(x, weight)
+        return super().rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
+
+    def silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        """gate, up [T, ff] (rows may be slices of one [T, 2 ff] tensor) -> silu(gate) * up, one code path."""
+        self._check(gate, up)
+        g, u = (t if t.dim() == 2 and t.stride(1) == 1 else t.reshape(-1, t.shape[-1]).contiguous() for t in (gate, up))
+        out = torch.empty(g.shape, dtype=g.dtype)  # [T, ff]
+        getattr(self.lib, f"silu_mul_{SUFFIX[g.dtype]}")(
+            g.data_ptr(), u.data_ptr(), g.shape[0], g.shape[1], g.stride(0), u.stride(0), out.data_ptr()
+        )
+        return out.view(gate.shape)
+
+    @staticmethod
+    def _check(x: torch.Tensor, *others: torch.Tensor | None) -> None:
+        """No silent fallback here: a default twin would break the promise, so anything else is an error."""
+        for t in (x, *others):
+            if t is not None and (t.dtype != x.dtype or t.device.type != "cpu" or x.dtype not in SUFFIX):
+                raise ValueError(
+                    f"batch_invariant=True computes float32, bfloat16 or float64 CPU tensors, not {t.dtype} on {t.device}"
+                )
+
+
+def invariant_ops(device: torch.device, dtype: torch.dtype) -> InvariantOps:
+    """The ops of `batch_invariant=True`, or a ValueError saying why they cannot run here."""
+    if device.type != "cpu":
+        raise ValueError(
+            f"batch_invariant=True runs on the CPU (its fixed-order kernels are C++), not {device.type}: "
+            "on GPUs, vLLM's VLLM_BATCH_INVARIANT=1 has the Triton kernels"
+        )
+    if dtype not in SUFFIX:
+        raise ValueError(f"batch_invariant=True computes in float32, bfloat16 or float64, not {dtype}")
+    return InvariantOps()
+
+
+__all__ = ["InvariantOps", "LIBRARY", "invariant_ops"]
