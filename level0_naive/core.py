@@ -29,8 +29,8 @@ from ladder.progress import GenerateProgress
 
 from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
 from .cpu_ops import resolve_ops
-from .invariant_ops import invariant_ops
 from .inputs import InputProcessor
+from .invariant_ops import invariant_ops
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .metrics import Metric

@@ -43,7 +43,17 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-ffp-contract=off", "-fno-trapping-math", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC"]
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-fopenmp-simd",
+    "-ffp-contract=off",
+    "-fno-trapping-math",
+    "-fno-math-errno",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+]
 
 # ctypes codes for `signatures`: p a pointer (data_ptr()), i an int64, d a double; "ppi->i" returns an int64
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
@@ -69,7 +79,9 @@ class NativeLibrary:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256("\n".join([self.source.read_text(), " ".join(self.flags), version]).encode()).hexdigest()[:16]
+        key = hashlib.sha256("\n".join([self.source.read_text(), " ".join(self.flags), version]).encode()).hexdigest()[
+            :16
+        ]
         path = cache_dir() / f"{self.source.stem}-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)

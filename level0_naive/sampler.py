@@ -128,7 +128,9 @@ class Penalties:
             seen_r = [i for i in rows for _ in states[i].prompt_token_ids + states[i].output_token_ids]
             seen_c = [t for i in rows for t in states[i].prompt_token_ids + states[i].output_token_ids]
             seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            seen[torch.tensor(seen_r, dtype=torch.long, device=dev), torch.tensor(seen_c, dtype=torch.long, device=dev)] = True
+            seen[
+                torch.tensor(seen_r, dtype=torch.long, device=dev), torch.tensor(seen_c, dtype=torch.long, device=dev)
+            ] = True
             seen &= column([r != 1 for r in rep]).bool()
             r = column(rep)
             logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)

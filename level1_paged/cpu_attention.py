@@ -39,7 +39,16 @@ from level0_naive.native import NativeLibrary
 
 from .attention_ref import paged_attention_torch, write_kv_cache
 
-__all__ = ["LIBRARY", "LONG_QUERY", "available", "build_error", "kernel", "paged_attention_cpu", "require", "write_kv_cpu"]
+__all__ = [
+    "LIBRARY",
+    "LONG_QUERY",
+    "available",
+    "build_error",
+    "kernel",
+    "paged_attention_cpu",
+    "require",
+    "write_kv_cpu",
+]
 
 # A query of more than LONG_QUERY tokens over a cached context longer than itself goes to SDPA.
 # Measured over `benchmarks.attention.decode_batch` (fp32, 4 query / 2 KV heads, D 64, one
