@@ -49,7 +49,9 @@ LABELS = {
     "level3_prefix:nocache": "L3 (cache off)",
     "level4_speculative": "L4 speculative",
     "level4_speculative:ngram": "L4 (n-gram)",
-}
+    **{f"{m}:invariant": f"{lbl} (invariant)" for m, lbl in [("level1_paged", "L1"), ("level2_continuous", "L2"),
+                                                         ("level3_prefix", "L3"), ("level4_speculative", "L4")]},
+}  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs
 NUM_SPECULATIVE_TOKENS = 4  # level 4's k in the harness
 # Level 4 drafts only while at most this many requests run (vLLM's `disable_by_batch_size`):
 # measured with the built-in pair on a CPU, speculation pays 1.37x at batch 1 and breaks even
@@ -132,6 +134,8 @@ class LevelEngine:
                            seed=seed, max_model_len=-1)  # fmt: skip
         if variant == "nocache":
             self.kwargs["enable_prefix_caching"] = False
+        if variant == "invariant":
+            self.kwargs["batch_invariant"] = True
         if module == "level4_speculative":  # a draft model when there is one with the same vocabulary, else n-grams
             spec = {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
             if variant == "ngram" or draft_model is None:

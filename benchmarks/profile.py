@@ -59,7 +59,7 @@ PARTS = ("schedule", "input", "linears", "attention", "glue", "sampling", "outpu
 
 
 class TimedOps(Ops):
-    """The model's ops with a stopwatch: the linears' seconds, the norms' seconds."""
+    """The model's ops with a stopwatch on the linears; every other op is the inner one's, in "glue"."""
 
     def __init__(self, inner: Ops, clock: Counter):
         self.inner, self.clock = inner, clock
@@ -73,6 +73,12 @@ class TimedOps(Ops):
 
     def rms_norm(self, x, weight, eps):
         return self.inner.rms_norm(x, weight, eps)  # part of "glue"
+
+    def rope(self, q, k, cos, sin):
+        return self.inner.rope(q, k, cos, sin)
+
+    def silu_mul(self, gate, up):
+        return self.inner.silu_mul(gate, up)
 
 
 def _timed(fn, clock: Counter, part: str):
@@ -120,6 +126,8 @@ def profile_batch(args, module, batch: int) -> dict:
     kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=-1, seed=0)
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
+    if args.batch_invariant:
+        kw["batch_invariant"] = True
     if args.level.startswith("level4"):
         kw["speculative_config"] = {
             "method": "ngram",
@@ -227,6 +235,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=32, help="decode steps timed per batch")
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-backend", default=None, help="auto (default), cpu, torch, ref")
+    p.add_argument("--batch-invariant", action="store_true", help="the engine with batch_invariant=True")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
                    help="draw the stacked bars (to PATH, default profile_LEVEL.png outside the repository)")  # fmt: skip

@@ -65,7 +65,9 @@ README = HERE.parent / "README.md"
 PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its cache off
 
 
-VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"}
+VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"} | {
+    f"{m}:invariant": m for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
+}  # level 3 without its cache, level 4 with n-grams, a level with batch_invariant=True
 
 
 def parser() -> argparse.ArgumentParser:

@@ -32,10 +32,12 @@
 //
 // What this is not
 //   Not the fastest matmul: a sequential chain per output is what makes it invariant, and it
-//   leaves the blocking over K that MKL does for cache reuse. Measured on a Xeon with
-//   AVX-512 (python -m benchmarks.invariance --matmul), it runs at 0.9-1.7x oneDNN's time,
-//   faster for one row. Not threaded. Accumulation is float32 for float32 and bfloat16
-//   (PyTorch's too), float64 for float64.
+//   leaves out the blocking over K that oneDNN does for cache reuse. Measured on a Xeon with
+//   AVX-512, one thread, every weight of the built-in model once per pass (so from L3, as in
+//   a forward): 1.2x oneDNN's time for one row, 1.0x for 16, 1.2x for 64
+//   (`python -m benchmarks.profile --batch-invariant` shows it inside a decode step). Not
+//   threaded. Accumulation is float32 for float32 and bfloat16 (PyTorch's too), float64 for
+//   float64; bfloat16 weights are packed as float32 (twice their memory; no AMX).
 //
 // Reference: He, "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025), and its
 // batch_invariant_ops; Goto & van de Geijn, "Anatomy of High-Performance Matrix Multiplication"
@@ -87,26 +89,35 @@ static void pack(const T* w, int64_t N, int64_t K, A* packed) {  // [N, K] -> [c
       }
 }
 
+template <typename A>
+static inline typename Panel<A>::vec load(const A* p) {  // one vector from memory, into a register
+  typename Panel<A>::vec v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
 template <int R, typename T, typename A>
 static inline void tile(const T* x, const A* panel, int64_t K, const T* bias, int64_t ncols, T* out, int64_t ldo) {
   using vec = typename Panel<A>::vec;
   constexpr int L = Panel<A>::L;
-  vec acc[R][NV];
+  vec acc[R][NV];  // R x NV vectors: R x NR outputs, all in registers (never copied out by address:
+                   // that would make the compiler keep them in memory, 3x slower)
   for (int i = 0; i < R; ++i)
     for (int j = 0; j < NV; ++j) acc[i][j] = vec{};
   for (int64_t k = 0; k < K; ++k) {
+    const A* row = panel + k * NV * L;  // panel[k, :]: NR weights, contiguous
     vec w[NV];
-    std::memcpy(w, panel + k * NV * L, sizeof w);
+    for (int j = 0; j < NV; ++j) w[j] = load<A>(row + j * L);
     for (int i = 0; i < R; ++i) {
       const vec xb = vec{} + A(widen(x[i * K + k]));  // x[i, k] in every lane
       for (int j = 0; j < NV; ++j) acc[i][j] += xb * w[j];
     }
   }
-  for (int i = 0; i < R; ++i) {
-    A sums[NV * L];
-    std::memcpy(sums, acc[i], sizeof sums);
-    for (int64_t c = 0; c < ncols; ++c) out[i * ldo + c] = narrow<T, A>(bias ? sums[c] + A(widen(bias[c])) : sums[c]);
-  }
+  for (int i = 0; i < R; ++i)
+    for (int64_t c = 0; c < ncols; ++c) {
+      const A sum = acc[i][c / L][c % L];
+      out[i * ldo + c] = narrow<T, A>(bias ? sum + A(widen(bias[c])) : sum);
+    }
 }
 
 template <typename T, typename A>
