@@ -1,4 +1,5 @@
-"""Lab 1b: the paged-attention Triton kernel, run on a CPU through Triton's interpreter.
+"""Lab 1b: the paged-attention Triton kernel, run on a CPU through Triton's interpreter, and a
+batch-invariant split-KV reduction.
 
 What it is: the lab's definition (see `labs/spec.py`): the body of
 `_paged_attention_kernel` in `level1_paged/triton_attention.py` after its prologue (which
@@ -7,6 +8,10 @@ keys in tiles, the per-key block-table lookup, the causal mask, the online softm
 store. The checks are level 1's kernel tests and `labs/lab1b_checks.py` (fixed batches
 whose unowned cache slots hold NaN, so reading a wrong key shows); the experiment
 (`labs/lab1b_experiment.py`) compares tile sizes and counts the kernel's inner-loop work.
+Step 2 (batch invariance, docs/batch_invariance.md): `attend_row` in
+`level1_paged/attention_split.py`, one query row against its keys in splits of a fixed
+size, merged in order; its checks run the invariance property (a row's bits alone, in a
+chunk, in a batch) and a planted bug makes the split size depend on the query length.
 
 What it is not: a GPU lab (everything runs under TRITON_INTERPRET=1; on a GPU the same
 file compiles for real) or the handout (docs/labs/lab1b_kernel.md).
@@ -45,6 +50,21 @@ The rest of the kernel: this program's BLOCK_M query rows against its sequence's
     ),
 )
 
+SPLIT_PARTS = (
+    Part(
+        "attend_row",
+        hint="""\
+One query row q [Hq, D] against its first num_keys keys k, v [L, Hq, D] -> out [Hq, D], in splits of
+split_size keys cut at FIXED positions (0, S, 2S, ...) and merged left to right (the picture at the top
+of this file; FlashAttention's online softmax, one split at a time).
+1. Running state, in q's dtype: m [Hq] = -inf, l [Hq] = 0, a [Hq, D] = 0.
+2. For start in 0, S, 2S, ... < num_keys: the split's partial m_j, l_j, a_j = split_partial(q, k[start:end],
+   v[start:end], scale); m_new = max(m, m_j); rescale what you have and what the split brings to m_new
+   (exp(m - m_new), exp(m_j - m_new)) before adding; m = m_new.
+3. out = a / l.""",
+    ),
+)
+
 CHECKS = (
     Check("decode", "decodes through shuffled block tables equal the oracle",
           (OWN + "test_decodes",),
@@ -79,9 +99,28 @@ CHECKS = (
           "dense causal attention.",
           rule="Attention must read the cache exactly as the engine's writer laid it out: over freshly written keys "
                "and values it equals dense causal attention."),
+    Check("split-oracle", "split-KV attention equals the oracle (decodes and chunks; splits of 1, 5, 16, 1000 keys)",
+          (OWN + "test_split_attention_equals_the_oracle", K + "test_split_attention_matches_ref"),
+          "Merging two partial softmaxes: both are rescaled to the larger max before they are added, l and a "
+          "alike; a split of one key, or one split longer than the row, must work too.",
+          rule="Split-KV attention is exact: merging partial results computed under different maxima gives the "
+               "softmax over all the keys at once."),
+    Check("split-invariance", "a row's bits do not depend on the batch, the chunk or the query length",
+          (OWN + "test_split_attention_is_batch_invariant", K + "test_split_attention_rows_are_batch_invariant"),
+          "Cut the keys at positions that depend on the row's position alone (0, S, 2S, ... with S = split_size, "
+          "whatever the query length) and merge the splits in order.",
+          rule="A row's result depends only on its own query and keys: a decode, a row of a prefill chunk and a row "
+               "in a larger batch give identical bits."),
 )  # fmt: skip
 
 BUGS = (
+    Bug(
+        "split-by-query-length",
+        "level1_paged.attention_split",
+        "attend_row(row, k, v, context_len + r + 1, scale, split_size)",
+        "attend_row(row, k, v, context_len + r + 1, scale, split_size * query_len)",  # bigger tiles for prefills
+        ("split-invariance",),
+    ),
     Bug(
         "no-rescale",
         "level1_paged.triton_attention",
@@ -102,7 +141,7 @@ LAB = Lab(
     id="1b",
     topic="the paged-attention Triton kernel, under the interpreter",
     handout="lab1b_kernel.md",
-    modules=(Module("level1_paged.triton_attention", PARTS),),
+    modules=(Module("level1_paged.triton_attention", PARTS), Module("level1_paged.attention_split", SPLIT_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment(

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton's first import
 
 from level1_paged.attention_ref import paged_attention_ref  # noqa: E402
+from level1_paged.attention_split import paged_attention_split  # noqa: E402
 from level1_paged.triton_attention import _launch  # noqa: E402
 
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
@@ -79,3 +80,25 @@ def test_tiles_and_blocks_are_independent():
 
 def test_half_precision_inputs():
     compare(paged_batch([4, 1], [10, 25], 4, 2, 16, 8, torch.float16, seed=5), what="float16")
+
+
+# --- step 2: split-KV attention with a fixed split size (level1_paged/attention_split.py) -----------------
+def test_split_attention_equals_the_oracle():
+    for split in (1, 5, 16, 1000):
+        args = paged_batch([1, 6, 1], [30, 17, 2], 4, 2, 16, 8, torch.float64, seed=6)
+        out, ref = paged_attention_split(*args, split_size=split), paged_attention_ref(*args)
+        assert torch.isfinite(out).all(), f"split {split}: NaN: a key outside the sequence was read"
+        err = (out - ref).abs().max().item()
+        assert err <= 1e-10, f"split {split}: max error {err:.3g} against the oracle (rescale before merging?)"
+
+
+def test_split_attention_is_batch_invariant():
+    """One sequence's last 6 positions: as a 6-token chunk, as 6 decodes, and beside other sequences."""
+    q, k, v, qsl, lens, tables, scale = paged_batch([6, 3, 9], [41, 12, 70], 4, 2, 16, 8, torch.float32, seed=7)
+    chunk = paged_attention_split(q[:6], k, v, qsl[:2], lens[:1], tables[:1], scale)
+    for r in range(6):
+        one = paged_attention_split(q[r : r + 1], k, v, torch.tensor([0, 1], dtype=torch.int32),
+                                    torch.tensor([41 + r + 1], dtype=torch.int32), tables[:1], scale)  # fmt: skip
+        assert torch.equal(one[0], chunk[r]), f"row {r} of the chunk and the same position as a decode differ"
+    batch = paged_attention_split(q, k, v, qsl, lens, tables, scale)
+    assert torch.equal(batch[:6], chunk), "the chunk's rows changed when other sequences joined the batch"

@@ -1,6 +1,7 @@
 """`python -m level1_paged.invariance`: one request, alone and among others, with and without batch invariance.
 
-What it is: two experiments with the built-in model in float32, each run twice, with
+What it is: two experiments with the built-in model in float32 on the CPU (the mode's
+kernels are C++), each run twice, with
 PyTorch's kernels (the default) and with `batch_invariant=True` (level0_naive/invariant_ops.py
 and the compiled attention kernel for every query):
 

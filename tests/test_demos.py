@@ -23,7 +23,8 @@ from ladder.models import REPO
 pytestmark = pytest.mark.docs
 
 DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md", "docs/level3_prefix.md",
-        "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md", "docs/benchmarks.md"]  # fmt: skip
+        "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md", "docs/benchmarks.md",
+        "docs/batch_invariance.md"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -84,6 +85,20 @@ def test_level3_demo(checkpoint_factory, tmp_path, capsys):
     )
     assert res["identical"]  # caching changes the time, never the tokens
     assert res["hit_rate"] > 0.85  # the system prompt came from the cache (the TTFT cut is measured, not asserted)
+
+
+def test_batch_invariance_demo(tiny, tmp_path):
+    """Copies of one prompt in different batches: one logprob sequence with the mode; one decode step
+    alone and among 15 others parts at a matmul in the default mode and nowhere with the mode."""
+    from level1_paged import invariance
+
+    plot = tmp_path / "layers.png"
+    res = invariance.main(["--model", str(tiny), "--copies", "4", "--max-tokens", "6", "--plot", str(plot)])
+    assert res["results"]["batch_invariant"]["logprob_sequences"] == 1
+    assert all(d == 0 for _, d in res["layers"]["batch_invariant"])
+    default = dict(res["layers"]["default"])
+    assert default["embedding"] == 0 and default["logits"] > 0  # a gather is exact; the first matmul is not
+    assert plot.stat().st_size > 10_000
 
 
 def python_blocks(text: str) -> list[str]:

@@ -55,6 +55,7 @@ from level1_paged.attention_ref import (  # noqa: E402
     paged_attention_torch,
     write_kv_cache,
 )
+from level1_paged.attention_split import paged_attention_split  # noqa: E402
 from level1_paged.paged_cache import attention_impl  # noqa: E402
 from level1_paged.triton_attention import (  # noqa: E402
     _launch,
@@ -355,6 +356,32 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_one_log_line(monkeypat
     assert all(impl.attend is paged_attention_torch and impl.write_kv is write_kv_cache for impl in impls)
     lines = [r.getMessage() for r in caplog.records if r.name == "level0_naive.native"]
     assert len(lines) == 1 and "c++: command not found" in lines[0] and "torch path" in lines[0]
+
+
+@settings(max_examples=30, deadline=None)
+@given(workloads([torch.float32, torch.float64], max_seqs=4, max_query=20, max_context=60), st.sampled_from([1, 3, 16]))
+def test_split_attention_matches_ref(w, split):
+    """Split-KV attention (attention_split.py) is exact: the oracle's result for every split size."""
+    assert_close(paged_attention_split(*w.args(), split_size=split), paged_attention_ref(*w.args()), w.q.dtype)
+
+
+def test_split_attention_rows_are_batch_invariant():
+    """A row's bits are the same as a decode, in a chunk, and among other sequences; cutting the splits
+    by the query length instead (the lab's planted bug) breaks that."""
+    w = make_workload([7, 2, 5], [40, 9, 33], 8, 2, 16, 4, torch.float32, seed=9)
+    ctx = int(w.seq_lens[0]) - 7
+    first = (w.q[:7], w.k_cache, w.v_cache, w.query_start_loc[:2], w.seq_lens[:1], w.block_tables[:1], w.scale)
+    chunk = paged_attention_split(*first)  # sequence 0's 7-token chunk, alone
+    batch = paged_attention_split(*w.args())
+    assert torch.equal(batch[:7], chunk)
+    decodes = [
+        paged_attention_split(w.q[r : r + 1], w.k_cache, w.v_cache, torch.tensor([0, 1], dtype=torch.int32),
+                              torch.tensor([ctx + r + 1], dtype=torch.int32), w.block_tables[:1], w.scale)[0]
+        for r in range(7)
+    ]  # fmt: skip
+    assert all(torch.equal(d, c) for d, c in zip(decodes, chunk))
+    by_length = paged_attention_split(*first, split_size=16 * 7)  # the split a 7-token query gets under the bug
+    assert not torch.equal(by_length, chunk), "a different cut should change some bits (else the test has no power)"
 
 
 def test_mutants_are_caught():

@@ -121,13 +121,24 @@ class AttentionImpl(NamedTuple):
     attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
 
 
-def attention_impl(name: str, device: torch.device) -> AttentionImpl:
+def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
     """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
 
     'auto' is the Triton kernel on CUDA, and on a CPU the compiled kernel
-    (cpu_attention.py) if it builds here, else the torch backend."""
+    (cpu_attention.py) if it builds here, else the torch backend. With
+    `batch_invariant`, the compiled kernel for every query (it adds every sum in a
+    fixed order; the routing of long chunks to SDPA would not), or a ValueError."""
     from . import cpu_attention
     from .attention_ref import paged_attention_ref, paged_attention_torch, write_kv_cache
+
+    if batch_invariant:
+        if name not in ("auto", "cpu") or device.type != "cpu":
+            raise ValueError(
+                f"batch_invariant=True attends with the compiled CPU kernel (attention_backend 'auto' or 'cpu' on a "
+                f"CPU), not attention_backend={name!r} on {device.type}"
+            )
+        cpu_attention.LIBRARY.require("batch_invariant=True")
+        return AttentionImpl(cpu_attention.write_kv_cpu, cpu_attention.kernel)
 
     if name == "auto":
         if device.type == "cuda":

@@ -68,13 +68,14 @@ class Worker:
     """Has a model runner (the model's forward, logits where asked), and owns the paged KV
     cache, the attention implementation and scale: what one device needs for a step."""
 
-    def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto"):
+    def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto",
+                 batch_invariant: bool = False):  # fmt: skip
         self.runner = ModelRunner(model)
         self.model, self.device = model, self.runner.device
         cfg = model.config
         self.block_size = block_size
         self.cache = PagedKVCache(cfg, num_blocks, block_size, next(model.parameters()).dtype, self.device)
-        self.impl = attention_impl(attention_backend, self.device)
+        self.impl = attention_impl(attention_backend, self.device, batch_invariant)
         self.scale = cfg.head_dim**-0.5
         self._uncollected: list[torch.Tensor] = []  # logits of submits not yet collected, oldest first
         self._num_submitted = 0
