@@ -52,7 +52,12 @@ LABELS = {
     **{f"{m}:invariant": f"{lbl} (invariant)" for m, lbl in [("level1_paged", "L1"), ("level2_continuous", "L2"),
                                                          ("level3_prefix", "L3"), ("level4_speculative", "L4")]},
 }  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs
-NUM_SPECULATIVE_TOKENS = 4  # level 4's k in the harness
+# Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
+# side by side (2026-12-02, Xeon, one thread: 1.48x / 1.40x / 1.37x / 1.34x level 3's tokens/s for
+# k = 2 / 3 / 4 / 5). On a CPU a verifying forward costs more per extra token than on a GPU (one
+# matmul over 3 rows takes 1.1x the time of one row, over 5 rows 1.5x: oneDNN leaves its matrix-vector
+# kernel), so a short guess wins here; `python -m level4_speculative.demo --max-k 6` shows the costs.
+NUM_SPECULATIVE_TOKENS = 2
 # Level 4 drafts only while at most this many requests run (vLLM's `disable_by_batch_size`):
 # measured with the built-in pair on a CPU, speculation pays 1.37x at batch 1 and breaks even
 # near batch 16 (`python -m level4_speculative.demo`); past that, verifying k + 1 tokens per
