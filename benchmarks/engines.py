@@ -49,8 +49,15 @@ LABELS = {
     "level3_prefix:nocache": "L3 (cache off)",
     "level4_speculative": "L4 speculative",
     "level4_speculative:ngram": "L4 (n-gram)",
-    **{f"{m}:invariant": f"{lbl} (invariant)" for m, lbl in [("level1_paged", "L1"), ("level2_continuous", "L2"),
-                                                         ("level3_prefix", "L3"), ("level4_speculative", "L4")]},
+    **{
+        f"{m}:invariant": f"{lbl} (invariant)"
+        for m, lbl in [
+            ("level1_paged", "L1"),
+            ("level2_continuous", "L2"),
+            ("level3_prefix", "L3"),
+            ("level4_speculative", "L4"),
+        ]
+    },
 }  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs
 # Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
 # side by side (2026-12-02, Xeon, one thread: 1.48x / 1.40x / 1.37x / 1.34x level 3's tokens/s for
