@@ -66,9 +66,9 @@ LABELS = {
 # kernel), so a short guess wins here; `python -m level4_speculative.demo --max-k 6` shows the costs.
 NUM_SPECULATIVE_TOKENS = 2
 # Level 4 drafts only while at most this many requests run (vLLM's `disable_by_batch_size`):
-# measured with the built-in pair on a CPU, speculation pays 1.37x at batch 1 and breaks even
-# near batch 16 (`python -m level4_speculative.demo`); past that, verifying k + 1 tokens per
-# request costs more than it saves, so a busy engine decodes plainly.
+# measured with the built-in pair on a CPU, speculation pays 1.52x at batch 1 (k = 2) and breaks
+# even near batch 16 (0.97x at k = 4: `python -m level4_speculative.demo`); past that, verifying
+# k + 1 tokens per request costs more than it saves, so a busy engine decodes plainly.
 DISABLE_BY_BATCH_SIZE = 8
 
 

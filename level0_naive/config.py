@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cpu_ops import OPS_NAMES
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -46,8 +48,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        if self.ops not in ("auto", "cpu", "torch"):
-            raise ValueError(f"ops={self.ops!r} is not one of: auto, cpu, torch")
+        if self.ops not in OPS_NAMES:
+            raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:

@@ -110,7 +110,25 @@ class EngineBase:
     def sample_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list]:
         """logits [len(seqs), V] -> (one token per sequence, its logprobs entry or None)."""
         tokens = self.sampler.sample(logits, [s.sampling_state() for s in seqs])  # [B]
-        return tokens.tolist(), logprob_entries(logits, tokens, seqs, self.tokenizer)
+        return tokens.tolist(), logprob_entries(logits, tokens, [s.params.logprobs for s in seqs], self.tokenizer)
+
+    def take_prompt_logprobs(self, chunks: list[tuple[Sequence, int, int, int]], logits: torch.Tensor) -> torch.Tensor:
+        """Record the prompt logprobs a forward's logits hold, and return the rows left for sampling.
+
+        chunks[i] = (sequence, first position of its chunk, tokens in the chunk, its sampling rows),
+        in batch order; each sequence's logits rows are its prompt-logprob rows
+        (`Sequence.prompt_logprob_rows`) followed by its sampling rows. Without a request that asked
+        for prompt logprobs this returns `logits` itself."""
+        counts = [seq.prompt_logprob_rows(start, n) for seq, start, n, _ in chunks]
+        if not any(counts):
+            return logits
+        keep, row = [], 0
+        for (seq, _, _, sampled), k in zip(chunks, counts):
+            if k:
+                seq.record_prompt_logprobs(logits[row : row + k], self.tokenizer)
+            keep += range(row + k, row + k + sampled)
+            row += k + sampled
+        return logits[keep]
 
     def append_token(self, seq: Sequence, token: int, logprob=None) -> None:
         """One new token for one sequence (stop rules applied); it is counted, and its inter-token

@@ -93,7 +93,7 @@ static void rms_norm(const T* x, const T* weight, int64_t rows, int64_t dim, int
 // vector lanes and the scalar tail compute the same bits (Cephes' expf: x = n ln2 + r with
 // |r| <= ln2 / 2, e^r by a degree-7 polynomial, then the exponent bits of 2^n).
 static inline float exp_f32(float x) {
-  x = x < -87.3f ? -87.3f : (x > 88.7f ? 88.7f : x);
+  x = x < -87.3f ? -87.3f : (x > 88.3f ? 88.3f : x);  // e^88.3 is still finite in float32
   const float t = x * 1.44269504088896341f;                 // x / ln 2
   const int32_t n = int32_t(t < 0.0f ? t - 0.5f : t + 0.5f);  // rounded (std::floor would not vectorise)
   const float r = (x - float(n) * 0.693359375f) + float(n) * 2.12194440e-4f;  // ln 2 in two parts (Cody and Waite)

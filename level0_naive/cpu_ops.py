@@ -71,9 +71,12 @@ class CpuOps(Ops):
             or not dim
         ):
             return super().rms_norm(x, weight, eps)
+        if weight.numel() != dim:
+            raise ValueError(f"rms_norm: weight has {weight.numel()} values for rows of {dim}")
+        w = weight.contiguous()  # kept in a name: a temporary's memory could be freed before the call
         out = torch.empty(x.shape, dtype=x.dtype)  # [..., dim]
         getattr(self.lib, f"rms_norm_{SUFFIX[x.dtype]}")(
-            x.data_ptr(), weight.contiguous().data_ptr(), x.numel() // dim, dim, stride, eps, out.data_ptr()
+            x.data_ptr(), w.data_ptr(), x.numel() // dim, dim, stride, eps, out.data_ptr()
         )
         return out
 

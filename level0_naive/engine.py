@@ -63,8 +63,9 @@ class NaiveEngine(EngineBase):
         while running:
             with Timer() as t:
                 running, chunks = self._make_room(running, chunks)
-                logits = self._execute(running, chunks)  # [len(running), V]
-                tokens, logprobs = self.sample_tokens(logits, running)
+                logits = self._execute(running, chunks)  # [rows, V]: one per sequence (+ prompt logprobs' rows)
+                logits = self.take_prompt_logprobs([(s, p, len(c), 1) for s, (c, p) in zip(running, chunks)], logits)
+                tokens, logprobs = self.sample_tokens(logits, running)  # logits [len(running), V]
                 for seq, tok, lp in zip(running, tokens, logprobs):
                     self.append_token(seq, tok, lp)
             self.stats.record_step(len(running), *self.kv_usage(), t.seconds)
@@ -103,10 +104,16 @@ class NaiveEngine(EngineBase):
         """Room for this step's new tokens: a slab already has it (level 1 may have to evict)."""
         return running, chunks
 
+    @staticmethod
+    def num_logits(running: list[Sequence], chunks: list[Chunk]) -> list[int]:
+        """Logits rows per sequence: its last new token's, after the prompt logprobs' if it asked."""
+        return [1 + s.prompt_logprob_rows(start, len(toks)) for s, (toks, start) in zip(running, chunks)]
+
     @torch.inference_mode()
     def _execute(self, running: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
-        """One forward over the running sequences -> logits at each one's last new token."""
-        batch = FlatBatch.build(chunks, [1] * len(chunks))
+        """One forward over the running sequences -> logits at each one's last new token
+        (and, before it, the rows `Sequence.prompt_logprob_rows` counts)."""
+        batch = FlatBatch.build(chunks, self.num_logits(running, chunks))
         attn = SlabAttention([self.slabs[s.seq_id] for s in running], batch.query_start_loc)
         logits = self.runner.forward(batch.to(self.device), attn)
         attn.commit()

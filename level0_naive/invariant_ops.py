@@ -11,10 +11,10 @@ each beside its default twin and named for what it fixes:
                last few elements with a scalar SiLU that rounds differently from its vector one
     rope       CpuOps' (cpu_ops.cpp), bit for bit PyTorch's: elementwise and already invariant
 
-Attention is the other half (level 1's compiled kernel, which adds every sum in a fixed
-order, takes every query: `paged_cache.attention_impl(..., batch_invariant=True)`), and
-the sampler is invariant already (a row's probabilities are computed from its own logits,
-a sampled token is drawn from the request's own generator).
+Attention is the backend's part (the mode asks the engine for one that adds every sum in a
+fixed order), and the sampler's: a row's probabilities come from its own logits, and with
+the mode a sampled token is argmax(log p + noise keyed by the request's seed and the
+token's position) (sampling.keyed_gumbel).
 
 Why: a request's tokens and logprobs should not depend on what else the server is doing.
 docs/batch_invariance.md has the worked example, the measured cost and what it does not
@@ -54,19 +54,23 @@ class InvariantOps(CpuOps):
     def __init__(self):
         super().__init__("batch_invariant=True")
         self.matmul = LIBRARY.require("batch_invariant=True")
-        self._packed: dict[int, tuple[weakref.ref, torch.Tensor]] = {}  # id(weight) -> (the weight, its panels)
+        # id(weight) -> (the weight, its version and address when packed, its panels); an entry goes
+        # with its weight, and a weight changed in place (its version counter moved) is packed again
+        self._packed: dict[int, tuple[weakref.ref, tuple[int, int], torch.Tensor]] = {}
 
     def panels(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] -> its packed panels, made on first use (then reused: weights do not change)."""
-        ref, packed = self._packed.get(id(weight), (None, None))
-        if ref is None or ref() is not weight:  # never packed (or an id reused by a new tensor)
+        ref, stamp, packed = self._packed.get(id(weight), (None, None, None))
+        if ref is None or ref() is not weight or stamp != (weight._version, weight.data_ptr()):
             s = SUFFIX[weight.dtype]
             width = getattr(self.matmul, f"panel_width_{s}")()
             N, K = weight.shape
             w = weight.detach().contiguous()
             packed = torch.empty(-(-N // width) * K * width, dtype=ACCUMULATOR[weight.dtype])
             getattr(self.matmul, f"pack_{s}")(w.data_ptr(), N, K, packed.data_ptr())
-            self._packed[id(weight)] = (weakref.ref(weight), packed)
+            key, entries = id(weight), self._packed
+            self._packed[key] = (weakref.ref(weight, lambda _: entries.pop(key, None)), (weight._version, weight.data_ptr()),
+                                 packed)  # fmt: skip
         return packed
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -76,10 +80,13 @@ class InvariantOps(CpuOps):
         rows = x.reshape(-1, K).contiguous()  # [M, K]
         out = torch.empty(rows.shape[0], N, dtype=x.dtype)  # [M, N]
         if rows.shape[0] and N:
-            b = None if bias is None else bias.contiguous().data_ptr()
+            b = None if bias is None else bias.contiguous()  # kept in a name until the call returns
+            if b is not None and b.numel() != N:
+                raise ValueError(f"linear: bias has {b.numel()} values for {N} outputs")
             getattr(self.matmul, f"linear_{SUFFIX[x.dtype]}")(
-                rows.data_ptr(), self.panels(weight).data_ptr(), b, rows.shape[0], N, K, out.data_ptr()
-            )
+                rows.data_ptr(), self.panels(weight).data_ptr(), None if b is None else b.data_ptr(), rows.shape[0], N,
+                K, out.data_ptr(),
+            )  # fmt: skip
         return out.view(*x.shape[:-1], N)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,11 +1,12 @@
 """Compiled CPU kernels: a C++ file built once with the system's compiler, loaded with ctypes.
 
 What it is: `NativeLibrary(source, signatures)`, the one way the ladder turns a small C++
-file into functions Python can call: level 0's CPU ops (`cpu_ops.cpp`: RMSNorm, RoPE, the
-fixed-order matmul) and level 1's paged attention (`level1_paged/cpu_attention.cpp`). The
-sources include no torch header (they take raw pointers and sizes), so one `c++ -O3
--shared` call of about a second makes a shared library, named by a hash of the source,
-the flags and the compiler, in `$LADDER_CACHE_DIR` (default `~/.cache/inference-ladder`).
+file into functions Python can call (level 0's `cpu_ops.cpp` and `invariant_ops.cpp`, and the
+kernels of the levels above). The sources include no torch header (they take raw pointers
+and sizes), so one `c++ -O3 -shared` call of about a second makes a shared library, named by
+a hash of the source, the flags, the compiler and the CPU it was built for (`-march=native`:
+a library built for one CPU may not run on another that shares the cache folder), in
+`$LADDER_CACHE_DIR` (default `~/.cache/inference-ladder`).
 The first process that needs it builds it into a temporary name and renames it (atomic:
 two processes building at once are harmless); every later one just loads it.
 
@@ -35,6 +36,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -63,6 +65,16 @@ def cache_dir() -> Path:
     return Path(os.environ.get("LADDER_CACHE_DIR") or Path.home() / ".cache" / "inference-ladder")
 
 
+def cpu_signature() -> str:
+    """What -march=native builds for: the CPU's model name and feature flags (Linux), else the platform's word."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.machine() + platform.processor()
+    keep = [line for line in info.splitlines() if line.startswith(("model name", "flags", "Features", "CPU part"))]
+    return "\n".join(sorted(set(keep)))
+
+
 class NativeLibrary:
     """One C++ source, built on first use: `lib.get()` is the ctypes library or None (why: `lib.error`)."""
 
@@ -79,9 +91,8 @@ class NativeLibrary:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        key = hashlib.sha256("\n".join([self.source.read_text(), " ".join(self.flags), version]).encode()).hexdigest()[
-            :16
-        ]
+        parts = [self.source.read_text(), " ".join(self.flags), version, cpu_signature()]
+        key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
         path = cache_dir() / f"{self.source.stem}-{key}.so"
         if not path.exists():
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -91,6 +102,7 @@ class NativeLibrary:
                 done = subprocess.run([cxx, *self.flags, str(self.source), "-o", tmp], capture_output=True, text=True)
                 if done.returncode != 0:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[:500]}")
+                os.chmod(tmp, 0o755)  # mkstemp makes it private: another user sharing the folder could not load it
                 os.replace(tmp, path)  # atomic: another process sees no library or a whole one
             finally:
                 if os.path.exists(tmp):

@@ -74,6 +74,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    # vLLM's: with SamplingParams(prompt_logprobs=k), one entry per prompt token, the first None (nothing
+    # predicts it), each other {its own id: Logprob, and the k most likely}; a DELTA output has them once
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -93,12 +96,14 @@ class Sequence:
     metrics: RequestMetrics = None  # type: ignore[assignment]
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt's logits come in
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     # what the OutputProcessor has already handed out (delta outputs send only the rest)
     num_sent_tokens: int = 0
     num_sent_chars: int = 0
+    sent_prompt_logprobs: bool = False
     clock: Callable[[], float] = time.perf_counter  # the engine's clock: what its metrics' times are read from
 
     def __post_init__(self):
@@ -106,6 +111,8 @@ class Sequence:
             self.metrics = RequestMetrics(arrival_time=self.clock())
         if self.params.logprobs is not None and self.logprobs is None:
             self.logprobs = []
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            self.prompt_logprobs = [None]  # token 0: nothing before it predicts it
         self.detok = (
             None
             if self.tokenizer is None
@@ -145,6 +152,28 @@ class Sequence:
     def text(self) -> str:
         """The output text decoded so far (complete characters; cut at a stop string)."""
         return self.detok.text if self.detok is not None else ""
+
+    # --- prompt logprobs -----------------------------------------------------
+    def prompt_logprob_rows(self, start: int, n: int) -> int:
+        """Of a forward over positions start .. start + n - 1, how many rows (the chunk's last ones,
+        just before its sampling row if it has one) give prompt logprobs still missing: the logits
+        at position p are the distribution of prompt token p + 1.
+
+            prompt  t0 t1 t2 t3 t4 | (output)        recorded: t0 (None), t1
+            chunk      [t1 t2 t3]                    rows for t2, t3 -> positions 1, 2: 2 rows
+        """
+        if self.prompt_logprobs is None:
+            return 0
+        first, end = max(start, len(self.prompt_logprobs) - 1), min(start + n, len(self.prompt_token_ids) - 1)
+        return max(0, end - first)
+
+    def record_prompt_logprobs(self, logits: torch.Tensor, tokenizer) -> None:
+        """logits [r, V]: the rows `prompt_logprob_rows` counted, in position order."""
+        r = len(self.prompt_logprobs)  # the next prompt token to record
+        targets = torch.tensor(self.prompt_token_ids[r : r + logits.shape[0]])  # [r]
+        k = self.params.prompt_logprobs
+        self.prompt_logprobs += logprob_entries(logits, targets, [k if k >= 0 else logits.shape[-1]] * len(targets),
+                                                tokenizer)  # fmt: skip
 
     def sampling_state(self) -> SamplingState:
         return SamplingState(
@@ -237,18 +266,18 @@ class Sequence:
 
 
 def logprob_entries(
-    logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], tokenizer
+    logits: torch.Tensor, tokens: torch.Tensor, wanted: list[int | None], tokenizer
 ) -> list[dict[int, Logprob] | None]:
-    """The `logprobs` entry of each row's chosen token (None where the request did not ask):
-    its logprob and rank, and the top-N alternatives, decoded for reading."""
-    want = [s.params.logprobs for s in seqs if s.params.logprobs is not None]
+    """The logprobs entry of each row's token (None where `wanted[i]` is None): its logprob and
+    rank, and the `wanted[i]` most likely alternatives, decoded for reading. `wanted` is each
+    row's `SamplingParams.logprobs` for sampled tokens, its `prompt_logprobs` for prompt tokens."""
+    want = [n for n in wanted if n is not None]
     if not want:
-        return [None] * len(seqs)
+        return [None] * len(wanted)
     chosen_lp, rank, top_ids, top_vals = top_logprobs(logits, tokens, max(want))
     decode = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))
     entries = []
-    for i, (seq, tok) in enumerate(zip(seqs, tokens.tolist())):
-        n = seq.params.logprobs
+    for i, (n, tok) in enumerate(zip(wanted, tokens.tolist())):
         if n is None:
             entries.append(None)
             continue
@@ -276,14 +305,26 @@ class OutputProcessor:
         if kind is RequestOutputKind.FINAL_ONLY and not finished:
             return None
         delta = kind is RequestOutputKind.DELTA
-        return self._output(group, [s.completion(delta) for s in sorted(group, key=lambda s: s.index)], finished)
+        completions = [s.completion(delta) for s in sorted(group, key=lambda s: s.index)]
+        return self._output(group, completions, finished, delta)
 
     def final(self, group: list[Sequence]) -> RequestOutput:
         """The whole output of a finished request (what `LLM.generate` returns)."""
         return self._output(group, [s.completion() for s in sorted(group, key=lambda s: s.index)], True)
 
     @staticmethod
-    def _output(group: list[Sequence], completions: list[CompletionOutput], finished: bool) -> RequestOutput:
+    def _prompt_logprobs(group: list[Sequence], delta: bool) -> list | None:
+        """The prompt's logprobs once a sample has all of them (every sample computes the same
+        ones); a DELTA stream gets them in one output only."""
+        done = next((s for s in group if s.prompt_logprobs and len(s.prompt_logprobs) == len(s.prompt_token_ids)), None)
+        if done is None or (delta and group[0].sent_prompt_logprobs):
+            return None
+        group[0].sent_prompt_logprobs = True
+        return list(done.prompt_logprobs)
+
+    @classmethod
+    def _output(cls, group: list[Sequence], completions: list[CompletionOutput], finished: bool,
+                delta: bool = False) -> RequestOutput:  # fmt: skip
         first = group[0]
         times = lambda name, pick: pick(
             (getattr(s.metrics, name) for s in group if getattr(s.metrics, name)), default=None
@@ -295,4 +336,5 @@ class OutputProcessor:
             last_token_time=times("last_token_time", max),
             finished_time=times("finished_time", max) if finished else None,
         )
-        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions, finished, metrics)
+        return RequestOutput(first.request_id, first.prompt, first.prompt_token_ids, completions, finished, metrics,
+                             cls._prompt_logprobs(group, delta))  # fmt: skip

@@ -52,6 +52,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: -= p * count of the token in the output
     repetition_penalty: float = 1.0  # HF/CTRL: over prompt + output, > 1 discourages
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
+    prompt_logprobs: int | None = (
+        None  # top-N logprobs per prompt token (plus the prompt's own); -1: the whole vocabulary
+    )
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -89,6 +92,11 @@ class SamplingParams:
                 "logprobs",
                 self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0),
                 "must be an integer >= 0 (or None)",
+            ),
+            (
+                "prompt_logprobs",
+                self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= -1),
+                "must be an integer >= 0, or -1 for the whole vocabulary (or None)",
             ),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "must be non-empty strings"),
             (
@@ -194,19 +202,31 @@ def filter_logits_batch(
     return logits.masked_fill(~keep, float("-inf"))
 
 
+def _splitmix64(x: int) -> int:
+    """Steele et al.'s 64-bit mixer: nearby inputs give unrelated outputs."""
+    x = (x + 0x9E3779B97F4A7C15) % 2**64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) % 2**64
+    return x ^ (x >> 31)
+
+
 def keyed_gumbel(seed: int, position: int, vocab_size: int, dtype: torch.dtype, device=None) -> torch.Tensor:
     """Gumbel noise [V] that is a function of (seed, position) alone.
 
     argmax(log p + noise) is an exact sample from p (the Gumbel-max trick: the argmax of
     log p_i + G_i, G_i independent Gumbel(0, 1), is i with probability p_i). Keyed by the
     token's position instead of drawn from a generator whose state advances with every
-    draw, the sample at a position no longer depends on how many draws came before it: a
-    preemption that throws drafts away, a speculative step cut short by the token budget,
-    speculation on or off, all sample the same token there. `batch_invariant=True` draws
-    this way (sampler.py); the default draws from the request's generator as vLLM does.
+    draw, the sample at a position does not depend on how many draws were made before it,
+    or whether some were thrown away and made again. `batch_invariant=True` draws this way
+    (sampler.py); the default draws from the request's generator, as vLLM does.
+
+    The key: (seed, position) mixed by splitmix64 and folded to the 32 bits PyTorch's CPU
+    generator keeps (two positions share noise with probability about 2**-32).
     """
-    key = (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)  # mix: nearby keys differ
-    u = torch.rand(vocab_size, generator=torch.Generator().manual_seed(key), dtype=torch.float64)  # [V] in [0, 1)
+    key = _splitmix64((seed % 2**64) ^ _splitmix64(position))
+    u = torch.rand(
+        vocab_size, generator=torch.Generator().manual_seed((key ^ key >> 32) & 0xFFFFFFFF), dtype=torch.float64
+    )  # [V]
     return (-torch.log(-torch.log(u))).to(dtype=dtype, device=device)  # u = 0 gives -inf: never the argmax
 
 

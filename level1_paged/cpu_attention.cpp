@@ -20,7 +20,8 @@
 //     out[r, h] = sum_t p[r, h][t] * v_cache[blk, off, h / G]   pass 3: V, the same walk
 //
 //   A block is bs slots of [Hkv, D] in a row (8 KiB for 16 slots of 2 x 64 floats): it stays
-//   in the L1 cache while every row and head that reads it does. In pass 1 four keys are
+//   in the L1 cache while every row and head that reads it does. Query rows go ROWS (16) at a
+//   time, so a long prefill's scores take 16 x Hq x seq_len values, not query_len x Hq x seq_len. In pass 1 four keys are
 //   scored at once (four independent chains of adds, so the CPU overlaps them); in pass 3 a
 //   row's D accumulators stay in registers over the block.
 //
@@ -36,10 +37,11 @@
 //   `batch_invariant=True` relies on (docs/batch_invariance.md).
 //
 // What this is not
-//   Not a matrix-matrix kernel: each (row, key) pair is one dot product. Against SDPA's
-//   blocked matmuls (the torch backend) it is 1.0-2x as fast from decodes up to 2048-token
-//   prefills measured here, and 0.7x for a 100-token chunk over a 1000-token context
-//   (python -m benchmarks.attention). Not threaded (the engine's matmuls own the threads), no
+//   Not a matrix-matrix kernel: each (row, key) pair is one dot product. Against the torch
+//   backend it is 1.7-3.3x as fast on decodes, 1.1-2.3x on queries of up to 8 tokens, 1.1-2x
+//   on prefills from the start, and 0.6-0.9x for a chunk of 16+ tokens over a longer cached
+//   context (cpu_attention.py routes those to SDPA; its LONG_QUERY comment has the figures).
+//   Not threaded (the engine's matmuls own the threads), no
 //   float16 (the torch backend takes it), no split-KV, sliding windows, ALiBi, soft-capping
 //   or quantised KV, and no intrinsics: GCC's vector extensions compile to SSE, AVX or NEON.
 //
@@ -132,6 +134,11 @@ static inline void dot4(const A* q, const T* k, int64_t stride, int64_t D, A* ou
   out[0] = lane_sum<A>(a0), out[1] = lane_sum<A>(a1), out[2] = lane_sum<A>(a2), out[3] = lane_sum<A>(a3);
 }
 
+// Query rows are taken ROWS at a time, so the score buffer is ROWS x Hq x seq_len values
+// whatever the prompt's length (an 8K-token prefill of a 32-head model in one piece would
+// need 8 GiB of scores). Every row's own arithmetic is the same in any tile.
+constexpr int64_t ROWS = 16;
+
 template <typename T, typename A>
 static void attend(const T* q, const T* k_cache, const T* v_cache,  // [T, Hq, D], [N, bs, Hkv, D] x2
                    const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,  // [B+1], [B], [B, W]
@@ -142,83 +149,87 @@ static void attend(const T* q, const T* k_cache, const T* v_cache,  // [T, Hq, D
   const int64_t G = Hq / Hkv;  // query heads per KV head: query head h reads KV head h / G
   const A scale = static_cast<A>(scale_d);
   const int64_t slot = Hkv * D;  // one slot holds every KV head's key: [Hkv, D], contiguous
-  std::vector<A> qf, acc, scores, row_max, row_sum;  // one sequence's rows (query row x head)
+  std::vector<A> qf, acc, scores, row_max, row_sum;  // one tile's rows (query row x head)
 
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_start = query_start_loc[b], query_len = query_start_loc[b + 1] - q_start;
     const int64_t seq_len = seq_lens[b], context_len = seq_len - query_len;
-    const int64_t R = query_len * Hq;  // rows; row i = (query row i / Hq, head i % Hq)
     const int32_t* table = block_tables + b * W;
-    qf.resize(R * D);
-    acc.assign(R * D, A(0));
-    scores.resize(R * seq_len);
-    row_max.assign(R, -std::numeric_limits<A>::infinity());
-    row_sum.resize(R);
-    for (int64_t i = 0; i < R * D; ++i) qf[i] = widen(q[q_start * Hq * D + i]);
+    for (int64_t r0 = 0; r0 < query_len; r0 += ROWS) {  // query rows r0 .. r1 - 1 of this sequence
+      const int64_t r1 = std::min(r0 + ROWS, query_len);
+      const int64_t R = (r1 - r0) * Hq;       // rows; row i = (query row r0 + i / Hq, head i % Hq)
+      const int64_t keys = context_len + r1;  // the most any of them sees
+      qf.resize(R * D);
+      acc.assign(R * D, A(0));
+      scores.resize(R * keys);
+      row_max.assign(R, -std::numeric_limits<A>::infinity());
+      row_sum.resize(R);
+      for (int64_t i = 0; i < R * D; ++i) qf[i] = widen(q[(q_start + r0) * Hq * D + i]);
 
-    // Pass 1: scores, block by block, and each row's running maximum.
-    for (int64_t j = 0, t0 = 0; t0 < seq_len; ++j, t0 += bs) {  // block j holds keys t0 .. t0 + bs - 1
-      const T* blk = k_cache + int64_t(table[j]) * bs * slot;
-      for (int64_t r = std::max<int64_t>(0, t0 - context_len); r < query_len; ++r) {  // rows that see key t0
-        const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});  // of this block's keys
-        for (int64_t h = 0; h < Hq; ++h) {
-          const int64_t i = r * Hq + h;
-          const T* k = blk + (h / G) * D;
-          A* s = scores.data() + i * seq_len + t0;
-          int64_t off = 0;
-          for (; off + 4 <= seen; off += 4) dot4<A, T>(qf.data() + i * D, k + off * slot, slot, D, s + off);
-          for (; off < seen; ++off) s[off] = dot1<A, T>(qf.data() + i * D, k + off * slot, D);
-          A m = row_max[i];
-          for (off = 0; off < seen; ++off) {
-            s[off] *= scale;
-            m = s[off] > m ? s[off] : m;
-          }
-          row_max[i] = m;
-        }
-      }
-    }
-    // Pass 2: the numerators, and their sum over the n = context_len + r + 1 keys row r sees
-    // (lanes of t mod N, then the fixed tree: the order depends on n alone).
-    for (int64_t i = 0; i < R; ++i) {
-      A* s = scores.data() + i * seq_len;
-      const int64_t n = context_len + i / Hq + 1;
-      for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - row_max[i]);
-      vec part = {};
-      int64_t t = 0;
-      for (; t + N <= n; t += N) part += load<A>(s + t);
-      for (int l = 0; t < n; ++t, ++l) part[l] += s[t];
-      row_sum[i] = lane_sum<A>(part);
-    }
-    // Pass 3: the probability-weighted sum of the values, the same walk; per row and head,
-    // 2N accumulators at a time stay in registers over a block's keys.
-    for (int64_t j = 0, t0 = 0; t0 < seq_len; ++j, t0 += bs) {
-      const T* blk = v_cache + int64_t(table[j]) * bs * slot;
-      for (int64_t r = std::max<int64_t>(0, t0 - context_len); r < query_len; ++r) {
-        const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});
-        for (int64_t h = 0; h < Hq; ++h) {
-          const int64_t i = r * Hq + h;
-          const A* p = scores.data() + i * seq_len + t0;
-          const T* v = blk + (h / G) * D;
-          A* a = acc.data() + i * D;
-          int64_t d = 0;
-          for (; d + 2 * N <= D; d += 2 * N) {
-            vec a0 = load<A>(a + d), a1 = load<A>(a + d + N);
-            for (int64_t off = 0; off < seen; ++off) {
-              a0 += p[off] * load<A>(v + off * slot + d);
-              a1 += p[off] * load<A>(v + off * slot + d + N);
+      // Pass 1: scores, block by block, and each row's running maximum.
+      for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {  // block j holds keys t0 .. t0 + bs - 1
+        const T* blk = k_cache + int64_t(table[j]) * bs * slot;
+        for (int64_t r = std::max(r0, t0 - context_len); r < r1; ++r) {  // rows that see key t0
+          const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});  // of this block's keys
+          for (int64_t h = 0; h < Hq; ++h) {
+            const int64_t i = (r - r0) * Hq + h;
+            const T* k = blk + (h / G) * D;
+            A* s = scores.data() + i * keys + t0;
+            int64_t off = 0;
+            for (; off + 4 <= seen; off += 4) dot4<A, T>(qf.data() + i * D, k + off * slot, slot, D, s + off);
+            for (; off < seen; ++off) s[off] = dot1<A, T>(qf.data() + i * D, k + off * slot, D);
+            A m = row_max[i];
+            for (off = 0; off < seen; ++off) {
+              s[off] *= scale;
+              m = s[off] > m ? s[off] : m;
             }
-            std::memcpy(a + d, &a0, sizeof a0);
-            std::memcpy(a + d + N, &a1, sizeof a1);
+            row_max[i] = m;
           }
-          for (; d < D; ++d)  // the tail, when D % 2N != 0
-            for (int64_t off = 0; off < seen; ++off) a[d] += p[off] * widen(v[off * slot + d]);
         }
       }
-    }
-    for (int64_t i = 0; i < R; ++i) {
-      T* o = out + q_start * Hq * D + i * D;  // row q_start + i / Hq, head i % Hq
-      const A inv = A(1) / row_sum[i];
-      for (int64_t d = 0; d < D; ++d) o[d] = narrow<T, A>(acc[i * D + d] * inv);
+      // Pass 2: the numerators, and their sum over the n = context_len + r + 1 keys row r sees
+      // (lanes of t mod N, then the fixed tree: the order depends on n alone).
+      for (int64_t i = 0; i < R; ++i) {
+        A* s = scores.data() + i * keys;
+        const int64_t n = context_len + r0 + i / Hq + 1;
+        for (int64_t t = 0; t < n; ++t) s[t] = std::exp(s[t] - row_max[i]);
+        vec part = {};
+        int64_t t = 0;
+        for (; t + N <= n; t += N) part += load<A>(s + t);
+        for (int l = 0; t < n; ++t, ++l) part[l] += s[t];
+        row_sum[i] = lane_sum<A>(part);
+      }
+      // Pass 3: the probability-weighted sum of the values, the same walk; per row and head,
+      // 2N accumulators at a time stay in registers over a block's keys.
+      for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {
+        const T* blk = v_cache + int64_t(table[j]) * bs * slot;
+        for (int64_t r = std::max(r0, t0 - context_len); r < r1; ++r) {
+          const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});
+          for (int64_t h = 0; h < Hq; ++h) {
+            const int64_t i = (r - r0) * Hq + h;
+            const A* p = scores.data() + i * keys + t0;
+            const T* v = blk + (h / G) * D;
+            A* a = acc.data() + i * D;
+            int64_t d = 0;
+            for (; d + 2 * N <= D; d += 2 * N) {
+              vec a0 = load<A>(a + d), a1 = load<A>(a + d + N);
+              for (int64_t off = 0; off < seen; ++off) {
+                a0 += p[off] * load<A>(v + off * slot + d);
+                a1 += p[off] * load<A>(v + off * slot + d + N);
+              }
+              std::memcpy(a + d, &a0, sizeof a0);
+              std::memcpy(a + d + N, &a1, sizeof a1);
+            }
+            for (; d < D; ++d)  // the tail, when D % 2N != 0
+              for (int64_t off = 0; off < seen; ++off) a[d] += p[off] * widen(v[off * slot + d]);
+          }
+        }
+      }
+      for (int64_t i = 0; i < R; ++i) {
+        T* o = out + (q_start + r0) * Hq * D + i * D;  // row q_start + r0 + i / Hq, head i % Hq
+        const A inv = A(1) / row_sum[i];
+        for (int64_t d = 0; d < D; ++d) o[d] = narrow<T, A>(acc[i * D + d] * inv);
+      }
     }
   }
 }

@@ -93,6 +93,11 @@ def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: 
             raise ValueError(f"{name} must be a contiguous CPU tensor of q's dtype {q.dtype}")
     q = q.contiguous()
     qsl, lens, tables = (t.to(torch.int32).contiguous() for t in (query_start_loc, seq_lens, block_tables))
+    # The C code trusts its metadata: an out-of-range entry would read memory torch indexing would refuse.
+    if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= k_cache.shape[0]):
+        raise IndexError(f"block_tables hold block ids outside 0..{k_cache.shape[0] - 1}")
+    if lens.numel() and int(lens.max()) > tables.shape[1] * k_cache.shape[1]:
+        raise IndexError("a seq_len is longer than its block table covers")
     out = torch.empty_like(q)  # [T, Hq, D]
     _, block_size, num_kv_heads, head_dim = k_cache.shape
     getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}")(
@@ -138,6 +143,8 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
     if k.dtype not in SUFFIX or not rows_ok or slot_mapping.dtype != torch.int64:
         return write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
     slots = slot_mapping.contiguous()
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= k_cache.shape[0] * k_cache.shape[1]):
+        raise IndexError(f"slot_mapping holds slots outside 0..{k_cache.shape[0] * k_cache.shape[1] - 1}")
     getattr(require(), f"write_kv_{SUFFIX[k.dtype]}")(
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots),
         k_cache.shape[2] * k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(),

@@ -88,7 +88,8 @@ class PagedEngine(NaiveEngine):
 
     def _execute(self, running: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         tables = [self.blocks.tables[s.seq_id] for s in running]
-        return self.worker.execute(ModelInput.build(chunks, tables, self.config.block_size, [1] * len(chunks)))
+        return self.worker.execute(ModelInput.build(chunks, tables, self.config.block_size,
+                                                    self.num_logits(running, chunks)))  # fmt: skip
 
     def _evict(self, seq: Sequence) -> None:
         """Free a running request's blocks and requeue it at the head; it keeps its tokens."""

@@ -10,7 +10,7 @@ and the compiled attention kernel for every query):
      place in it. The table counts the distinct logprob sequences and the distinct
      completions among the N copies (1 and 1 means every copy got the same bits), and the
      seconds each mode took: the mode's cost.
-  2. The model. One decode step of one sequence, alone and as one of 16 rows; after each
+  2. The model. One decode step of one sequence, alone and among 15 others; after each
      layer, the largest difference in that sequence's hidden state between the two runs.
      The picture (`--plot`) shows where the runs part: at the first matmul, in the default
      mode (PyTorch's matmul picks its algorithm by the number of rows), and nowhere with
@@ -18,7 +18,8 @@ and the compiled attention kernel for every query):
 
 What it is not: the proof (tests/test_batch_invariance.py holds the property under
 preemption, chunked prefill, prefix hits and speculation), or a benchmark
-(`python -m benchmarks.throughput --batch-invariant` measures the cost on a workload).
+(`python -m benchmarks.throughput --engines level3_prefix,level3_prefix:invariant` measures
+the cost on a workload; `python -m benchmarks.profile --batch-invariant`, inside a step).
 
 Reference: He, "Defeating Nondeterminism in LLM Inference" (Thinking Machines, 2025): 1,000
 identical requests gave 80 distinct completions before, 1 after.
@@ -64,12 +65,14 @@ def run(args, console: Console) -> dict:
     console.print(f"[bold]batch invariance[/]: {args.copies} copies of one prompt, each in a different batch, "
                   f"{max_tokens} greedy tokens, float32, model {model}")  # fmt: skip
     g = torch.Generator().manual_seed(args.seed)
+    others = None  # the same other requests for both modes: drawn once
     results, layers = {}, {}
     for mode, invariant in MODES.items():
         llm = LLM(model, dtype="float32", device="cpu", batch_invariant=invariant, seed=args.seed, max_num_seqs=64)
-        vocab = llm.llm_engine.model_config.vocab_size
-        others = [[int(t) for t in torch.randint(0, min(vocab, 256), (int(n),), generator=g)]
-                  for n in torch.randint(4, 120, (args.copies,), generator=g)]  # fmt: skip
+        if others is None:
+            vocab = llm.llm_engine.model_config.vocab_size
+            others = [[int(t) for t in torch.randint(0, min(vocab, 256), (int(n),), generator=g)]
+                      for n in torch.randint(4, 120, (max(args.copies, 15),), generator=g)]  # fmt: skip
         results[mode] = copies_in_batches(llm, others, args.copies, max_tokens)
         layers[mode] = one_step_alone_and_among(llm, others[:15])
         del llm
@@ -136,7 +139,8 @@ def print_table(console: Console, results: dict) -> None:
     base = results["default"]["seconds"]
     console.print(t)
     console.print(f"cost of the mode here: {results['batch_invariant']['seconds'] / base:.2f}x the default's time "
-                  f"(one run of this demo; python -m benchmarks.throughput --batch-invariant measures it properly)")  # fmt: skip
+                  f"(one run of this demo; python -m benchmarks.throughput --engines level3_prefix,level3_prefix:invariant "
+                  f"measures it properly)")  # fmt: skip
 
 
 def print_layers(console: Console, layers: dict) -> None:

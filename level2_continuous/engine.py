@@ -202,7 +202,7 @@ class ContinuousEngine(EngineBase):
                         raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                     return []
                 model_input = self.prepare_input(sched)
-            logits = self.worker.execute(model_input)
+            logits = self.take_prompt_logprobs(self.chunks(sched), self.worker.execute(model_input))
             output = self.sample(sched, logits)
             moved = self.scheduler.update_from_output(sched, output)
             self.post_step(sched)
@@ -217,13 +217,19 @@ class ContinuousEngine(EngineBase):
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
         """Each scheduled request's next tokens, from where its cache ends; logits rows where a
-        chunk reaches the request's last token (a partial prefill chunk samples nothing)."""
+        chunk reaches the request's last token (a partial prefill chunk samples nothing), and
+        before them the prompt logprobs' rows a request asked for (`SamplingParams.prompt_logprobs`)."""
         chunks, tables, num_logits = [], [], []
         for req, n in sched.scheduled:
             chunks.append((req.token_slice(req.num_computed_tokens, n), req.num_computed_tokens))
             tables.append(self.kv.block_table(req))
-            num_logits.append(req.num_logits(n))
+            num_logits.append(req.prompt_logprob_rows(req.num_computed_tokens, n) + req.num_logits(n))
         return ModelInput.build(chunks, tables, self.config.block_size, num_logits)
+
+    @staticmethod
+    def chunks(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
+        """(request, first position, tokens, sampling rows) per scheduled chunk, for `take_prompt_logprobs`."""
+        return [(req, req.num_computed_tokens, n, req.num_logits(n)) for req, n in sched.scheduled]
 
     @torch.inference_mode()
     def sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:

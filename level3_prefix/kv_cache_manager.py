@@ -58,7 +58,9 @@ class PrefixCachingKVCacheManager:
 
     # --- the Protocol ------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
-        if not self.enable_caching:
+        # A request that wants its prompt's logprobs computes its whole prompt (vLLM V1 does the same:
+        # a hit's positions would have no logits); its blocks are still named and shared afterwards.
+        if not self.enable_caching or req.params.prompt_logprobs is not None:
             return [], 0
         usable = (req.num_tokens - 1) // self.block_size  # keep the last token to compute
         bs, hit = self.block_size, []

@@ -279,7 +279,8 @@ class SpeculativeEngine(PrefixCachingEngine):
         for i, (req, k, _) in enumerate(spec):
             tokens, accepted = results[i]
             self.spec_stats.record(k, accepted)
-            lps = logprob_entries(rows[i][: len(tokens)], torch.tensor(tokens), [req] * len(tokens), self.tokenizer)
+            lps = logprob_entries(rows[i][: len(tokens)], torch.tensor(tokens), [req.params.logprobs] * len(tokens),
+                                  self.tokenizer)  # fmt: skip
             emitted[req.seq_id] = (tokens, lps)
         return emitted
 

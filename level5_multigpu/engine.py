@@ -175,7 +175,7 @@ class ParallelEngine(SpeculativeEngine):
                     raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                 return []
             sched, sched_s = self.in_flight.popleft()
-            logits = self.worker.collect()
+            logits = self.take_prompt_logprobs(self.chunks(sched), self.worker.collect())
             output = self.sample(sched, logits)
             self._skip_aborted(sched, output)
             moved = self.scheduler.update_from_output(sched, output)

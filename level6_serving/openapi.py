@@ -35,6 +35,7 @@ class CompletionChoice(BaseModel):
     logprobs: dict[str, Any] | None
     finish_reason: Literal["stop", "length", "abort"] | None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, Any] | None] | None = None  # vLLM's, when the request asked for them
 
 
 class CompletionResponse(BaseModel):

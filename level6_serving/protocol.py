@@ -17,7 +17,8 @@ finite, and finite in float32, the engine's arithmetic (`1e308` would be `inf` t
 nor vLLM's extensions know is a 400 that names it ("Unrecognized request argument
 supplied"). Every field OpenAI's schema allows is accepted, in one of three ways:
 
-- honoured: sampling, stopping, streaming, logprobs, `n`, `seed`, `echo`, usage;
+- honoured: sampling, stopping, streaming, logprobs, `n`, `seed`, `echo` (with `logprobs`, the
+  echoed prompt's tokens get theirs: SamplingParams.prompt_logprobs), usage;
 - ignored, because it cannot change what this server returns (`IGNORED`: `user`, `store`,
   `metadata`, `service_tier`, `priority`, ...), listed in docs/level6_serving.md;
 - accepted at its neutral value only (`NEUTRAL_ONLY`: `tools`, `logit_bias`, `response_format`
@@ -167,7 +168,7 @@ class SamplingFields(Strict):
     response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
-    prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs (not computed by this engine)
+    prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs (/v1/completions; chat: its neutral value only)
     use_beam_search: bool | None = None  # vLLM's
 
     NEUTRAL_ONLY: ClassVar[dict] = {
@@ -197,7 +198,8 @@ class SamplingFields(Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
-    def sampling_params(self, max_tokens: int | None, max_tokens_field: str, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         """The engine's SamplingParams; its ValueError becomes a 400 naming the API field."""
         pick = lambda value, default: default if value is None else value  # noqa: E731
         try:
@@ -207,7 +209,7 @@ class SamplingFields(Strict):
                 min_p=pick(self.min_p, 0.0), seed=self.seed, stop=self.stop, stop_token_ids=self.stop_token_ids,
                 ignore_eos=bool(self.ignore_eos), presence_penalty=pick(self.presence_penalty, 0.0),
                 frequency_penalty=pick(self.frequency_penalty, 0.0),
-                repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs,
+                repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 skip_special_tokens=pick(self.skip_special_tokens, True), output_kind=RequestOutputKind.DELTA,
             )  # fmt: skip
@@ -228,6 +230,17 @@ class CompletionRequest(SamplingFields):
     best_of: Int | None = None  # accepted only as n (no best-of search)
     suffix: str | None = None  # no insertion: must be absent
 
+    # vLLM's prompt_logprobs is honoured here (the response's choices carry them, as vLLM's do)
+    NEUTRAL_ONLY: ClassVar[dict] = {k: v for k, v in SamplingFields.NEUTRAL_ONLY.items() if k != "prompt_logprobs"}
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """SamplingParams.prompt_logprobs: vLLM's field, or, for `echo` with `logprobs`, the same top-N
+        as the completion's (the echoed prompt's tokens get logprobs too, as OpenAI's did)."""
+        if self.prompt_logprobs is not None:
+            return self.prompt_logprobs
+        return self.logprobs if self.echo and self.logprobs is not None else None
+
     def validate_request(self) -> None:
         self.check_unsupported()
         if self.best_of is not None and self.best_of != self.num_samples:
@@ -236,9 +249,9 @@ class CompletionRequest(SamplingFields):
             raise APIError(400, "suffix is not supported by this server", "suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError(400, f"logprobs={self.logprobs} must be between 0 and {MAX_LOGPROBS}", "logprobs")
-        if self.echo and self.logprobs is not None:
-            raise APIError(400, "echo with logprobs needs the prompt's logprobs, which this engine does not compute",
-                           "echo")  # fmt: skip
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise APIError(400, f"prompt_logprobs={self.prompt_logprobs} must be between 0 and {MAX_LOGPROBS}",
+                           "prompt_logprobs")  # fmt: skip
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt

@@ -103,12 +103,16 @@ def together_and_alone(llm_of, workload) -> tuple[list, list]:
 @settings(max_examples=25)
 @given(workload=workloads(), data=st.data(), arch=st.sampled_from(["llama", "qwen3"]))
 def test_each_request_is_bit_identical_alone_and_in_any_batch(level, workload, data, arch, checkpoint_factory):
-    """float32, the mode on: together (any arrival order the batch makes) == each alone, ==."""
+    """The mode on: together (any arrival order the batch makes) == each alone, ==; float32 mostly, and
+    bfloat16 and float64 (the KV budget is sized in float32 bytes: generous for bfloat16, tight for float64)."""
     path = checkpoint_factory(arch, intermediate_size=data.draw(st.sampled_from([96, 37]), label="ff"))
     draft = checkpoint_factory("llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
     need = max(len(p) + s.max_tokens for p, s in workload)
     kw = engine_kwargs(level, need, data, draft)
-    llm_of = lambda: MODULES[level].LLM(path, dtype="float32", batch_invariant=True, **kw)
+    dtype = data.draw(st.sampled_from(["float32", "float32", "bfloat16", "float64"]), label="dtype")
+    if dtype == "float64" and "kv_cache_memory" in kw:
+        kw["kv_cache_memory"] *= 2
+    llm_of = lambda: MODULES[level].LLM(path, dtype=dtype, batch_invariant=True, **kw)
     together, alone = together_and_alone(llm_of, workload)
     assert together == alone
 
@@ -147,6 +151,28 @@ def test_level5_is_invariant_within_a_layout(checkpoint_factory):
     finally:
         llm.llm_engine.shutdown()
     assert together == alone
+
+
+@pytest.mark.level5
+def test_past_two_ranks_the_all_reduce_adds_in_rank_order(monkeypatch):
+    """With fixed_order and four TP ranks, Comm.all_reduce gathers the parts and adds them 0 + 1 + 2 + 3,
+    whatever the message's size (a ring would group them by chunk); two ranks keep the library's."""
+    from level5_multigpu import parallel_state as ps
+
+    parts = [torch.tensor([1e8, 0.5, 3.0]), torch.tensor([1.0, -1e-8, 2.0]), torch.tensor([-1e8, 1e-8, 1.0]),
+             torch.tensor([3.14159, 0.25, -6.0])]  # fmt: skip
+    calls = []
+    monkeypatch.setattr(ps.dist, "all_gather", lambda out, x, group=None: [o.copy_(p) for o, p in zip(out, parts)])
+    monkeypatch.setattr(ps.dist, "all_reduce", lambda x, group=None: calls.append("all_reduce"))
+    comm = object.__new__(ps.Comm)
+    comm.stats, comm.tp_group, comm.fixed_order = ps.CommStats(), None, True
+    comm.topo = ps.Topology(4, 1, 0)
+    got = comm.all_reduce(parts[0].clone())
+    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
+    assert torch.equal(got, want) and not calls and comm.stats.by_kind["all_gather"][0] == 1
+    comm.topo = ps.Topology(2, 1, 0)
+    comm.all_reduce(parts[0].clone())
+    assert calls == ["all_reduce"]  # a + b == b + a: the library's all-reduce is fine for two
 
 
 # --- keyed draws: sampled tokens as a function of (seed, position) ---------------------------------

@@ -195,6 +195,36 @@ def test_echo_and_several_prompts(server, llm):
     assert got.usage.completion_tokens == 4 * 6
 
 
+def test_echo_with_logprobs_gives_the_prompt_its_logprobs(server, llm):
+    """OpenAI's echo + logprobs, and vLLM's prompt_logprobs: the echoed tokens open the logprobs (the first
+    null), their values the offline engine's prompt logprobs; streamed, the chunks add up to the answer."""
+    prompt = "ROMEO:\nBut soft"
+    want = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, logprobs=2, prompt_logprobs=2),
+                        progress=False)[0]  # fmt: skip
+    P = len(want.prompt_token_ids)
+    got = server.client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                           logprobs=2)  # fmt: skip
+    c = got.choices[0]
+    assert c.text == prompt + want.outputs[0].text
+    lp = c.logprobs
+    assert len(lp.tokens) == P + 4 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert lp.token_logprobs[1:P] == [d[t].logprob for d, t in zip(want.prompt_logprobs[1:], want.prompt_token_ids[1:])]
+    assert lp.token_logprobs[P:] == [d[t].logprob for d, t in zip(want.outputs[0].logprobs, want.outputs[0].token_ids)]
+    assert "".join(lp.tokens) == c.text and lp.text_offset[P] == len(prompt)
+    text, tokens = "", []
+    for chunk in server.client.completions.create(model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                                  logprobs=2, stream=True):  # fmt: skip
+        text += chunk.choices[0].text
+        tokens += chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+    assert text == c.text and tokens == lp.tokens
+    vllm_style = server.client.completions.create(model=NAME, prompt=prompt, max_tokens=1, temperature=0,
+                                                  extra_body={"prompt_logprobs": 1})  # fmt: skip
+    plp = vllm_style.choices[0].model_extra["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == P
+    assert all(d[str(t)]["logprob"] == want.prompt_logprobs[i][t].logprob
+               for i, (d, t) in enumerate(zip(plp, want.prompt_token_ids)) if d)  # fmt: skip
+
+
 # --- many clients at once ------------------------------------------------------------------------
 def test_100_concurrent_streams_equal_their_solo_runs_and_counters_add_up(server, llm):
     cases = [(f"{'ABCDEFGHIJ'[i % 10]}{i}: speak\n", 8 + (i % 5) * 4) for i in range(20)]

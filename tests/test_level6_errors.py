@@ -53,7 +53,9 @@ BAD = [  # (path, raw body, status, the param the error names)
     ("/v1/completions", '{"prompt": "x", "n": 0}', 400, "n"),
     ("/v1/completions", '{"prompt": "x", "stop": [""]}', 400, "stop"),
     ("/v1/completions", '{"prompt": "x", "logprobs": 99}', 400, "logprobs"),
-    ("/v1/completions", '{"prompt": "x", "echo": true, "logprobs": 1}', 400, "echo"),
+    ("/v1/completions", '{"prompt": "x", "prompt_logprobs": 99}', 400, "prompt_logprobs"),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "prompt_logprobs": 1}', 400,
+     "prompt_logprobs"),  # vLLM's field, honoured on /v1/completions only
     ("/v1/completions", '{"prompt": "x", "frobnicate": 1}', 400, "frobnicate"),
     ("/v1/completions", '{"prompt": "x", "temperature": Infinity}', 400, "temperature"),
     ("/v1/completions", '{"prompt": "x", "temperature": 1e308}', 400, "temperature"),  # inf in float32

@@ -17,6 +17,8 @@ What it is:
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -166,6 +168,19 @@ needs_cpu_ops = pytest.mark.skipif(
 )
 
 
+@contextlib.contextmanager
+def no_torch_fallback():
+    """While active, CpuOps' default twins raise: a test inside it exercised the compiled kernels."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("CpuOps fell back to the torch formula")
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(Ops, "rms_norm", refuse)
+        m.setattr(Ops, "rope", refuse)
+        yield
+
+
 @needs_cpu_ops
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_rope_is_bit_identical_to_the_default(dtype):
@@ -176,9 +191,11 @@ def test_cpu_rope_is_bit_identical_to_the_default(dtype):
     angles = torch.randn(T, d // 2, generator=g) * 50  # [T, D/2]: large angles, as far positions have
     cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
     sliced = qkv[:, : hq * d].view(T, hq, d), qkv[:, hq * d : (hq + hkv) * d].view(T, hkv, d)
-    for q, k in (sliced, (sliced[0].contiguous(), sliced[1].contiguous())):
-        got, want = cpu_ops.CpuOps().rope(q, k, cos, sin), DEFAULT_OPS.rope(q, k, cos, sin)
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    cases = [sliced, (sliced[0].contiguous(), sliced[1].contiguous())]
+    wants = [DEFAULT_OPS.rope(q, k, cos, sin) for q, k in cases]
+    with no_torch_fallback():  # the compiled path, not its fallback, is what equals PyTorch here
+        for (q, k), want in zip(cases, wants):
+            assert all(torch.equal(a, b) for a, b in zip(cpu_ops.CpuOps().rope(q, k, cos, sin), want))
 
 
 @needs_cpu_ops
@@ -188,11 +205,14 @@ def test_cpu_rms_norm_is_close_to_the_default_and_row_invariant(dtype):
     x = (torch.randn(64, 256, generator=g) * 3).to(dtype)  # [T, hidden]
     w = torch.randn(256, generator=g).to(dtype)
     ops = cpu_ops.CpuOps()
-    got = ops.rms_norm(x, w, 1e-5)
+    want = DEFAULT_OPS.rms_norm(x, w, 1e-5)
+    with no_torch_fallback():
+        got = ops.rms_norm(x, w, 1e-5)
+        rows = [ops.rms_norm(x[:n], w, 1e-5) for n in (1, 3, 17)]
     ulp = torch.finfo(dtype).eps
-    torch.testing.assert_close(got, DEFAULT_OPS.rms_norm(x, w, 1e-5), rtol=4 * ulp, atol=4 * ulp)
-    for n in (1, 3, 17):  # the first n rows alone: the same bits as among 64
-        assert torch.equal(ops.rms_norm(x[:n], w, 1e-5), got[:n])
+    torch.testing.assert_close(got, want, rtol=4 * ulp, atol=4 * ulp)
+    for r in rows:  # the first n rows alone: the same bits as among 64
+        assert torch.equal(r, got[: len(r)])
     heads = x.view(64, 4, 64)  # [T, H, D]: Qwen3's per-head q/k norm
     torch.testing.assert_close(ops.rms_norm(heads, w[:64], 1e-6), DEFAULT_OPS.rms_norm(heads, w[:64], 1e-6),
                                rtol=4 * ulp, atol=4 * ulp)  # fmt: skip
