@@ -5,10 +5,12 @@ from .llm import LLM
 from .loader import load_model
 from .outputs import CompletionOutput, Logprob, RequestOutput
 from .sampling import RequestOutputKind, SamplingParams
+from .structured import StructuredOutputsParams
 
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "RequestOutputKind",
     "CompletionOutput",

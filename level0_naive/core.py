@@ -38,6 +38,7 @@ from .ops import Ops
 from .outputs import OutputProcessor, Sequence, logprob_entries
 from .sampler import Sampler
 from .stats import EngineStats
+from .structured import StructuredOutputManager
 
 
 class EngineBase:
@@ -66,8 +67,10 @@ class EngineBase:
         self.kv_budget = resolve_kv_budget(self.config, self.device)
         self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()
+        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
+                                                  self.loaded.eos_token_ids, self.config.structured_outputs_backend)  # fmt: skip
         self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device,
-                                     self.sequence_class, self.check_fits, self.clock)  # fmt: skip
+                                     self.sequence_class, self.check_fits, self.clock, self.structured)  # fmt: skip
         self.outputs = OutputProcessor()
         self.sampler = self.make_sampler()
 

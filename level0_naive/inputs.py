@@ -24,17 +24,20 @@ import torch
 
 from .outputs import Sequence
 from .sampling import SamplingParams
+from .structured import StructuredOutputManager
 
 Prompt = str | list[int]
 
 
 class InputProcessor:
     def __init__(self, loaded, max_model_len: int, seed: int, device: torch.device, sequence_class: type[Sequence],
-                 check_fits: Callable[[Sequence, int], None], clock: Callable[[], float] = time.perf_counter):  # fmt: skip
+                 check_fits: Callable[[Sequence, int], None], clock: Callable[[], float] = time.perf_counter,
+                 structured: StructuredOutputManager | None = None):  # fmt: skip
         self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.config.vocab_size
         self.eos_token_ids, self.path = loaded.eos_token_ids, loaded.path
         self.max_model_len, self.device = max_model_len, device
         self.sequence_class, self.check_fits, self.clock = sequence_class, check_fits, clock
+        self.structured = structured  # compiles a request's structured_outputs (structured.py)
         self._rng = torch.Generator().manual_seed(seed)  # seeds every unseeded sampling request
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -83,6 +86,11 @@ class InputProcessor:
         rest = (text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer)
         group = [self.sequence_class(-1, "", j, *rest, clock=self.clock) for j in range(params.n)]
         self.check_fits(group[0], i)
+        if params.structured_outputs is not None:  # compiled once (a bad schema is a ValueError here), a state each
+            if self.structured is None:
+                raise ValueError(f"sampling_params.structured_outputs for prompt {i}: this engine has no grammar compiler")
+            for seq in group:
+                seq.grammar = self.structured.grammar(params.structured_outputs)
         return group
 
     def _number(self, group: list[Sequence], request_id: str | None = None) -> list[Sequence]:

@@ -25,6 +25,7 @@ import torch
 
 from .detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
 from .sampling import RequestOutputKind, SamplingParams, SamplingState, top_logprobs
+from .structured import Grammar
 
 
 @dataclass
@@ -97,6 +98,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt's logits come in
+    grammar: Grammar | None = None  # structured outputs: accepts every appended token (structured.py)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -177,7 +179,7 @@ class Sequence:
 
     def sampling_state(self) -> SamplingState:
         return SamplingState(
-            self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids
+            self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids, self.grammar
         )
 
     # --- one new token -----------------------------------------------------
@@ -191,12 +193,17 @@ class Sequence:
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob[token].logprob
+        if self.grammar is not None and not self.grammar.accept(token):
+            raise RuntimeError(f"token {token} was sampled where the grammar forbids it (a bug: the mask let it through)")
         self._check_stop(token)
         if self.is_finished:
             self._end()
 
     def _check_stop(self, token: int) -> None:
         p, n_out = self.params, len(self.output_token_ids)
+        if self.grammar is not None and self.grammar.is_terminated():  # the structured output is complete
+            self.finish_reason, self.stop_reason = "stop", None
+            return
         if n_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 self.finish_reason, self.stop_reason = "stop", None

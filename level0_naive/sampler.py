@@ -11,7 +11,8 @@ speculative decoding (level 4) can reuse the first for its draft's q and its tar
 
 A `LogitsProcessor` (vLLM's idea) changes logits given each row's history:
 `MinTokens` bans EOS and the stop tokens before `min_tokens`, `Penalties` applies
-repetition, presence and frequency penalties. Each says from the params alone whether
+repetition, presence and frequency penalties, `GrammarMask` keeps a structured output
+inside its grammar (structured.py). Each says from the params alone whether
 it can touch a row (`applies`: `min_tokens` with `ignore_eos` and no stop ids bans
 nothing, so it does not apply), so a batch where none applies to any greedy row takes
 the fast path, one `argmax`.
@@ -52,6 +53,7 @@ from .sampling import (
     filter_logits_batch,
     keyed_gumbel,
 )
+from .structured import XGrammar, unpack
 
 
 class LogitsProcessor(Protocol):
@@ -146,7 +148,61 @@ class Penalties:
         return logits
 
 
-DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), Penalties())
+class GrammarMask:
+    """Structured outputs: tokens the request's grammar forbids next go to -inf (structured.py).
+
+    The row's state is the grammar after the output tokens it has accepted and then any the
+    row's history has beyond them (a speculative draft's guesses: consumed for the question,
+    then rolled back). Applied last, after the other processors: if they left no allowed token
+    (min_tokens banning the stop token a finished grammar insists on), the grammar wins."""
+
+    def applies(self, params: SamplingParams) -> bool:
+        return params.structured_outputs is not None
+
+    @staticmethod
+    def mask(st: SamplingState, vocab_size: int) -> torch.Tensor:
+        """bool [V]: what may come next in this row."""
+        g = st.grammar
+        return g.mask_after(st.output_token_ids[g.num_accepted :], vocab_size)
+
+    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
+        allowed = self.mask(st, row.shape[-1]).to(row.device)  # [V]
+        return self._apply(row[None], allowed[None])[0]
+
+    @staticmethod
+    def _apply(rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """rows [R, V], allowed bool [R, V] -> rows with the rest at -inf; a row another processor left
+        nothing of (min_tokens banning the stop token a finished grammar insists on) keeps the grammar's."""
+        masked = rows.masked_fill(~allowed, float("-inf"))
+        empty = torch.isinf(masked).all(-1)  # [R]
+        if empty.any():
+            masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], float("-inf"))
+        return masked
+
+    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Every row at once: xgrammar's states write one shared bitmask, unpacked in one go; a row
+        with guesses past its accepted tokens, or a reference grammar, asks for its own mask."""
+        rows = [i for i, st in enumerate(states) if self.applies(st.params)]
+        if not rows:
+            return logits
+        V = logits.shape[-1]
+        allowed = torch.empty(len(rows), V, dtype=torch.bool)  # [R, V]
+        fast = [j for j, i in enumerate(rows) if isinstance(states[i].grammar, XGrammar)
+                and states[i].grammar.num_accepted == len(states[i].output_token_ids)]  # fmt: skip
+        if fast:
+            bitmask = torch.empty(len(fast), states[rows[fast[0]]].grammar.bitmask.shape[1], dtype=torch.int32)
+            for k, j in enumerate(fast):
+                states[rows[j]].grammar.fill(bitmask, k)
+            banned = torch.stack([states[rows[j]].grammar.banned_or_none() for j in fast])  # [F, V]
+            allowed[fast] = unpack(bitmask, V) & ~banned
+        for j in sorted(set(range(len(rows))) - set(fast)):
+            allowed[j] = self.mask(states[rows[j]], V)
+        logits = logits.clone()
+        logits[rows] = self._apply(logits[rows], allowed.to(logits.device))
+        return logits
+
+
+DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), Penalties(), GrammarMask())
 
 
 class Sampler:

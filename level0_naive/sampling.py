@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .structured import Grammar, StructuredOutputsParams
+
 
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request that moved (vLLM's names)."""
@@ -52,9 +54,8 @@ class SamplingParams:
     frequency_penalty: float = 0.0  # OpenAI: -= p * count of the token in the output
     repetition_penalty: float = 1.0  # HF/CTRL: over prompt + output, > 1 discourages
     logprobs: int | None = None  # top-N logprobs per generated token (plus the chosen one)
-    prompt_logprobs: int | None = (
-        None  # top-N logprobs per prompt token (plus the prompt's own); -1: the whole vocabulary
-    )
+    prompt_logprobs: int | None = None  # top-N per prompt token (and the prompt's own); -1: all of them
+    structured_outputs: StructuredOutputsParams | None = None  # a JSON schema, regex, choice, grammar (structured.py)
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -110,6 +111,11 @@ class SamplingParams:
                 "must be an integer in [-2**63, 2**63) (or None)",  # what a torch.Generator takes, with room for n
             ),
             ("output_kind", isinstance(self.output_kind, RequestOutputKind), "must be a RequestOutputKind"),
+            (
+                "structured_outputs",
+                self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+                "must be a StructuredOutputsParams (or None)",
+            ),
         ]
         for name, ok, why in checks:
             if not ok:
@@ -133,6 +139,7 @@ class SamplingState:
     output_token_ids: list[int]
     generator: torch.Generator | None = None  # None only for greedy rows
     eos_token_ids: list[int] = field(default_factory=list)
+    grammar: Grammar | None = None  # structured outputs: the state after the accepted output tokens
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:

@@ -1,6 +1,14 @@
 """Level 1: PagedAttention. Level 0's engine with a block-allocated KV cache."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
+from level0_naive import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    load_model,
+)
 
 from .engine import LLM, PagedEngine, PagedEngineConfig
 from .worker import ModelInput, Worker
@@ -8,6 +16,7 @@ from .worker import ModelInput, Worker
 __all__ = [
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "RequestOutputKind",
     "CompletionOutput",

@@ -1,6 +1,14 @@
 """Level 2: continuous batching. An iteration-level scheduler over level 1's paged cache."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
+from level0_naive import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    load_model,
+)
 
 from .engine import LLM, ContinuousEngine, ContinuousEngineConfig, LLMEngine
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
@@ -12,6 +20,7 @@ __all__ = [
     "LLMEngine",
     "ContinuousEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "RequestOutputKind",
     "CompletionOutput",

@@ -1,6 +1,14 @@
 """Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool."""
 
-from level0_naive import CompletionOutput, Logprob, RequestOutput, RequestOutputKind, SamplingParams, load_model
+from level0_naive import (
+    CompletionOutput,
+    Logprob,
+    RequestOutput,
+    RequestOutputKind,
+    SamplingParams,
+    StructuredOutputsParams,
+    load_model,
+)
 from level2_continuous import Request, RequestStatus
 
 from .engine import LLM, LLMEngine, PrefixCachingEngine, PrefixEngineConfig
@@ -10,6 +18,7 @@ __all__ = [
     "LLMEngine",
     "PrefixCachingEngine",
     "SamplingParams",
+    "StructuredOutputsParams",
     "RequestOutput",
     "RequestOutputKind",
     "CompletionOutput",

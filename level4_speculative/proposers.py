@@ -65,10 +65,10 @@ class Proposer(Protocol):
 
 
 def draft_state(req: SpecRequest, drafts: list[int]) -> SamplingState:
-    """The sampling state of the position after `drafts`: penalties and min-tokens see the
-    drafts as if they were output already, for the draft's q and the target's p alike."""
+    """The sampling state of the position after `drafts`: penalties, min-tokens and a grammar see
+    the drafts as if they were output already, for the draft's q and the target's p alike."""
     return SamplingState(
-        req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids
+        req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids, req.grammar
     )
 
 

@@ -13,9 +13,10 @@ from .base import (
     SamplingParams,
     SpecDecodeStats,
     SpeculativeConfig,
+    StructuredOutputsParams,
     load_model,
 )
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
            "SpeculativeConfig", "SpecDecodeStats", "Request", "RequestStatus", "load_model", "AsyncLLMEngine",
            "RequestStream", "EngineDeadError"]  # fmt: skip

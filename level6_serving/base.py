@@ -28,8 +28,9 @@ from level5_multigpu import (
     RequestStatus,
     SamplingParams,
     SpeculativeConfig,
+    StructuredOutputsParams,
     load_model,
 )
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
+__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
            "SpeculativeConfig", "SpecDecodeStats", "Request", "RequestStatus", "load_model"]  # fmt: skip

@@ -47,17 +47,24 @@ class CompletionResponse(BaseModel):
     usage: Usage
 
 
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: dict[str, str]  # {"name": ..., "arguments": a JSON string}
+
+
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"]
     content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None  # with tool_choice "required" or a named function
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: dict[str, Any] | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 

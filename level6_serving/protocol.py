@@ -38,7 +38,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
 
-from .base import RequestOutputKind, SamplingParams
+from .base import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI allows 5 for completions, 20 for chat)
 FLOAT32_MAX = 3.4028234663852886e38
@@ -163,9 +163,16 @@ class SamplingFields(Strict):
     prompt_cache_options: dict[str, Any] | None = None
     priority: Int | None = None
     spaces_between_special_tokens: bool | None = None
+    # structured outputs (one of them at most): OpenAI's response_format, vLLM's guided_* (its older names,
+    # which the seeds' examples send) and its structured_outputs
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None  # {"json": ...} | {"regex": ...} | {"choice": [...]} | ...
     # NEUTRAL_ONLY (below): OpenAI fields this server does not implement, accepted at their neutral value
     logit_bias: dict[str, Float] | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs (/v1/completions; chat: its neutral value only)
@@ -173,7 +180,6 @@ class SamplingFields(Strict):
 
     NEUTRAL_ONLY: ClassVar[dict] = {
         "logit_bias": lambda v: not v,
-        "response_format": lambda v: v in (None, {"type": "text"}),
         "tools": lambda v: not v,
         "tool_choice": lambda v: v in (None, "none", "auto"),
         "prompt_logprobs": lambda v: v is None,
@@ -198,6 +204,44 @@ class SamplingFields(Strict):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
 
+    def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
+        """The request's structured-output spec and the API field it came from (a 400 names that field
+        when the engine cannot compile it); at most one of the fields may ask."""
+        asked = []
+        rf = self.response_format
+        if rf is not None and rf.get("type") != "text":
+            if rf.get("type") == "json_object":
+                asked.append(({"json_object": True}, "response_format"))
+            elif rf.get("type") == "json_schema":
+                schema = (rf.get("json_schema") or {}).get("schema")
+                if not isinstance(schema, dict):
+                    raise APIError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
+                                   "response_format.json_schema.schema")  # fmt: skip
+                asked.append(({"json": schema}, "response_format"))  # strict or not: the schema is always enforced
+            else:
+                raise APIError(400, f"response_format.type={rf.get('type')!r} must be text, json_object or json_schema",
+                               "response_format")  # fmt: skip
+        for field, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                            ("guided_grammar", "grammar")):  # fmt: skip
+            if getattr(self, field) is not None:
+                asked.append(({kind: getattr(self, field)}, field))
+        if self.structured_outputs is not None:
+            asked.append((self.structured_outputs, "structured_outputs"))
+        asked += self.tool_constraint()
+        if len(asked) > 1:
+            raise APIError(400, f"only one of {', '.join(f for _, f in asked)} may constrain the output", asked[1][1])
+        if not asked:
+            return None, None
+        spec, field = asked[0]
+        try:
+            return StructuredOutputsParams(**spec), field
+        except (TypeError, ValueError) as e:
+            raise APIError(400, f"{field}: {e}", field) from None
+
+    def tool_constraint(self) -> list[tuple[dict, str]]:
+        """Chat's tool_choice as a structured-output spec (none here; chat overrides)."""
+        return []
+
     def sampling_params(self, max_tokens: int | None, max_tokens_field: str, logprobs: int | None,
                         prompt_logprobs: int | None = None) -> SamplingParams:  # fmt: skip
         """The engine's SamplingParams; its ValueError becomes a 400 naming the API field."""
@@ -212,6 +256,7 @@ class SamplingFields(Strict):
                 repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 skip_special_tokens=pick(self.skip_special_tokens, True), output_kind=RequestOutputKind.DELTA,
+                structured_outputs=self.structured()[0],
             )  # fmt: skip
         except ValueError as e:
             m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e))
@@ -298,7 +343,7 @@ class ChatCompletionRequest(SamplingFields):
     function_call: str | dict[str, Any] | None = None  # NEUTRAL_ONLY
     logprobs_field: ClassVar[str] = "top_logprobs"
     NEUTRAL_ONLY: ClassVar[dict] = {
-        **SamplingFields.NEUTRAL_ONLY,
+        **{k: v for k, v in SamplingFields.NEUTRAL_ONLY.items() if k not in ("tools", "tool_choice")},
         "modalities": lambda v: v in (None, ["text"]),
         "audio": lambda v: v is None,
         "web_search_options": lambda v: v is None,
@@ -307,10 +352,36 @@ class ChatCompletionRequest(SamplingFields):
         "moderation": lambda v: v is None,
     }
 
+    def tool_constraint(self) -> list[tuple[dict, str]]:
+        """tool_choice "required" or a named function: the output is a tool call, constrained by the tools'
+        parameter schemas (vLLM's way without a tool parser). "none" and "auto" constrain nothing (there is
+        no parser to find a call in free text: ask for "required" or a name)."""
+        choice = self.tool_choice
+        if choice in (None, "none", "auto"):
+            return []
+        tools = {t["function"]["name"]: t["function"] for t in self.tools or []}
+        if choice == "required":
+            if not tools:
+                raise APIError(400, "tool_choice 'required' needs tools", "tools")
+            one_of = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": f.get("parameters", {})},
+                       "required": ["name", "parameters"], "additionalProperties": False} for name, f in tools.items()]  # fmt: skip
+            return [({"json": {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}}, "tool_choice")]
+        name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+        if name not in tools:
+            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        return [({"json": tools[name].get("parameters") or {"type": "object"}}, "tool_choice")]
+
     def validate_request(self) -> None:
         self.check_unsupported()
         if not self.messages:
             raise APIError(400, "messages must hold at least one message", "messages")
+        for i, t in enumerate(self.tools or []):
+            if not (isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                    and isinstance(t["function"].get("name"), str)):  # fmt: skip
+                raise APIError(400, f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
+                               "tools")  # fmt: skip
+        if self.tool_choice not in (None, "none", "auto") and self.stream:
+            raise APIError(400, "tool_choice 'required' or a named function is not supported with stream", "stream")
         for i, m in enumerate(self.messages):
             for name in ("tool_calls", "function_call", "audio"):
                 if getattr(m, name):

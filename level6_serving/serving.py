@@ -305,8 +305,10 @@ class OpenAIServing:
                                 f"completion). Please reduce the length of the prompt or of {field}.", field,
                            "context_length_exceeded")  # fmt: skip
 
-    async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """One engine request per prompt; if one is refused, the others are aborted."""
+    async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      structured_field: str | None = None) -> list[RequestStream]:  # fmt: skip
+        """One engine request per prompt; if one is refused, the others are aborted. A structured output the
+        engine cannot compile is a 400 that names the API field it came from (`structured_field`)."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -317,6 +319,8 @@ class OpenAIServing:
                 s.abandon()
             if isinstance(e, EngineDeadError):
                 raise engine_unavailable(self.engine) from None
+            if isinstance(e, ValueError) and str(e).startswith("structured_outputs") and structured_field:
+                raise APIError(400, f"{structured_field}: {e}", structured_field) from None
             if isinstance(e, ValueError):  # the engine's own checks, e.g. more KV blocks than the pool holds
                 raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
             raise
@@ -392,7 +396,7 @@ class OpenAIServing:
         # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
-        streams = await self.add_all(ctx["id"], ids, params)
+        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1])
         if req.stream:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
@@ -459,7 +463,7 @@ class OpenAIServing:
         self.check_context(ids, max_tokens, field)
         self.admit(params.n)
         ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-        streams = await self.add_all(ctx["id"], [ids], params)
+        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1])
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)
         return await unless_disconnected(raw, self.chat_response(ctx, req, streams), streams)
@@ -480,13 +484,31 @@ class OpenAIServing:
 
     def chat_response(self, ctx: dict, req: ChatCompletionRequest, streams):
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
+        calls = req.tool_constraint() != []  # the output is a tool call (tool_choice "required" or a name)
 
         def choice(index: int, ch: Choice) -> dict:
-            return {"index": index, "message": {"role": "assistant", "content": ch.text, "refusal": None},
+            message = {"role": "assistant", "content": ch.text, "refusal": None}
+            finish = ch.finish_reason
+            if calls and finish == "stop":
+                message["content"], message["tool_calls"] = None, tool_calls(req, ch.text)
+                finish = "tool_calls" if req.tool_choice == "required" else "stop"  # OpenAI: a forced name says stop
+            return {"index": index, "message": message,
                     "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
-                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}  # fmt: skip
+                    "finish_reason": finish, "stop_reason": ch.stop_reason}  # fmt: skip
 
         return self.response({**ctx, "object": "chat.completion"}, req, streams, [""], choice)
+
+
+def tool_calls(req: ChatCompletionRequest, text: str) -> list[dict]:
+    """The OpenAI tool calls a constrained output stands for: a named function's arguments, or
+    ("required") a list of {"name", "parameters"}, one call each."""
+    out = json.loads(text)  # valid: the grammar made it so, and it finished
+    if req.tool_choice == "required":
+        pairs = [(call["name"], call["parameters"]) for call in out]
+    else:
+        pairs = [(req.tool_choice["function"]["name"], out)]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

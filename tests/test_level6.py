@@ -225,6 +225,61 @@ def test_echo_with_logprobs_gives_the_prompt_its_logprobs(server, llm):
                for i, (d, t) in enumerate(zip(plp, want.prompt_token_ids)) if d)  # fmt: skip
 
 
+# --- structured outputs --------------------------------------------------------------------------
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Verona", "Mantua"]}}, "required": ["city"],
+    "additionalProperties": False}}}]  # fmt: skip
+
+
+def test_response_format_and_vllms_guided_fields_constrain_the_output(server):
+    """OpenAI's response_format (json_schema, json_object) through the openai client, and vLLM's guided_* in the
+    body (the seeds' form); a schema the engine cannot compile is a 400 naming response_format."""
+    import jsonschema
+
+    chat = lambda **kw: server.client.chat.completions.create(  # noqa: E731
+        model=NAME, messages=[{"role": "user", "content": "Who art thou?"}], temperature=0, **{"max_tokens": 80, **kw})
+    got = chat(response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}})
+    assert got.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(got.choices[0].message.content), PERSON)
+    obj = chat(response_format={"type": "json_object"}, max_tokens=200)
+    assert obj.choices[0].finish_reason != "stop" or isinstance(json.loads(obj.choices[0].message.content), dict)
+    for body, ok in ((("guided_choice", ["yes", "no"])), lambda t: t in ("yes", "no")), \
+                    ((("guided_regex", r"[0-9]{2}-[a-z]{3}")), lambda t: len(t) == 6 and t[2] == "-"), \
+                    ((("guided_json", PERSON)), lambda t: jsonschema.validate(json.loads(t), PERSON) is None):  # fmt: skip
+        text = server.client.completions.create(model=NAME, prompt="x", max_tokens=60, temperature=0,
+                                                extra_body=dict([body])).choices[0].text  # fmt: skip
+        assert ok(text), (body[0], text)
+    with pytest.raises(openai.BadRequestError) as bad:
+        chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}})
+    assert bad.value.body["param"] == "response_format" and "nonsense" in bad.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as two:
+        chat(response_format={"type": "json_object"}, extra_body={"guided_regex": "a+"})
+    assert two.value.body["param"] == "guided_regex"
+
+
+def test_tool_choice_makes_a_constrained_tool_call(server):
+    """A named function: its arguments follow its parameters' schema; "required": a list of calls; tool_choice
+    with stream is refused (a 400 naming stream)."""
+    got = server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "weather?"}],
+                                                max_tokens=60, temperature=0, tools=WEATHER,
+                                                tool_choice={"type": "function", "function": {"name": "get_weather"}})  # fmt: skip
+    call = got.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Verona", "Mantua")
+    assert got.choices[0].message.content is None and got.choices[0].finish_reason == "stop"
+    many = server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "weather?"}],
+                                                 max_tokens=400, temperature=0, tools=WEATHER, tool_choice="required")  # fmt: skip
+    c = many.choices[0]
+    assert c.finish_reason == "length" or (c.finish_reason == "tool_calls" and c.message.tool_calls
+                                           and all(t.function.name == "get_weather" for t in c.message.tool_calls))  # fmt: skip
+    with pytest.raises(openai.BadRequestError) as bad:
+        server.client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], tools=WEATHER,
+                                              tool_choice="required", stream=True)  # fmt: skip
+    assert bad.value.body["param"] == "stream"
+
+
 # --- many clients at once ------------------------------------------------------------------------
 def test_100_concurrent_streams_equal_their_solo_runs_and_counters_add_up(server, llm):
     cases = [(f"{'ABCDEFGHIJ'[i % 10]}{i}: speak\n", 8 + (i % 5) * 4) for i in range(20)]
