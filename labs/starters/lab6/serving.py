@@ -114,14 +114,18 @@ async def unless_disconnected(raw: Request, work, streams: list[RequestStream]) 
 
 
 class Choice:
-    """One choice of a non-streaming response, accumulated from deltas."""
+    """One choice of a non-streaming response, accumulated from deltas (and its prompt's logprobs,
+    from the output that carried them)."""
 
     def __init__(self, text: str = ""):
         self.text, self.token_ids, self.logprobs = text, [], []
         self.finish_reason: str | None = None
         self.stop_reason = None
+        self.prompt: tuple[list[int], list] | None = None  # (prompt ids, prompt logprobs) once they came
 
-    def add(self, c: CompletionOutput) -> None:
+    def add(self, c: CompletionOutput, out: RequestOutput) -> None:
+        if out.prompt_logprobs is not None:
+            self.prompt = (out.prompt_token_ids, out.prompt_logprobs)
         self.text += c.text
         self.token_ids += c.token_ids
         self.logprobs += c.logprobs or []
@@ -146,12 +150,37 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offse
     return out
 
 
-def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | None, offset: int) -> dict:
+def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | None, offset: int,
+                      prompt: dict | None = None) -> dict:
     """One choice of /v1/completions: a chunk's (`c` a delta) or a whole response's (`c` a Choice);
-    `offset` is where `c`'s text starts in the choice's."""
+    `offset` is where `c`'s text starts in the choice's. `prompt` (from `prompt_part`, once the
+    prompt's logprobs came) adds vLLM's `prompt_logprobs` and, for `echo` with `logprobs`, the
+    echoed text in front with its tokens' logprobs opening the list."""
     lp = None if num_lp is None else completion_logprobs(c.token_ids, c.logprobs or [], num_lp, offset)
-    return {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
-            "stop_reason": c.stop_reason}  # fmt: skip
+    ch = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
+          "stop_reason": c.stop_reason}  # fmt: skip
+    if prompt is not None:
+        ch["prompt_logprobs"] = prompt["prompt_logprobs"]
+        if prompt["echo"] is not None:
+            ch["text"] = prompt["echo"] + c.text
+            if lp is not None:
+                ch["logprobs"] = {k: prompt["logprobs"][k] + lp[k] for k in lp}
+    return ch
+
+
+def prompt_part(ids: list[int], entries: list, num_lp: int | None, echo: str | None, first_text: str) -> dict:
+    """What a choice adds once its prompt's logprobs came: vLLM's `prompt_logprobs` (a list, None for
+    the first token, else {token id: {logprob, rank, decoded_token}}), and with an `echo`, the echoed
+    text and its tokens in the legacy logprobs shape (the first token's logprob null; `first_text` is
+    its decoded text)."""
+    part = {"echo": echo, "prompt_logprobs": [
+        None if e is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": x.decoded_token}
+                                for t, x in e.items()} for e in entries]}  # fmt: skip
+    if echo is not None and num_lp is not None:
+        rest = completion_logprobs(ids[1:], entries[1:], num_lp, len(first_text))
+        part["logprobs"] = {"tokens": [first_text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
+                            "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}  # fmt: skip
+    return part
 
 
 def _byte_level_alphabet() -> dict[str, int]:
@@ -246,8 +275,10 @@ class OpenAIServing:
                                 f"completion). Please reduce the length of the prompt or of {field}.", field,
                            "context_length_exceeded")  # fmt: skip
 
-    async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> list[RequestStream]:
-        """One engine request per prompt; if one is refused, the others are aborted."""
+    async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      structured_field: str | None = None) -> list[RequestStream]:  # fmt: skip
+        """One engine request per prompt; if one is refused, the others are aborted. A structured output the
+        engine cannot compile is a 400 that names the API field it came from (`structured_field`)."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
@@ -258,6 +289,8 @@ class OpenAIServing:
                 s.abandon()
             if isinstance(e, EngineDeadError):
                 raise engine_unavailable(self.engine) from None
+            if isinstance(e, ValueError) and str(e).startswith("structured_outputs") and structured_field:
+                raise APIError(400, f"{structured_field}: {e}", structured_field) from None
             if isinstance(e, ValueError):  # the engine's own checks, e.g. more KV blocks than the pool holds
                 raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
             raise
@@ -267,7 +300,8 @@ class OpenAIServing:
     async def events(self, ctx: dict, req: CompletionRequest | ChatCompletionRequest, streams: list[RequestStream],
                      opening: list[dict], choice, logprobs_asked: bool):  # fmt: skip
         """The SSE events of a stream: the `opening` choices (completions: the echo; chat: the role),
-        then one chunk per delta `c` with the endpoint's `choice(index, c)`, the usage, `[DONE]`.
+        then one chunk per delta `c` of an output `out` with the endpoint's `choice(index, c, out)`,
+        the usage, `[DONE]`.
         Choice `index` = prompt index * n + c.index. A delta is not sent if its choice has finished,
         or if it brings nothing (no text, no finish reason, and no logprobs asked for); its tokens
         count all the same."""
@@ -293,7 +327,7 @@ class OpenAIServing:
         choices = [Choice(starts[index // n]) for index in range(len(streams) * n)]
         async for i, out in merge_streams(streams):
             for c in out.outputs:
-                choices[i * n + c.index].add(c)
+                choices[i * n + c.index].add(c, out)
         prompt_tokens = sum(len(s.prompt_token_ids) for s in streams)
         completion_tokens = sum(len(ch.token_ids) for ch in choices)
         return JSONResponse({**ctx, "choices": [choice(index, ch) for index, ch in enumerate(choices)],
@@ -314,7 +348,7 @@ class OpenAIServing:
             except ValueError as e:
                 raise APIError(400, str(e), "prompt", too_long(e)) from None
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
-        params = req.sampling_params(max_tokens, "max_tokens", req.logprobs)
+        params = req.sampling_params(max_tokens, "max_tokens", req.logprobs, req.num_prompt_logprobs)
         for x in ids:
             self.check_context(x, max_tokens, "max_tokens")
         self.admit(params.n * len(ids))
@@ -323,14 +357,16 @@ class OpenAIServing:
         # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
-        streams = await self.add_all(ctx["id"], ids, params)
+        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1])
         if req.stream:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
 
     def completion_events(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
         """First each choice's echo, if any; then its text deltas, whose logprobs' `text_offset`
-        goes on from the choice's text so far (the echo included)."""
+        goes on from the choice's text so far (the echo included). With prompt logprobs, the echo
+        waits for them: the first delta carries the echo, its tokens' logprobs and vLLM's
+        `prompt_logprobs` (the output that completes the prompt also brings its first token)."""
         # TODO (lab 6): OpenAIServing.completion_events
         # What a /v1/completions stream sends; chat_events below does the same for chat, read it first. Return
         # self.events(ctx, req, streams, opening, choice, logprobs_asked=req.logprobs is not None).
@@ -343,8 +379,21 @@ class OpenAIServing:
 
     def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
         n, num_lp = req.num_samples, req.logprobs
-        choice = lambda index, ch: completion_choice(index, ch, num_lp, len(echo[index // n]))  # noqa: E731
-        return self.response(ctx, req, streams, echo, choice)
+        if req.num_prompt_logprobs is None:
+            choice = lambda index, ch, *_: completion_choice(index, ch, num_lp, len(echo[index // n]))  # noqa: E731
+            return self.response(ctx, req, streams, echo, choice)
+
+        def choice(index: int, ch: Choice) -> dict:  # the echo goes in front with the prompt's logprobs
+            ids, entries = ch.prompt
+            part = prompt_part(ids, entries, num_lp, echo[index // n] if req.echo else None,
+                               self.engine.tokenizer.decode(ids[:1]) if self.engine.tokenizer else "")  # fmt: skip
+            return completion_choice(index, ch, num_lp, len(echo[index // n]), part)
+
+        return self.response(ctx, req, streams, ["" for _ in echo], choice)
+
+    def prompt_part(self, out: RequestOutput, req: CompletionRequest, echo: str) -> dict:
+        first = self.engine.tokenizer.decode(out.prompt_token_ids[:1]) if self.engine.tokenizer else ""
+        return prompt_part(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, echo if req.echo else None, first)
 
     # --- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, raw: Request) -> Response:
@@ -366,7 +415,7 @@ class OpenAIServing:
         self.check_context(ids, max_tokens, field)
         self.admit(params.n)
         ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
-        streams = await self.add_all(ctx["id"], [ids], params)
+        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1])
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)
         return await unless_disconnected(raw, self.chat_response(ctx, req, streams), streams)
@@ -378,7 +427,7 @@ class OpenAIServing:
         role = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for index in range(req.num_samples)]  # fmt: skip
 
-        def choice(index: int, c: CompletionOutput) -> dict:
+        def choice(index: int, c: CompletionOutput, out: RequestOutput) -> dict:
             lp = None if num_lp is None else chat_logprobs(c.token_ids, c.logprobs or [], num_lp, tok)
             return {"index": index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
                     "finish_reason": c.finish_reason}  # fmt: skip
@@ -387,13 +436,31 @@ class OpenAIServing:
 
     def chat_response(self, ctx: dict, req: ChatCompletionRequest, streams):
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
+        calls = req.tool_constraint() != []  # the output is a tool call (tool_choice "required" or a name)
 
         def choice(index: int, ch: Choice) -> dict:
-            return {"index": index, "message": {"role": "assistant", "content": ch.text, "refusal": None},
+            message = {"role": "assistant", "content": ch.text, "refusal": None}
+            finish = ch.finish_reason
+            if calls and finish == "stop":
+                message["content"], message["tool_calls"] = None, tool_calls(req, ch.text)
+                finish = "tool_calls" if req.tool_choice == "required" else "stop"  # OpenAI: a forced name says stop
+            return {"index": index, "message": message,
                     "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
-                    "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}  # fmt: skip
+                    "finish_reason": finish, "stop_reason": ch.stop_reason}  # fmt: skip
 
         return self.response({**ctx, "object": "chat.completion"}, req, streams, [""], choice)
+
+
+def tool_calls(req: ChatCompletionRequest, text: str) -> list[dict]:
+    """The OpenAI tool calls a constrained output stands for: a named function's arguments, or
+    ("required") a list of {"name", "parameters"}, one call each."""
+    out = json.loads(text)  # valid: the grammar made it so, and it finished
+    if req.tool_choice == "required":
+        pairs = [(call["name"], call["parameters"]) for call in out]
+    else:
+        pairs = [(req.tool_choice["function"]["name"], out)]
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+             "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]  # fmt: skip
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
