@@ -65,7 +65,8 @@ The step's flattened batch with vLLM's paged metadata (read the picture in this 
   block_tables [B, max_blocks] int32: each table padded with 0 to the longest (never read past seq_len);
   slot_mapping [T] long: for every new token at position p of a sequence with table t,
       slot = t[p // block_size] * block_size + p % block_size
-Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=...).""",
+  block_copies [C, 2] long: the (src, dst) pairs given, as they are (level 3's copy-on-write; usually none);
+Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=..., block_copies=...).""",
     ),
 )
 

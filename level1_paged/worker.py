@@ -29,7 +29,7 @@ Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`, `slot_mapping`) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,11 +44,15 @@ class ModelInput(FlatBatch):
     seq_lens: torch.Tensor  # [B] int32: context including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
+    block_copies: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    # [C, 2] long (src, dst): blocks to copy before this step writes (level 3's copy-on-write; empty below)
 
     @classmethod
-    def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int]) -> ModelInput:
+    def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int],
+              block_copies: list[tuple[int, int]] = ()) -> ModelInput:  # fmt: skip
         """chunks[i] = (new tokens of sequence i, position of the first); tables[i] its blocks,
-        covering at least those positions; num_logits[i] how many of its last rows to sample."""
+        covering at least those positions; num_logits[i] how many of its last rows to sample;
+        block_copies the (src, dst) block pairs to copy first (a forked sequence's shared block)."""
         width = max(len(t) for t in tables)
         bs = block_size
         slots = [t[p // bs] * bs + p % bs for (toks, start), t in zip(chunks, tables) for p in range(start, start + len(toks))]
@@ -57,6 +61,7 @@ class ModelInput(FlatBatch):
             seq_lens=torch.tensor([start + len(toks) for toks, start in chunks], dtype=torch.int32),  # [B]
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),  # [B, W]
             slot_mapping=torch.tensor(slots, dtype=torch.long),  # [T]
+            block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),  # [C, 2]
         )
 
 

@@ -1,4 +1,4 @@
-"""Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool."""
+"""Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool (and beam search on it)."""
 
 from level0_naive import (
     CompletionOutput,
@@ -11,11 +11,15 @@ from level0_naive import (
 )
 from level2_continuous import Request, RequestStatus
 
+from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .engine import LLM, LLMEngine, PrefixCachingEngine, PrefixEngineConfig
 
 __all__ = [
     "LLM",
     "LLMEngine",
+    "BeamSearchParams",
+    "BeamSearchOutput",
+    "BeamSearchSequence",
     "PrefixCachingEngine",
     "SamplingParams",
     "StructuredOutputsParams",

@@ -17,6 +17,19 @@ Protocol (it inherits nothing from level 2's simple manager):
     request tokens:  [ t0 .. t15 | t16 .. t31 | t32 .. t37 ]
     block hashes:      h1=H(-,t0..15)  h2=H(h1,t16..31)   (partial: not cached)
 
+Sharing by reference count also gives the PagedAttention paper's fork (beam search, and
+`n` samples of one prompt): `fork(parent, child)` hands the child the parent's blocks,
+each one's count +1, and nothing is copied. Whoever then writes into a block someone
+else holds gets a copy first (copy-on-write): `allocate_slots` swaps the shared block for
+a new one and records (src, dst) for the worker, which copies it before the step writes.
+
+    parent  [ b3 | b8 | b5 (10 of 16) ]      fork        child [ b3 | b8 | b5 ]   b5 ref 2
+    child appends a token at position 42 -> b5 is shared -> copy b5 to b11, b5 ref 1:
+    parent  [ b3 | b8 | b5 ]   child [ b3 | b8 | b11 (b5's 10 tokens, then its own) ]
+
+Full blocks are never written again, so they stay shared for good; only the last,
+partial block is ever copied, and only once per fork.
+
 The names are kept on the request (`req.block_hashes`, computed once each, as vLLM
 does), so a preempted request comes back knowing them. On `free`, a request's blocks
 go back in reverse order, so when memory is needed its tail (the least shareable part)
@@ -46,6 +59,11 @@ class PrefixCachingKVCacheManager:
         self.queries = 0  # tokens looked up at admission (vLLM: prefix_cache_queries); a readmitted
         # preempted request looks up its prompt and its output so far
         self.hits = 0  # of which found in the cache (vLLM: prefix_cache_hits)
+        self.block_copies: list[tuple[int, int]] = []  # (src, dst) copy-on-write copies the next step must make
+        self.fork_parents: dict[int, Request] = {}  # seq_id of a sample to fork at admission -> its parent
+        self.fork_granted: set[int] = set()  # of those, the ones whose last lookup was answered with the fork
+        self.forked_tokens = 0  # tokens samples took from their parent at admission instead of computing
+        self.num_copied = 0  # copies made since the start (the fork's only cost in memory traffic)
 
     # --- hashing --------------------------------------------------------------------
     def _hashes(self, req: Request, num_blocks: int) -> list[bytes]:
@@ -58,6 +76,12 @@ class PrefixCachingKVCacheManager:
 
     # --- the Protocol ------------------------------------------------------------------
     def get_computed_blocks(self, req: Request) -> tuple[list[KVBlock], int]:
+        self.fork_granted.discard(req.seq_id)
+        parent = self.fork_parents.get(req.seq_id)
+        if parent is not None and parent.seq_id in self.req_blocks and parent.num_computed_tokens >= req.num_tokens - 1:
+            n = req.num_tokens - 1  # a sample forked from its parent: all but its last token, partial block too
+            self.fork_granted.add(req.seq_id)
+            return self.req_blocks[parent.seq_id][: blocks_for(n, self.block_size)], n
         # A request that wants its prompt's logprobs computes its whole prompt (vLLM V1 does the same:
         # a hit's positions would have no logits); its blocks are still named and shared afterwards.
         if not self.enable_caching or req.params.prompt_logprobs is not None:
@@ -78,24 +102,70 @@ class PrefixCachingKVCacheManager:
         computed = computed_blocks or []
         total = req.num_computed_tokens + num_new_tokens
         need = blocks_for(total, self.block_size) - len(blocks) - len(computed)
+        # Blocks this step writes into that someone else holds too (once `computed` is touched):
+        # a fork's shared last block. Each needs its own copy first (copy-on-write).
+        held = blocks + computed
+        bs = self.block_size
+        writes = range(req.num_computed_tokens // bs, min(len(held), blocks_for(total, bs)))
+        shared = [i for i in writes if held[i].ref_cnt + (i >= len(blocks)) > 1]
         idle_hits = sum(b.ref_cnt == 0 for b in computed)  # touching them takes them off the free queue
-        if need > self.pool.num_free - idle_hits - keep_free:
+        if max(need, 0) + len(shared) > self.pool.num_free - idle_hits - keep_free:
             if not blocks:
                 del self.req_blocks[req.seq_id]
             return False
-        self.pool.touch(computed)
+        self.pool.touch(computed)  # first, so no allocation below can evict a hit
         blocks.extend(computed)
-        blocks.extend(self.pool.allocate(max(need, 0)))
         if computed_blocks is not None:  # an admission: count the lookup once, when it sticks
-            self.queries += req.num_tokens
-            self.hits += len(computed) * self.block_size
-            self.num_named[req.seq_id] = len(computed)
-            self.num_filled[req.seq_id] = len(computed) * self.block_size  # hit blocks are full already
+            if req.seq_id in self.fork_granted:  # shared with its parent, not looked up
+                self.forked_tokens += req.num_computed_tokens
+                self.fork_parents.pop(req.seq_id)
+                self.fork_granted.discard(req.seq_id)
+            else:
+                self.queries += req.num_tokens
+                self.hits += len(computed) * bs
+            self.num_named[req.seq_id] = next(
+                (i for i, b in enumerate(computed) if b.block_hash is None), len(computed)
+            )
+            self.num_filled[req.seq_id] = req.num_computed_tokens  # what the hit (or forked) blocks hold
+        for i in shared:
+            self._copy_on_write(req, blocks, i)
+        blocks.extend(self.pool.allocate(max(need, 0)))
         return True
+
+    def _copy_on_write(self, req: Request, blocks: list[KVBlock], i: int) -> None:
+        old, (new,) = blocks[i], self.pool.allocate(1)
+        self.pool.fill(new, max(0, min(self.block_size, self.num_filled.get(req.seq_id, 0) - i * self.block_size)))
+        self.block_copies.append((old.block_id, new.block_id))
+        self.num_copied += 1
+        blocks[i] = new
+        self.pool.free([old])  # still held by the others (ref >= 1)
+        self.num_named[req.seq_id] = min(self.num_named.get(req.seq_id, 0), i)  # the copy has no name
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child starts as the parent: the same blocks (each ref +1), the same bookkeeping.
+        Its `num_computed_tokens` must be the parent's (or fewer); nothing is copied until one writes."""
+        if child.seq_id in self.req_blocks:
+            raise ValueError(f"sequence {child.seq_id} already holds blocks")
+        blocks = list(self.req_blocks[parent.seq_id])
+        self.pool.touch(blocks)
+        self.req_blocks[child.seq_id] = blocks
+        self.num_named[child.seq_id] = self.num_named.get(parent.seq_id, 0)
+        self.num_filled[child.seq_id] = self.num_filled.get(parent.seq_id, 0)
+
+    def fork_at_admission(self, child: Request, parent: Request) -> None:
+        """When `child` (a fresh sample of the same prompt) is admitted, it takes the blocks of its
+        prompt but the last token from `parent`, if the parent still holds them computed (else it
+        prefills as usual). Level 3's scheduler calls this for sample j > 0 of an `n` > 1 request."""
+        self.fork_parents[child.seq_id] = parent
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The copies recorded since the last call, for the next step's `ModelInput.block_copies`."""
+        copies, self.block_copies = self.block_copies, []
+        return copies
 
     def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
         n = req.num_computed_tokens if num_tokens is None else num_tokens
-        self._record_fill(req, req.num_computed_tokens)
+        self.record_fill(req)
         if not self.enable_caching:
             return
         full = n // self.block_size
@@ -109,9 +179,10 @@ class PrefixCachingKVCacheManager:
             self.pool.register(blocks[i], hashes[i], parent, tuple(req.token_slice(i * bs, bs)))
         self.num_named[req.seq_id] = full
 
-    def _record_fill(self, req: Request, now: int) -> None:
-        """Update the fill of the blocks between the last recorded and the current stored count."""
-        blocks, bs = self.req_blocks[req.seq_id], self.block_size
+    def record_fill(self, req: Request) -> None:
+        """Update the fill of its blocks, from the last recorded count to `num_computed_tokens`
+        (`cache_blocks` does it; level 3's beam search, which names no block, calls it alone)."""
+        blocks, bs, now = self.req_blocks[req.seq_id], self.block_size, req.num_computed_tokens
         before = self.num_filled.get(req.seq_id, 0)
         lo, hi = min(before, now), max(before, now)
         for i in range(lo // bs, min(len(blocks), blocks_for(hi, bs))):
@@ -119,6 +190,8 @@ class PrefixCachingKVCacheManager:
         self.num_filled[req.seq_id] = now
 
     def free(self, req: Request) -> None:
+        self.fork_parents.pop(req.seq_id, None)
+        self.fork_granted.discard(req.seq_id)
         self.pool.free(list(reversed(self.req_blocks.pop(req.seq_id, []))))
         self.num_named.pop(req.seq_id, None)
         self.num_filled.pop(req.seq_id, None)

@@ -168,6 +168,12 @@ class SpeculativeEngine(PrefixCachingEngine):
         draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend, c.batch_invariant)
         return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size, self.sampler)
 
+    @property
+    def fork_samples(self) -> bool:
+        """n > 1 samples fork after the prompt (level 3) unless a draft model keeps a second cache,
+        which the forks' copy-on-write would have to copy too (not done: they prefill, as at level 2)."""
+        return self.draft is None
+
     def make_kv_manager(self):
         """Level 3's, but a block is named only once the draft's cache holds it too."""
         if self.draft is None:
