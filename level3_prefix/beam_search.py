@@ -179,8 +179,10 @@ class Search:
         self.live, self.done = [], True
 
 
-def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSearchOutput]:
-    """The search for every prompt (a string or token ids) on `engine` (level 3 or above, idle)."""
+def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -> list[BeamSearchOutput]:
+    """The search for every prompt (a string or token ids) on `engine` (level 3 or above, idle).
+    `on_step(beams)`, if given, sees the live beams after each step's blocks are allocated
+    (benchmarks/beam_memory.py counts the blocks they share)."""
     if not isinstance(params, BeamSearchParams):
         raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
     if engine.has_unfinished_requests():
@@ -219,6 +221,8 @@ def beam_search(engine, prompts: list, params: BeamSearchParams) -> list[BeamSea
             else:  # a child: one new token, into its own copy of a shared last block
                 ok = kv.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
             assert ok, "admission reserved the worst case, so a beam always finds its blocks"
+        if on_step is not None:
+            on_step(beams)
         chunks = [(b.token_slice(b.num_computed_tokens, b.num_tokens), b.num_computed_tokens) for b in beams]
         tables = [kv.block_table(b) for b in beams]
         mi = ModelInput.build(chunks, tables, bs, [1] * len(beams), kv.take_block_copies())

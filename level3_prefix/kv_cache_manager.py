@@ -102,12 +102,7 @@ class PrefixCachingKVCacheManager:
         computed = computed_blocks or []
         total = req.num_computed_tokens + num_new_tokens
         need = blocks_for(total, self.block_size) - len(blocks) - len(computed)
-        # Blocks this step writes into that someone else holds too (once `computed` is touched):
-        # a fork's shared last block. Each needs its own copy first (copy-on-write).
-        held = blocks + computed
-        bs = self.block_size
-        writes = range(req.num_computed_tokens // bs, min(len(held), blocks_for(total, bs)))
-        shared = [i for i in writes if held[i].ref_cnt + (i >= len(blocks)) > 1]
+        shared = self._blocks_to_copy(blocks + computed, len(blocks), req.num_computed_tokens, total)
         idle_hits = sum(b.ref_cnt == 0 for b in computed)  # touching them takes them off the free queue
         if max(need, 0) + len(shared) > self.pool.num_free - idle_hits - keep_free:
             if not blocks:
@@ -122,7 +117,7 @@ class PrefixCachingKVCacheManager:
                 self.fork_granted.discard(req.seq_id)
             else:
                 self.queries += req.num_tokens
-                self.hits += len(computed) * bs
+                self.hits += len(computed) * self.block_size
             self.num_named[req.seq_id] = next(
                 (i for i, b in enumerate(computed) if b.block_hash is None), len(computed)
             )
@@ -132,7 +127,17 @@ class PrefixCachingKVCacheManager:
         blocks.extend(self.pool.allocate(max(need, 0)))
         return True
 
+    def _blocks_to_copy(self, held: list[KVBlock], num_own: int, start: int, end: int) -> list[int]:
+        """Indices into `held` of the blocks that positions [start, end) write into and that another
+        sequence holds too: each needs a copy of its own first. `held` is the sequence's blocks, then
+        (from index `num_own` on) the hit or forked blocks it is about to touch, which count +1 then."""
+        bs = self.block_size
+        writes = range(start // bs, min(len(held), blocks_for(end, bs)))
+        return [i for i in writes if held[i].ref_cnt + (i >= num_own) > 1]
+
     def _copy_on_write(self, req: Request, blocks: list[KVBlock], i: int) -> None:
+        """Swap the shared blocks[i] for a fresh block holding the same tokens: record (old, new) for
+        the step's copy, drop this sequence's reference to the old one; the copy has no name."""
         old, (new,) = blocks[i], self.pool.allocate(1)
         self.pool.fill(new, max(0, min(self.block_size, self.num_filled.get(req.seq_id, 0) - i * self.block_size)))
         self.block_copies.append((old.block_id, new.block_id))

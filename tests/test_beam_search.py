@@ -17,7 +17,7 @@ What it is:
     abort; not with a draft model or prompt logprobs;
   - bad parameters and a busy engine are refused.
 
-What it is not: the memory figures (benchmarks/beam_memory.py, whose function one test runs small).
+What it is not: the memory figures (benchmarks/beam_memory.py, which one test runs small).
 """
 
 from __future__ import annotations
@@ -344,3 +344,28 @@ def test_prompt_logprobs_do_not_fork_and_an_abort_leaks_nothing(checkpoint_facto
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.num_free_blocks() == engine.num_blocks and not engine.kv.fork_parents
+
+
+def test_the_memory_benchmark_counts_what_sharing_saves(checkpoint_factory, tmp_path, monkeypatch):
+    """Small: one request, widths 2 and 4. A sequence holds at least its own last block, so w
+    sequences can save at most (w - 1) / w of the blocks; more sequences share more."""
+    from benchmarks import beam_memory
+
+    monkeypatch.setenv("INFERENCE_LADDER_OUT", str(tmp_path))
+    path = checkpoint_factory("llama", tokenizer=True)
+    res = beam_memory.main(["--model", str(path), "--requests", "1", "--widths", "2", "4", "--mixes", "alpaca-like"])
+    saved = {(r["method"], r["width"]): r["saved"] for r in res["rows"]}
+    for (method, w), s in saved.items():
+        assert 0 < s < (w - 1) / w, (method, w, s)
+    assert saved["beam search", 4] > saved["beam search", 2]
+    assert saved["parallel sampling", 4] > saved["parallel sampling", 2]
+    assert (tmp_path / "beam_memory.json").is_file()
+
+
+def test_block_count():
+    from benchmarks.beam_memory import BlockCount
+
+    c = BlockCount()
+    c.add([[0, 1, 2], [0, 1, 3]])  # 4 held, 6 without sharing
+    c.add([[5]])  # 1 and 1
+    assert (c.shared, c.unshared) == (5, 7) and abs(c.saved - 2 / 7) < 1e-12

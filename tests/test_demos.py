@@ -24,7 +24,7 @@ pytestmark = pytest.mark.docs
 
 DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md", "docs/level3_prefix.md",
         "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md", "docs/benchmarks.md",
-        "docs/batch_invariance.md", "docs/structured_outputs.md"]  # fmt: skip
+        "docs/batch_invariance.md", "docs/structured_outputs.md", "docs/beam_search.md"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -85,6 +85,18 @@ def test_level3_demo(checkpoint_factory, tmp_path, capsys):
     )
     assert res["identical"]  # caching changes the time, never the tokens
     assert res["hit_rate"] > 0.85  # the system prompt came from the cache (the TTFT cut is measured, not asserted)
+
+
+def test_beam_demo(tiny, capsys):
+    """The beams best first, the block tables with shared blocks, and the samples' fork."""
+    from level3_prefix import beam_demo
+
+    res = beam_demo.main(["--model", str(tiny), "--max-tokens", "12", "--beam-width", "3", "--block-size", "4"])
+    out = capsys.readouterr().out
+    assert "beam 2  score" in out and "without sharing" in out and "sample 0 prefills the prompt" in out
+    scores = [s.score for s in res["sequences"]]
+    assert len(scores) == 3 and scores == sorted(scores, reverse=True)
+    assert 0 < res["beam_saved"] < 1 and res["copied"] > 0 and res["forked_tokens"] > 0
 
 
 def test_batch_invariance_demo(tiny, tmp_path):

@@ -165,7 +165,10 @@ class PagedAttention:
     """The attention backend for one forward: write new k/v to their slots, attend through tables.
 
     `meta` is the step's `ModelInput` (`worker.py`): query_start_loc, seq_lens,
-    block_tables, slot_mapping, already on the cache's device.
+    block_tables, slot_mapping, already on the cache's device, and block_copies: pairs
+    (src, dst) copied in each layer before anything is written (level 3's copy-on-write,
+    the PagedAttention paper's fork; empty below level 3). Copying layer by layer here
+    means a pipeline stage copies exactly the layers it holds.
     """
 
     def __init__(self, cache: PagedKVCache, meta, impl: AttentionImpl, scale: float):
@@ -175,6 +178,9 @@ class PagedAttention:
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         m = self.meta
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [N, bs, Hkv, D]
+        if m.block_copies.numel():  # copy-on-write (level 3): a forked sequence's own copy of a shared block
+            src, dst = m.block_copies[:, 0], m.block_copies[:, 1]  # [C] each; all read before any is written
+            k_cache[dst], v_cache[dst] = k_cache[src], v_cache[src]
         self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)
         return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
 

@@ -33,7 +33,7 @@ Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`, `slot_mapping`) and
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,11 +48,15 @@ class ModelInput(FlatBatch):
     seq_lens: torch.Tensor  # [B] int32: context including this step's tokens
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
     slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
+    block_copies: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
+    # [C, 2] long (src, dst): blocks to copy before this step writes (level 3's copy-on-write; empty below)
 
     @classmethod
-    def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int]) -> ModelInput:
+    def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int],
+              block_copies: list[tuple[int, int]] = ()) -> ModelInput:  # fmt: skip
         """chunks[i] = (new tokens of sequence i, position of the first); tables[i] its blocks,
-        covering at least those positions; num_logits[i] how many of its last rows to sample."""
+        covering at least those positions; num_logits[i] how many of its last rows to sample;
+        block_copies the (src, dst) block pairs to copy first (a forked sequence's shared block)."""
         # TODO (lab 1): ModelInput.build
         # The step's flattened batch with vLLM's paged metadata (read the picture in this file's docstring):
         #   FlatBatch.geometry(chunks, num_logits) gives input_ids, positions, query_start_loc, logits_indices;
@@ -60,7 +64,8 @@ class ModelInput(FlatBatch):
         #   block_tables [B, max_blocks] int32: each table padded with 0 to the longest (never read past seq_len);
         #   slot_mapping [T] long: for every new token at position p of a sequence with table t,
         #       slot = t[p // block_size] * block_size + p % block_size
-        # Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=...).
+        #   block_copies [C, 2] long: the (src, dst) pairs given, as they are (level 3's copy-on-write; usually none);
+        # Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=..., block_copies=...).
         raise NotImplementedError("lab 1: write ModelInput.build")
 
 
