@@ -219,6 +219,26 @@ class ReferenceGrammar(Grammar):
         return self.stopped
 
 
+def pattern_with_length(schema, path: str = "the schema") -> str | None:
+    """Where a string schema has both a `pattern` and a length bound, or None. xgrammar compiles such a
+    string from its pattern alone (it warns and drops the lengths), so an unbounded pattern runs to
+    max_tokens and the output does not validate: refused instead, naming the place."""
+    if isinstance(schema, dict):
+        lengths = (isinstance(schema.get(k), int) for k in ("minLength", "maxLength"))
+        if isinstance(schema.get("pattern"), str) and any(lengths):  # (not a property named "pattern")
+            return path
+        items = schema.items()
+    elif isinstance(schema, list):
+        items = ((f"[{i}]", v) for i, v in enumerate(schema))
+    else:
+        return None
+    for key, value in items:
+        found = pattern_with_length(value, f"{path}.{key}" if not key.startswith("[") else f"{path}{key}")
+        if found is not None:
+            return found
+    return None
+
+
 def choice_regex(choices: list[str]) -> str:
     """The output is exactly one of `choices`: their alternation, each escaped."""
     import regex
@@ -277,6 +297,12 @@ class StructuredOutputManager:
         try:
             if kind in ("json", "json_object"):  # json_object: any JSON object (a schema that says only that)
                 schema = {"type": "object"} if kind == "json_object" else spec.json
+                where = pattern_with_length(json.loads(schema) if isinstance(schema, str) else schema)
+                if where is not None:
+                    raise ValueError(
+                        f"structured_outputs.json is not supported: {where} has 'pattern' with 'minLength'/'maxLength', "
+                        "and xgrammar would ignore the lengths (write them into the pattern, e.g. ^[a-z]{1,5}$)"
+                    )
                 schema = schema if isinstance(schema, str) else json.dumps(schema)
                 return c.compile_json_schema(schema, any_whitespace=not spec.disable_any_whitespace)
             if kind == "regex":
