@@ -51,9 +51,10 @@ CHECKS = (
           (OWN + "test_a_token_is_allowed_exactly_when_the_text_can_still_match",),
           "Try each token: decode the tokens so far plus it, and keep it if fullmatch(text, partial=True) is not None.",
           rule="A token may come next only if some continuation of the text with it is a full match."),
-    Check("same-as-xgrammar", "the reference masker allows what xgrammar allows, at every step of random walks",
-          (S + "test_the_reference_masker_and_xgrammar_allow_the_same_tokens",),
-          "Compare your mask with xgrammar's on the failing step: a stop token allowed too early, a byte-level token "
+    Check("same-as-the-engines",
+          "the reference masker allows what xgrammar and llguidance allow, at every step of random walks",
+          (S + "test_the_reference_masker_and_the_engines_allow_the_same_tokens",),
+          "Compare your mask with the engine's on the failing step: a stop token allowed too early, a byte-level token "
           "that is half a character, or a token kept that no continuation can complete.",
           rule="Two correct maskers of one grammar allow the same tokens at every step."),
     Check("rollback", "a draft's look-ahead leaves the state as it found it",
@@ -71,7 +72,7 @@ CHECKS = (
 BUGS = (
     Bug("stop-always-allowed", "level0_naive.structured",
         "                mask[t] = complete\n",
-        "                mask[t] = True\n", ("stop-rule", "same-as-xgrammar")),
+        "                mask[t] = True\n", ("stop-rule", "same-as-the-engines")),
     Bug("no-rollback", "level0_naive.structured",
         "        finally:\n            self.rollback(took)\n",
         "        finally:\n            pass\n", ("rollback",)),

@@ -40,7 +40,7 @@ class EngineConfig:
     # A request's tokens and logprobs bit for bit the same whatever else is in the batch (invariant_ops.py,
     # docs/batch_invariance.md); the default comes from LADDER_BATCH_INVARIANT=1, as vLLM's VLLM_BATCH_INVARIANT.
     batch_invariant: bool = field(default_factory=lambda: os.environ.get("LADDER_BATCH_INVARIANT", "0") == "1")
-    structured_outputs_backend: str = "auto"  # auto (xgrammar) | xgrammar | reference (choice and regex only)
+    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance | reference (structured.py says which does what)
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -51,9 +51,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
-        if self.structured_outputs_backend not in ("auto", "xgrammar", "reference"):
+        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance", "reference"):
             raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} is not one of: auto, "
-                             "xgrammar, reference")  # fmt: skip
+                             "xgrammar, guidance, reference")  # fmt: skip
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:

@@ -53,7 +53,7 @@ from .sampling import (
     filter_logits_batch,
     keyed_gumbel,
 )
-from .structured import XGrammar, unpack
+from .structured import BitmaskGrammar, unpack
 
 
 class LogitsProcessor(Protocol):
@@ -187,7 +187,7 @@ class GrammarMask:
             return logits
         V = logits.shape[-1]
         allowed = torch.empty(len(rows), V, dtype=torch.bool)  # [R, V]
-        fast = [j for j, i in enumerate(rows) if isinstance(states[i].grammar, XGrammar)
+        fast = [j for j, i in enumerate(rows) if isinstance(states[i].grammar, BitmaskGrammar)
                 and states[i].grammar.num_accepted == len(states[i].output_token_ids)]  # fmt: skip
         if fast:
             bitmask = torch.empty(len(fast), states[rows[fast[0]]].grammar.bitmask.shape[1], dtype=torch.int32)

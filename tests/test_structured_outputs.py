@@ -3,9 +3,10 @@
 What it is:
   - JSON schemas (nested objects, arrays, enums, bounded integers, strings with patterns and
     lengths): every output, greedy and sampled, parses and validates with `jsonschema`, and
-    ends with "stop"; `choice` outputs are one of the choices; `regex` outputs match;
-  - the readable reference masker and xgrammar allow the same tokens at every step of random
-    walks through `choice` and regex grammars;
+    ends with "stop"; `choice` outputs are one of the choices; `regex` outputs match; with the
+    default backend (xgrammar, llguidance for a pattern with a length) and with llguidance alone;
+  - the readable reference masker and each engine (xgrammar, llguidance) allow the same tokens
+    at every step of random walks through `choice` and regex grammars;
   - with speculation on (a random draft model, n-grams), greedy outputs equal speculation off
     (float64); under preemption and chunked prefill (level 2's tight budgets) they equal a
     roomy run: the grammar's state survives recomputation;
@@ -46,9 +47,16 @@ SCHEMAS = [
                                               "required": ["number", "scene"], "additionalProperties": False}},
      "required": ["lines", "act"], "additionalProperties": False},
     {"type": "array", "items": {"type": "boolean"}, "minItems": 2, "maxItems": 4},
+    # a pattern with lengths: xgrammar would drop the lengths, so auto compiles it with llguidance
+    {"type": "object", "properties": {"title": {"type": "string", "pattern": "^[A-Z][a-z]+$", "minLength": 3, "maxLength": 7},
+                                      "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]+$",
+                                                                          "maxLength": 3}, "maxItems": 2}},
+     "required": ["title", "tags"], "additionalProperties": False},
 ]  # fmt: skip
 CHOICES = ["ROMEO", "JULIET", "friar Laurence"]
-REGEXES = [r"[A-Z][a-z]{2,6} of [A-Z][a-z]{2,6}", r"(yes|no|maybe)!{1,3}", r"\d{1,3}-\d{2}"]
+# [0-9], not \d: llguidance's \d is Rust's, every Unicode digit (it allows the first byte of U+0660), xgrammar's
+# is ASCII's, and the reference masker never allows half a character
+REGEXES = [r"[A-Z][a-z]{2,6} of [A-Z][a-z]{2,6}", r"(yes|no|maybe)!{1,3}", r"[0-9]{1,3}-[0-9]{2}"]
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +71,9 @@ def run(llm, specs: list[StructuredOutputsParams], temperature: float = 0.0, max
 
 
 @pytest.mark.level3
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_json_choice_and_regex_outputs_obey_their_grammar(model, temperature):
-    llm = level3_prefix.LLM(model, dtype="float32")
+@pytest.mark.parametrize("temperature,backend", [(0.0, "auto"), (1.0, "auto"), (1.0, "guidance")])
+def test_json_choice_and_regex_outputs_obey_their_grammar(model, temperature, backend):
+    llm = level3_prefix.LLM(model, dtype="float32", structured_outputs_backend=backend)
     outs = run(llm, [StructuredOutputsParams(json=s) for s in SCHEMAS] + [StructuredOutputsParams(json_object=True)]
                + [StructuredOutputsParams(choice=CHOICES)] + [StructuredOutputsParams(regex=r) for r in REGEXES],
                temperature)  # fmt: skip
@@ -81,14 +89,15 @@ def test_json_choice_and_regex_outputs_obey_their_grammar(model, temperature):
 
 
 @pytest.mark.level0
+@pytest.mark.parametrize("engine", ["xgrammar", "guidance"])
 @pytest.mark.parametrize("spec", [StructuredOutputsParams(choice=CHOICES), *(StructuredOutputsParams(regex=r) for r in REGEXES)],
                          ids=["choice", *REGEXES])  # fmt: skip
-def test_the_reference_masker_and_xgrammar_allow_the_same_tokens(model, spec):
+def test_the_reference_masker_and_the_engines_allow_the_same_tokens(model, spec, engine):
     """Random walks through the grammar: at every step both allow exactly the same tokens (stop included)."""
     from level0_naive.loader import load_tokenizer
 
     tok = load_tokenizer(model)
-    managers = [StructuredOutputManager(tok, 259, [257], backend) for backend in ("xgrammar", "reference")]
+    managers = [StructuredOutputManager(tok, 259, [257], backend) for backend in (engine, "reference")]
     rng = random.Random(0)
     for walk in range(3):
         grammars = [m.grammar(spec) for m in managers]
@@ -107,8 +116,9 @@ def test_the_reference_masker_and_xgrammar_allow_the_same_tokens(model, spec):
 
 @pytest.mark.level0
 def test_the_batched_mask_equals_the_row_by_row_one(model):
-    """GrammarMask.batch (one bitmask for every xgrammar row) against its __call__, row by row: rows at their
-    accepted tokens, rows with guesses past them (a draft's), a reference grammar, and a row with no grammar."""
+    """GrammarMask.batch (one bitmask for every xgrammar and llguidance row) against its __call__, row by row:
+    rows at their accepted tokens, rows with guesses past them (a draft's), a reference grammar, and a row
+    with no grammar."""
     import torch
 
     from level0_naive.loader import load_tokenizer
@@ -116,11 +126,12 @@ def test_the_batched_mask_equals_the_row_by_row_one(model):
     from level0_naive.sampling import SamplingState
 
     tok = load_tokenizer(model)
-    xgr, ref = (StructuredOutputManager(tok, 259, [257], b) for b in ("xgrammar", "reference"))
+    xgr, ref, llg = (StructuredOutputManager(tok, 259, [257], b) for b in ("xgrammar", "reference", "guidance"))
     specs = [StructuredOutputsParams(json=SCHEMAS[0]), StructuredOutputsParams(choice=CHOICES)]
     states = []
     for spec, manager, extra in [(specs[0], xgr, []), (specs[0], xgr, list(b'{"na')), (specs[1], xgr, list(b"RO")),
-                                 (specs[1], ref, list(b"JU")), (None, None, [])]:  # fmt: skip
+                                 (specs[1], ref, list(b"JU")), (specs[0], llg, []), (specs[1], llg, list(b"fri")),
+                                 (None, None, [])]:  # fmt: skip
         grammar = manager.grammar(spec) if manager else None
         accepted = list(b'{"name": "') if spec is specs[0] and not extra else []
         for t in accepted:
@@ -131,7 +142,8 @@ def test_the_batched_mask_equals_the_row_by_row_one(model):
     mask = GrammarMask()
     loop = torch.stack([mask(logits[i], st) if mask.applies(st.params) else logits[i] for i, st in enumerate(states)])
     assert torch.equal(mask.batch(logits, states), loop)
-    assert torch.isinf(loop[:4]).any(-1).all() and not torch.isinf(loop[4]).any()  # every grammar row masked
+    assert torch.isinf(loop[:6]).any(-1).all() and not torch.isinf(loop[6]).any()  # every grammar row masked
+    assert loop[:6, 256].isinf().all() and loop[:6, 258].isinf().all()  # <bos> and <pad>: never in a grammar's output
 
 
 @pytest.mark.level4
@@ -139,7 +151,7 @@ def test_speculation_changes_no_structured_output(model, checkpoint_factory):
     """float64, greedy: level 4 with a random draft model and with n-grams writes what level 3 writes."""
     draft = checkpoint_factory("llama", seed=7, tokenizer=True, hidden_size=32, head_dim=8, num_hidden_layers=1)
     specs = [StructuredOutputsParams(json=SCHEMAS[0]), StructuredOutputsParams(choice=CHOICES),
-             StructuredOutputsParams(regex=REGEXES[0])]  # fmt: skip
+             StructuredOutputsParams(regex=REGEXES[0]), StructuredOutputsParams(json=SCHEMAS[3])]  # (llguidance's)
     want = [o.text for o in run(level3_prefix.LLM(model, dtype="float64"), specs)]
     for spec in ({"model": str(draft), "num_speculative_tokens": 3},
                  {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}):  # fmt: skip
@@ -177,12 +189,21 @@ def test_bad_specs_are_value_errors_naming_the_field(model):
             llm.generate(["x"], SamplingParams(structured_outputs=spec), progress=False)
     with pytest.raises(ValueError, match="structured_outputs=.* must be a StructuredOutputsParams"):
         SamplingParams(structured_outputs={"json": {}})
-    # xgrammar drops minLength/maxLength beside a pattern (the output then runs to max_tokens and
-    # does not validate: 17 of 17 with the built-in model): refused, naming where
+    guidance = level2_continuous.LLM(model, dtype="float32", structured_outputs_backend="guidance")
+    for spec, field in [(StructuredOutputsParams(json={"type": "nonsense"}), "json"),
+                        (StructuredOutputsParams(regex="(unclosed"), "regex"),
+                        (StructuredOutputsParams(json="{not json"), "json")]:  # fmt: skip
+        with pytest.raises(ValueError, match=f"structured_outputs.{field} is not valid: "):
+            guidance.generate(["x"], SamplingParams(structured_outputs=spec), progress=False)
+    # xgrammar drops minLength/maxLength beside a pattern (the output then runs to max_tokens and does not
+    # validate: 0 of 17 with the built-in model): the xgrammar backend refuses it, naming where; auto
+    # compiles it with llguidance instead (see test_json_choice_and_regex_outputs_obey_their_grammar)
     bounded = {"type": "object", "properties": {"title": {"type": "string", "pattern": "^[A-Z][a-z]+$", "maxLength": 9},
                                                 "pattern": {"type": "string"}}}  # fmt: skip
-    with pytest.raises(ValueError, match=r"structured_outputs.json is not supported: the schema.properties.title has"):
-        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputsParams(json=bounded)), progress=False)
-    del bounded["properties"]["title"]["maxLength"]  # a pattern alone, and a property named "pattern": fine
-    llm.generate(["x"], SamplingParams(max_tokens=2, structured_outputs=StructuredOutputsParams(json=bounded)),
-                 progress=False)  # fmt: skip
+    spec = StructuredOutputsParams(json=bounded)
+    xgr = level2_continuous.LLM(model, dtype="float32", structured_outputs_backend="xgrammar")
+    with pytest.raises(ValueError, match=r"structured_outputs.json is not supported by xgrammar: the schema.properties.title"):
+        xgr.generate(["x"], SamplingParams(structured_outputs=spec), progress=False)
+    assert llm.llm_engine.structured.backend_for(spec) == "guidance"
+    del bounded["properties"]["title"]["maxLength"]  # a pattern alone, and a property named "pattern": xgrammar's
+    assert llm.llm_engine.structured.backend_for(StructuredOutputsParams(json=bounded)) == "xgrammar"
