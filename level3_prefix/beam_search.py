@@ -207,39 +207,45 @@ def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -
             )
         searches.append(s)
     waiting, active = list(searches), []
-    while waiting or active:
-        reserved = sum(s.worst_case_blocks(bs) for s in active)  # admit while the worst case still fits
-        while waiting and reserved + waiting[0].worst_case_blocks(bs) <= engine.num_blocks:
-            reserved += waiting[0].worst_case_blocks(bs)
-            active.append(waiting.pop(0))
-        beams = [b for s in active for b in s.live]
-        for b in beams:
-            if b.num_computed_tokens == 0:  # a prompt's first step: its cached prefix, if any
-                hits, n = kv.get_computed_blocks(b)
-                b.num_computed_tokens = n
-                ok = kv.allocate_slots(b, b.num_tokens - n, hits)
-            else:  # a child: one new token, into its own copy of a shared last block
-                ok = kv.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
-            assert ok, "admission reserved the worst case, so a beam always finds its blocks"
-        if on_step is not None:
-            on_step(beams)
-        chunks = [(b.token_slice(b.num_computed_tokens, b.num_tokens), b.num_computed_tokens) for b in beams]
-        tables = [kv.block_table(b) for b in beams]
-        mi = ModelInput.build(chunks, tables, bs, [1] * len(beams), kv.take_block_copies())
-        logits = engine.worker.execute(mi)  # [B, V]
-        for b in beams:
-            b.num_computed_tokens = b.num_tokens
-            kv.record_fill(b)  # how full its blocks are (for usage); no block is named
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        if params.temperature > 0:
-            logits = logits / params.temperature
-        logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
-        row = 0
-        for s in active:
-            n = len(s.live)
-            s.advance(logprobs[row : row + n], kv)
-            row += n
-        active = [s for s in active if not s.done]
+    try:
+        while waiting or active:
+            reserved = sum(s.worst_case_blocks(bs) for s in active)  # admit while the worst case still fits
+            while waiting and reserved + waiting[0].worst_case_blocks(bs) <= engine.num_blocks:
+                reserved += waiting[0].worst_case_blocks(bs)
+                active.append(waiting.pop(0))
+            beams = [b for s in active for b in s.live]
+            for b in beams:
+                if b.num_computed_tokens == 0:  # a prompt's first step: its cached prefix, if any
+                    hits, n = kv.get_computed_blocks(b)
+                    b.num_computed_tokens = n
+                    ok = kv.allocate_slots(b, b.num_tokens - n, hits)
+                else:  # a child: one new token, into its own copy of a shared last block
+                    ok = kv.allocate_slots(b, b.num_tokens - b.num_computed_tokens)
+                assert ok, "admission reserved the worst case, so a beam always finds its blocks"
+            if on_step is not None:
+                on_step(beams)
+            chunks = [(b.token_slice(b.num_computed_tokens, b.num_tokens), b.num_computed_tokens) for b in beams]
+            tables = [kv.block_table(b) for b in beams]
+            mi = ModelInput.build(chunks, tables, bs, [1] * len(beams), kv.take_block_copies())
+            logits = engine.worker.execute(mi)  # [B, V]
+            for b in beams:
+                b.num_computed_tokens = b.num_tokens
+                kv.record_fill(b)  # how full its blocks are (for usage); no block is named
+            logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+            if params.temperature > 0:
+                logits = logits / params.temperature
+            logprobs = torch.log_softmax(logits, dim=-1)  # [B, V]
+            row = 0
+            for s in active:
+                n = len(s.live)
+                s.advance(logprobs[row : row + n], kv)
+                row += n
+            active = [s for s in active if not s.done]
+    finally:  # an error or an interrupt mid-search: the live beams give their blocks back (ids are reused)
+        if waiting or active:
+            for s in searches:
+                s.stop(kv)
+            kv.take_block_copies()
     tok = inputs.tokenizer
     for s in searches:
         for seq in s.finished:

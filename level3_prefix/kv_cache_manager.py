@@ -148,7 +148,11 @@ class PrefixCachingKVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts as the parent: the same blocks (each ref +1), the same bookkeeping.
-        Its `num_computed_tokens` must be the parent's (or fewer); nothing is copied until one writes."""
+        Its `num_computed_tokens` must be the parent's (every block and fill count is the parent's, so a
+        child with fewer would hold blocks past its end); nothing is copied until one writes."""
+        if child.num_computed_tokens != parent.num_computed_tokens:
+            raise ValueError(f"fork: the child has {child.num_computed_tokens} computed tokens, the parent "
+                             f"{parent.num_computed_tokens}")  # fmt: skip
         if child.seq_id in self.req_blocks:
             raise ValueError(f"sequence {child.seq_id} already holds blocks")
         blocks = list(self.req_blocks[parent.seq_id])

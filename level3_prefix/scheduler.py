@@ -17,8 +17,10 @@ The cost: samples 1 .. n-1 get their first token one step after sample 0. Withou
 (level 2, and vLLM V1, which relies on the prefix cache instead), all n are admitted in the
 same step, and each prefills its own copy: the prompt's blocks are named only after the step.
 
-A sample does not wait when its parent finished or left the cache (it prefills as usual, and
-may still hit the prefix cache), nor when it asks for prompt logprobs (every sample then
+A sample does not wait when its parent finished or was aborted (it prefills as usual, and
+may still hit the prefix cache); when its parent is preempted, it waits until the parent is
+admitted again and has recomputed its prompt (a delay, never a deadlock: the parent comes
+first in the queue). Nor does it wait when it asks for prompt logprobs (every sample then
 computes its prompt). Level 4 with a draft model turns forking off (`fork_samples=False`): its
 draft's cache would need the same copies.
 

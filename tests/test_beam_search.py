@@ -38,6 +38,7 @@ import level5_multigpu
 from level0_naive import SamplingParams
 from level3_prefix import BeamSearchParams
 from level3_prefix.beam_search import Beam
+from level3_prefix.beam_search import beam_search as search
 from level3_prefix.kv_cache_manager import PrefixCachingKVCacheManager
 
 MAX_TOKENS = 8
@@ -161,6 +162,28 @@ def test_prompts_beyond_the_cache_run_in_turns_and_bad_input_is_refused(checkpoi
     small.llm_engine.add_request("busy", [1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(RuntimeError, match="idle engine"):
         small.beam_search([[1, 2]], params)
+
+
+def test_an_interrupted_search_gives_its_blocks_back(checkpoint_factory):
+    """An error mid-search (here the on_step callback's, as an interrupt or a worker's would be) frees the
+    live beams' blocks; the next search, which reuses the beams' ids, runs as on a fresh engine."""
+    path = checkpoint_factory("llama")
+    params = BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS)
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=4, enable_prefix_caching=False)
+    calls = []
+
+    def interrupt(beams):
+        calls.append(len(beams))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        search(llm.llm_engine, prompts_for(), params, on_step=interrupt)
+    engine = llm.llm_engine
+    assert engine.kv.num_free_blocks == engine.num_blocks and not engine.kv.take_block_copies()
+    fresh = level3_prefix.LLM(path, dtype="float64", block_size=4, enable_prefix_caching=False)
+    want = [[b.tokens for b in o.sequences] for o in fresh.beam_search(prompts_for(), params)]
+    assert [[b.tokens for b in o.sequences] for o in llm.beam_search(prompts_for(), params)] == want
 
 
 # --- copy-on-write: a state machine over the KV manager ------------------------------------

@@ -154,7 +154,8 @@ class PrefixCachingKVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child starts as the parent: the same blocks (each ref +1), the same bookkeeping.
-        Its `num_computed_tokens` must be the parent's (or fewer); nothing is copied until one writes."""
+        Its `num_computed_tokens` must be the parent's (every block and fill count is the parent's, so a
+        child with fewer would hold blocks past its end); nothing is copied until one writes."""
         # TODO (lab 3b): PrefixCachingKVCacheManager.fork
         # The child starts as the parent (docs/beam_search.md, "The fork and copy-on-write"):
         #   refuse a child that already holds blocks (ValueError), give it a *new list* of the parent's blocks
