@@ -1,0 +1,208 @@
+"""The cost model: how long one engine step takes on a GPU that is not here.
+
+What it is: three small pieces of data and one function.
+
+    Hardware     peak FLOP/s, memory bandwidth, memory, the link between GPUs (gpus.json),
+                 and how much of the peaks a step reaches (the efficiencies)
+    ModelShape   what a checkpoint's config.json says about its size (models/*/config.json):
+                 parameters per layer, KV bytes per token, FLOPs per token
+    step_time    one step's seconds, from what the scheduler decided: for each scheduled
+                 request (tokens already cached c, new tokens n)
+
+A step is a roofline sum over operator classes, each the slower of its compute and its
+memory traffic, plus a fixed per-step overhead:
+
+    linears    FLOPs 2 * T * P (T new tokens in the step, P weights per rank)
+               bytes  P * b (the weights, read once per step, whatever T) + activations
+    attention  FLOPs 4 * Hq * D * L * sum_i n_i * (c_i + (n_i + 1) / 2)  (QK^T and PV, causal)
+               bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV)
+    lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
+    TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
+    overhead   seconds per step (the CPU's scheduling and kernel launches), per request and per
+               token in it (zero per request and token on a GPU unless calibrated)
+
+    t_step = sum over classes of max(FLOPs / (peak * eff_c), bytes / (bandwidth * eff_m)) + comm + overhead
+
+So a decode step at a small batch costs the weights' read (memory-bound), a large prefill
+costs its FLOPs (compute-bound), and the KV reads grow with every request's context.
+
+What it is not: a kernel model. It knows no tile shapes, occupancy, CUDA graphs or launch
+latencies beyond the overhead term; docs/what_if.md says what that leaves out.
+
+Reference: Vidur (Agrawal et al., MLSys 2024) for operator-class costs; the roofline model
+(Williams et al., 2009); "LLM Inference Unveiled" (Yuan et al., 2024) for the FLOP and byte counts.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # peak FLOP/s in the serving dtype
+    bytes_per_s: float  # memory bandwidth
+    memory_bytes: int
+    link_bytes_per_s: float = 0.0  # GPU to GPU, per direction (TP's all-reduce)
+    link_latency_s: float = 10e-6  # alpha: one collective's fixed cost
+    compute_efficiency: float = 0.7  # what a step's matmuls reach of the peak (an assumption on GPUs)
+    memory_efficiency: float = 0.8  # what its reads reach of the bandwidth
+    step_overhead_s: float = 2e-3  # per step, whatever its size (scheduling, launches)
+    seq_overhead_s: float = 0.0  # per request in the step (a CPU engine's per-row Python and dispatch)
+    token_overhead_s: float = 0.0  # per new token (a CPU's elementwise ops, slower than its bandwidth says)
+    # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
+    # tenfold from 1 row to 1,024 (benchmarks/roofline.py); None: `flops` at any size
+    flops_curve: tuple[tuple[int, float], ...] | None = None
+
+    def flops_at(self, tokens: int) -> float:
+        """The matmul rate at this many rows: the curve, log-linear between its points, flat past its ends."""
+        if not self.flops_curve:
+            return self.flops
+        pts = self.flops_curve
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (t0, f0), (t1, f1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                x = (math.log(tokens) - math.log(t0)) / (math.log(t1) - math.log(t0))
+                return f0 + x * (f1 - f0)
+        return pts[-1][1]
+
+
+def gpu(name: str, **overrides) -> Hardware:
+    """A GPU from gpus.json (a100-40gb, a100-80gb, h100-80gb, h200, l4)."""
+    specs = json.loads((HERE / "gpus.json").read_text())
+    if name not in specs or name.startswith("_"):
+        raise ValueError(f"unknown GPU {name!r}; known: {', '.join(k for k in specs if not k.startswith('_'))}")
+    s = specs[name]
+    hw = Hardware(s["name"], s["bf16_flops"], s["hbm_bytes_per_s"], int(s["memory_bytes"]), s["link_bytes_per_s"])
+    return replace(hw, **overrides)
+
+
+def gpu_names() -> list[str]:
+    return [k for k in json.loads((HERE / "gpus.json").read_text()) if not k.startswith("_")]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes a cost needs, read from a Hugging Face config.json (llama, mistral, qwen2/3 and opt)."""
+
+    name: str
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    max_len: int
+    gated_mlp: bool  # SwiGLU's three matrices (llama) or two (opt)
+    eos_token_id: int
+    dtype_bytes: int = 2
+
+    @classmethod
+    def from_hf(cls, hf: dict, name: str = "") -> ModelShape:
+        heads = hf["num_attention_heads"]
+        eos = hf.get("eos_token_id")
+        eos = (eos or [0])[0] if isinstance(eos, list) or eos is None else eos  # a list, one id, or none: 0
+        return cls(
+            name=name or hf.get("_name_or_path", hf["model_type"]), num_layers=hf["num_hidden_layers"],
+            hidden=hf["hidden_size"], num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            intermediate=hf.get("intermediate_size") or hf["ffn_dim"], vocab=hf["vocab_size"],
+            max_len=hf.get("max_position_embeddings", 2048), gated_mlp=hf["model_type"] != "opt",
+            eos_token_id=eos,
+        )  # fmt: skip
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one layer's linears (biases and norms are noise at this size)."""
+        h, d = self.hidden, self.head_dim
+        attn = h * self.num_heads * d * 2 + h * self.num_kv_heads * d * 2  # q, o; k, v
+        mlp = (3 if self.gated_mlp else 2) * h * self.intermediate
+        return attn + mlp
+
+    @property
+    def params(self) -> int:
+        """Every weight: the layers, the embedding and the LM head (counted apart: HF's total for untied models)."""
+        return self.num_layers * self.layer_params + 2 * self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.params * self.dtype_bytes
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+
+
+def model_dir(name: str) -> Path:
+    """The directory of a shipped shape (models/<name>/config.json)."""
+    path = HERE / "models" / name
+    if not (path / "config.json").is_file():
+        known = sorted(p.name for p in (HERE / "models").iterdir() if (p / "config.json").is_file())
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(known)}")
+    return path
+
+
+def model_shape(name: str) -> ModelShape:
+    return ModelShape.from_hf(json.loads((model_dir(name) / "config.json").read_text()), name)
+
+
+def kv_budget(hw: Hardware, shape: ModelShape, tp: int = 1, gpu_memory_utilization: float = 0.9,
+              activation_reserve: float = 0.05) -> int:  # fmt: skip
+    """KV bytes per rank: vLLM's rule, `utilization * memory - weights - activations`, the activations'
+    peak taken as a share of the memory (vLLM profiles it with a dummy forward at the largest batch)."""
+    free = hw.memory_bytes * (gpu_memory_utilization - activation_reserve) - shape.weight_bytes / tp
+    if free <= 0:
+        raise ValueError(f"{shape.name} ({shape.weight_bytes / 1e9:.1f} GB) does not fit {tp} x {hw.name}")
+    return int(free)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """One step's seconds by class (what step_time sums)."""
+
+    linear: float
+    attention: float
+    lm_head: float
+    comm: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.linear + self.attention + self.lm_head + self.comm + self.overhead
+
+
+def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int,
+              tp: int = 1) -> StepCost:  # fmt: skip
+    """chunks: (tokens already cached, new tokens) per scheduled request; num_sampled: logits rows."""
+    b, L, h = shape.dtype_bytes, shape.num_layers, shape.hidden
+    T = sum(n for _, n in chunks)
+    flops, bw = hw.flops_at(T) * hw.compute_efficiency, hw.bytes_per_s * hw.memory_efficiency
+    # linears: weights once per step, activations in and out of each matmul (q/k/v/o and the MLP's)
+    w = L * shape.layer_params / tp
+    act = T * L * b * (6 * h + (3 if shape.gated_mlp else 2) * shape.intermediate / tp)
+    linear = max(2 * T * w / flops, (w * b + act) / bw)
+    # attention: QK^T and PV over each request's context (causal inside its new tokens), its KV read once
+    per_token = 4 * shape.num_heads * shape.head_dim * L / tp
+    attn_flops = sum(per_token * n * (c + (n + 1) / 2) for c, n in chunks)
+    kv_read = sum(c + n for c, n in chunks) * shape.kv_bytes_per_token / tp
+    attention = max(attn_flops / flops, kv_read / bw) if chunks else 0.0
+    head_w = shape.vocab * h / tp
+    lm_head = max(2 * num_sampled * head_w / flops, head_w * b / bw) if num_sampled else 0.0
+    comm = 0.0
+    if tp > 1:  # two all-reduces per layer (after attention, after the MLP), ring: 2 (tp - 1) / tp of the bytes
+        nbytes = T * h * b * 2 * (tp - 1) / tp
+        comm = 2 * L * (hw.link_latency_s + nbytes / hw.link_bytes_per_s)
+    overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
+    return StepCost(linear, attention, lm_head, comm, overhead)
+
+
+def step_time(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int, tp: int = 1) -> float:
+    return step_cost(hw, shape, chunks, num_sampled, tp).total

@@ -1,0 +1,252 @@
+"""`python -m benchmarks.sim.validate`: can the simulator predict this machine? Calibrate, then predict the
+committed CPU benchmark, row by row.
+
+What it is: the check that makes the GPU what-if worth reading. The simulated engines are the
+real ones with the forward replaced by a cost, so if the cost model is right for a machine,
+the simulation must reproduce what the real engines measured there. Here the machine is this
+CPU and the model the built-in one:
+
+  1. the hardware: the matmul rates at each batch size and the memory bandwidth that the
+     committed benchmark measured (`benchmarks/results/latest.json`, its "roofline" section);
+  2. the overhead: a real level-2 engine runs a calibration workload (its own seeded mix, not
+     one of the benchmark's); for every step the roofline time of what it scheduled is
+     subtracted from the step's wall time, and the rest is fitted as c0 + c1 * requests in the
+     step (least squares): the Python and dispatch cost a CPU pays per step and per row;
+  3. the prediction: levels 0, 2 and 3, simulated with that hardware, play each committed
+     workload (uniform, spread, shared-prefix, chat, latency; poisson at its reference rate)
+     with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths), and
+     their output tokens/s and mean TTFT are set beside the committed ones.
+
+What it is not: a check of levels 1 and 4, which the simulator does not model (level 1's
+static batches over blocks, level 4's drafts), or of GPUs (a lent GPU runs the same check with
+its own calibration: docs/what_if.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from benchmarks.throughput import tokenizer_encode
+from benchmarks.workloads import make_workload
+from ladder.progress import GenerateProgress
+from level0_naive.sampling import RequestOutputKind, SamplingParams
+
+from .cost import Hardware, ModelShape, step_cost
+from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedStatic
+
+ROOT = Path(__file__).resolve().parents[2]
+LEVELS = {"level0_naive": SimulatedStatic, "level2_continuous": SimulatedContinuous, "level3_prefix": SimulatedPrefix}
+
+
+def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
+    """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
+    `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per token), in seconds."""
+    curve = tuple((p["batch"], p["flops_per_s"]) for p in roofline["sweep"])
+    o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0}
+    return Hardware("this CPU", curve[-1][1], roofline["bandwidth"], 1 << 40, compute_efficiency=1.0,
+                    memory_efficiency=1.0, step_overhead_s=o["c0_s"], seq_overhead_s=o["c1_s"],
+                    token_overhead_s=o["c2_s"], flops_curve=curve)  # fmt: skip
+
+
+def exact(n: int) -> SamplingParams:
+    """The benchmark's parameters: every output exactly n tokens."""
+    return SamplingParams(max_tokens=n, min_tokens=n, ignore_eos=True, temperature=0.0,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+
+def calibration_mix(seed: int = 123) -> list[tuple[list[int], int]]:
+    """The calibration's own requests: 96 prompts of 8-96 tokens, outputs of 8-200 (no benchmark workload)."""
+    rng = random.Random(seed)
+    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 96))], rng.randint(8, 200)) for _ in range(96)]
+
+
+def measured_steps(level: str, model: str, dtype: str) -> list[tuple[list[tuple[int, int]], int, float]]:
+    """Run the calibration mix on the real engine of `level`: per step (chunks, sampled rows, wall seconds)."""
+    import importlib
+
+    mod = importlib.import_module(level)
+    shape = ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text()))
+    budget = 24 * 300 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # 24 requests' worst case
+    llm = mod.LLM(model, dtype=dtype, kv_cache_memory=budget, max_model_len=-1)
+    reqs = calibration_mix()
+    llm.generate([[40] * 16], [exact(8)], progress=False)  # warm-up: first-call costs stay out
+    engine, steps = llm.llm_engine, []
+    if level == "level0_naive":  # no step(): its loop times each step for the stats; its forward says what ran
+        inner_exec, inner_record = engine._execute, engine.stats.record_step
+        shapes = []
+
+        def execute(running, chunks):
+            shapes.append(([(start, len(toks)) for toks, start in chunks], len(running)))
+            return inner_exec(running, chunks)
+
+        def record(running, reserved, used, seconds):
+            steps.append((*shapes[-1], seconds))
+            return inner_record(running, reserved, used, seconds)
+
+        engine._execute, engine.stats.record_step = execute, record
+        llm.generate([p for p, _ in reqs], [exact(n) for _, n in reqs], progress=False)
+        return steps
+    inner = engine.schedule
+    shapes = []
+
+    def schedule(*args, **kwargs):
+        out = inner(*args, **kwargs)
+        shapes.append(([(r.num_computed_tokens, n) for r, n in out.scheduled],
+                       sum(1 for r, n in out.scheduled if r.num_logits(n))))  # fmt: skip
+        return out
+
+    engine.schedule = schedule
+    for i, (prompt, n) in enumerate(reqs):
+        engine.add_request(f"c{i}", prompt, exact(n))
+    while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
+        engine.step()
+        steps.append((*shapes[-1], time.perf_counter() - t0))
+    return steps
+
+
+def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32") -> dict:
+    """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * tokens, by least
+    squares over the real engine's steps on the calibration mix (see the module docstring)."""
+    shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())),
+                    dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)  # fmt: skip
+    steps = measured_steps(level, model, dtype)
+    X = torch.tensor([[1.0, len(c), sum(n for _, n in c)] for c, _, _ in steps], dtype=torch.float64)
+    roof = torch.tensor([step_cost(hw, shape, c, k).total for c, k, _ in steps], dtype=torch.float64)
+    wall = torch.tensor([w for _, _, w in steps], dtype=torch.float64)
+    coef = torch.linalg.lstsq(X, (wall - roof)[:, None]).solution[:, 0]
+    fit = roof + X @ coef
+    return {"level": level, "c0_s": coef[0].item(), "c1_s": coef[1].item(), "c2_s": coef[2].item(),
+            "steps": len(steps), "wall_s": wall.sum().item(), "roofline_share": (roof.sum() / wall.sum()).item(),
+            "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
+
+
+def predict(level: str, name: str, committed: dict, cfg: dict, hw: Hardware, model: str, dtype: str) -> dict:
+    """One level on one committed workload, simulated: output tokens/s and mean TTFT."""
+    w = committed["workloads"][name]
+    wl = make_workload(name, cfg["num_requests"], 259, cfg["seed"], cfg["quick"], tokenizer_encode(model))
+    clock = SimClock()
+    kw = dict(hardware=hw, clock=clock, dtype=dtype, kv_cache_memory=w["kv_cache_memory"],
+              max_num_seqs=wl.max_num_seqs or cfg["max_num_seqs"], max_model_len=-1, keep_trace=True)  # fmt: skip
+    engine = LEVELS[level](model, **kw)
+    seqs, count = [], iter(range(1 << 30))
+
+    def submit(reqs, arrivals):
+        group = []
+        for r, at in zip(reqs, arrivals):
+            rid = f"r{next(count)}"
+            engine.targets[rid] = r.max_tokens
+            if isinstance(engine, SimulatedStatic):
+                seq = engine.inputs.make_group(r.prompt, exact(r.max_tokens), request_id=rid)[0]
+                seq.metrics.arrival_time = at
+                group.append(seq)
+            else:
+                group.append((rid, r, at))
+        return group
+
+    def serve(group):
+        if isinstance(engine, SimulatedStatic):
+            engine.run(group, GenerateProgress(len(group), enabled=False))
+            return group
+        out, i = [], 0
+        while i < len(group) or engine.has_unfinished_requests():
+            while i < len(group) and group[i][2] <= clock.now:
+                rid, r, at = group[i]
+                engine.add_request(rid, r.prompt, exact(r.max_tokens), arrival_time=at)
+                out += engine.requests[rid]
+                i += 1
+            if engine.has_unfinished_requests():
+                engine.step()
+            else:
+                clock.now = group[i][2]
+        return out
+
+    if wl.arrivals is not None:
+        rate = w["reference_rate"]
+        seqs = serve(submit(wl.first, [a / rate for a in wl.arrivals]))
+    else:
+
+        def run_round(reqs):
+            done = serve(submit(reqs, [clock.now] * len(reqs)))
+            seqs.extend(done)
+            return [list(s.output_token_ids) for s in done]
+
+        wl.play(run_round)
+    out_tokens = sum(len(s.output_token_ids) for s in seqs)
+    return {"output_tokens_per_s": out_tokens / clock.now,
+            "ttft_s": statistics.mean(s.metrics.ttft for s in seqs), "steps": len(engine.worker.trace),
+            "preemptions": engine.stats.preemptions}  # fmt: skip
+
+
+def committed_row(committed: dict, name: str, level: str) -> dict | None:
+    w = committed["workloads"][name]
+    if "sweep" in w:  # poisson: the committed row at the reference rate
+        rows = [r for r in w["sweep"].get(level, []) if r["request_rate"] == w["reference_rate"]]
+        return rows[0] if rows else None
+    return w["results"].get(level)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.sim.validate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "latest.json"))
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the committed run's)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "what_if_validation.json"))
+    args = p.parse_args(argv)
+    committed = json.loads(Path(args.results).read_text())
+    cfg = committed["config"]
+    torch.set_num_threads(args.threads or cfg.get("threads") or 1)
+    model, dtype = cfg["model"], cfg["dtype"]
+    if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
+        model = str(ROOT / "models" / cfg["model_name"])
+    bare = cpu_hardware(committed["roofline"])
+    cals, hws = {}, {}
+    print("calibration on the real engines (the calibration mix: 96 requests; wall - roofline = c0 + c1 * requests + "
+          "c2 * tokens per step)")  # fmt: skip
+    for level in LEVELS:
+        cals[level] = cal = calibrate(level, model, bare, dtype)
+        hws[level] = cpu_hardware(committed["roofline"], cal)
+        print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:6.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us;"
+              f" {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
+              f" the fit's error {100 * cal['fit_error']:.1f} %")  # fmt: skip
+    rows = []
+    print(f"\n{'workload':14s} {'level':18s} {'tok/s real':>10s} {'sim':>8s} {'err':>7s}   "
+          f"{'TTFT real':>9s} {'sim':>8s} {'err':>7s}")  # fmt: skip
+    for name in committed["workloads"]:
+        for level in LEVELS:
+            real = committed_row(committed, name, level)
+            if real is None:
+                continue
+            sim = predict(level, name, committed, cfg, hws[level], model, dtype)
+            row = {"workload": name, "level": level, "real_tok_s": real["output_tokens_per_s"],
+                   "sim_tok_s": sim["output_tokens_per_s"], "real_ttft_s": real["ttft_s"]["mean"],
+                   "sim_ttft_s": sim["ttft_s"], "real_steps": real.get("steps"), "sim_steps": sim["steps"]}  # fmt: skip
+            row["tok_s_error"] = row["sim_tok_s"] / row["real_tok_s"] - 1
+            row["ttft_error"] = row["sim_ttft_s"] / row["real_ttft_s"] - 1
+            rows.append(row)
+            print(f"{name:14s} {level:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
+                  f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
+                  f"{100 * row['ttft_error']:+6.1f}%")  # fmt: skip
+    tok = sorted(abs(r["tok_s_error"]) for r in rows)
+    ttft = sorted(abs(r["ttft_error"]) for r in rows)
+    summary = {"tok_s_median": statistics.median(tok), "tok_s_worst": tok[-1],
+               "ttft_median": statistics.median(ttft), "ttft_worst": ttft[-1]}  # fmt: skip
+    print(f"\n|error| tokens/s: median {100 * summary['tok_s_median']:.1f} %, worst {100 * summary['tok_s_worst']:.1f} %;"
+          f" TTFT: median {100 * summary['ttft_median']:.1f} %, worst {100 * summary['ttft_worst']:.1f} %"
+          "  (goal: median <= 10 %, worst <= 20 %)")  # fmt: skip
+    result = {"calibration": cals, "rows": rows, "summary": summary, "results": args.results}
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    print(f"json: {args.out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,178 @@
+"""`python -m benchmarks.simulate`: the PagedAttention paper's serving figures, from the ladder's own engines.
+
+What it is: the GPU what-if. Each system of the paper's section 6 is built from the ladder's
+code on a modelled GPU clock (`benchmarks/sim/`): vLLM (level 2's scheduler and block manager;
+`vllm-prefix`: level 3's), Orca with contiguous reservations (Max, Pow2, Oracle: level 2's
+iteration scheduling, `ReservingKVCacheManager`) and FasterTransformer (level 0's static
+batches). For one GPU, model and trace it prints and plots
+
+  1. normalized latency (s/token) against request rate, per system: the paper's figure 12;
+  2. the highest rate each system sustains under a normalized-latency SLO, and vLLM's ratio
+     to each (paper, OPT-13B on ShareGPT: 1.7-2.7x Orca Oracle, 2.7-8x Orca Max, up to 22x FT);
+  3. at one rate (`--at-rate`, 2 req/s: the paper's figure 13), the mean number of batched
+     requests and the share of KV memory holding tokens (figure 2: 20.4-38.2 % for Orca);
+  4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 and the GPUs that
+     `--target-rate` requests/s would need.
+
+The plot goes to docs/img/what_if_<gpu>_<model>_<trace>.png, the numbers to
+benchmarks/results/what_if_<gpu>_<model>_<trace>.json.
+
+What it is not: a measurement. Only the cost model's time is modelled (benchmarks/sim/cost.py
+and docs/what_if.md say what it leaves out); every decision is the real engine's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from benchmarks.sim.cost import gpu, gpu_names, kv_budget, model_shape
+from benchmarks.sim.serve import TRACES, simulate, trace
+
+ROOT = Path(__file__).resolve().parent.parent
+PAPER = {  # OPT-13B, one A100-40GB, ShareGPT (Kwon et al. 2023, figures 2, 12 and 13)
+    "ratio": {"orca-oracle": "1.7-2.7x", "orca-pow2": "-", "orca-max": "2.7-8x", "ft": "up to 22x"},
+    "batched": {"vllm": 30.42, "orca-oracle": 13.62, "orca-pow2": 9.81, "orca-max": 7.00},
+    "kv": {"vllm": 96.3, "orca-oracle": 38.2, "orca-pow2": 26.8, "orca-max": 20.4},
+}
+PLOTTED = ("vllm", "orca-oracle", "orca-pow2", "orca-max", "ft")
+
+
+def latency_at(system: str, rate: float, args, tp: int = 1):
+    reqs = trace(args.trace, args.requests, rate, args.seed, model_shape(args.model).vocab)
+    return simulate(system, reqs, args.gpu, args.model, tp, rate)
+
+
+def max_rate(system: str, args, tp: int = 1, hi: float = 1.0) -> float:
+    """The highest rate whose normalized latency is within the SLO (bisection on a log scale, 4 %). If
+    even all requests at once meet the SLO (too few requests for it to bind), the rate at which the
+    system finishes requests while some are queued: any faster arrival would grow its queue without bound."""
+    lo, start = 0.0, hi
+    while latency_at(system, hi, args, tp).normalized_latency <= args.slo:  # find an upper bound
+        lo, hi = hi, hi * 2
+        if hi > 64 * start:
+            return latency_at(system, math.inf, args, tp).drain_rate
+    lo = lo or hi / 1024
+    if latency_at(system, lo, args, tp).normalized_latency > args.slo:
+        return 0.0
+    while hi / lo > 1.04:
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if latency_at(system, mid, args, tp).normalized_latency <= args.slo else (lo, mid)
+    return lo
+
+
+def plot(curves: dict, rates: list[float], args, at: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [3, 2]})
+    for system, ys in curves.items():
+        ax.plot(rates, ys, marker="o", ms=3, label=system)
+    ax.axhline(args.slo, color="grey", ls=":", lw=1, label=f"SLO {args.slo} s/token")
+    ax.set(xlabel="request rate (req/s)", ylabel="normalized latency (s/token)", ylim=(0, 4 * args.slo),
+           title=f"{args.model} on a simulated {args.gpu}, {args.trace}-like")  # fmt: skip
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    names = list(at)
+    bx.bar(names, [100 * at[s].kv_token_share for s in names], label="of reserved")
+    bx.bar(names, [100 * at[s].kv_pool_share for s in names], alpha=0.6, label="of the whole pool")
+    bx.set(ylabel="% of KV memory holding tokens", title=f"at {args.at_rate} req/s", ylim=(0, 100))
+    bx.tick_params(axis="x", labelrotation=30, labelsize=8)
+    bx.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.simulate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--gpu", default="a100-40gb", choices=gpu_names())
+    p.add_argument("--model", default="opt-13b", help="a shape in benchmarks/sim/models (opt-13b, llama-2-7b, ...)")
+    p.add_argument("--trace", "--workload", default="sharegpt", choices=list(TRACES))
+    p.add_argument("--requests", type=int, default=1000, help="requests per simulated run")
+    p.add_argument("--slo", type=float, default=0.1, help="normalized-latency SLO (s/token) for sustainable rates")
+    p.add_argument("--at-rate", type=float, default=None, help="rate for batched requests and KV use (default: 2 "
+                   "for sharegpt, 30 for alpaca, as the paper's figure 13)")  # fmt: skip
+    p.add_argument("--target-rate", type=float, default=10.0, help="req/s the capacity table plans for")
+    p.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4, 8], help="TP sizes for the capacity table")
+    p.add_argument("--points", type=int, default=10, help="rates on the latency curves")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+    args = p.parse_args(argv)
+    args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0}[args.trace]
+    t0 = time.perf_counter()
+    shape, hw = model_shape(args.model), gpu(args.gpu)
+    budget = kv_budget(hw, shape)
+    print(f"{args.model} ({shape.params / 1e9:.1f} B parameters, {shape.weight_bytes / 2**30:.1f} GiB) on a simulated "
+          f"{hw.name}: KV budget {budget / 2**30:.1f} GiB = {budget // shape.kv_bytes_per_token} tokens; "
+          f"{args.trace}-like trace, {args.requests} requests per run")  # fmt: skip
+
+    # 2. sustainable rates (vLLM first: its rate sets the curves' range)
+    sustain = {"vllm": max_rate("vllm", args)}
+    for system in PLOTTED[1:]:
+        sustain[system] = max_rate(system, args, hi=sustain["vllm"] / 2)
+    # 1. the curves
+    top = 1.25 * sustain["vllm"]
+    rates = [top * (i + 1) / args.points for i in range(args.points)]
+    curves = {s: [latency_at(s, r, args).normalized_latency for r in rates] for s in PLOTTED}
+    # 3. at one rate
+    t_run = time.perf_counter()
+    at = {s: latency_at(s, args.at_rate, args) for s in PLOTTED}
+    seconds_per_run = (time.perf_counter() - t_run) / len(PLOTTED)
+
+    print(f"\nnormalized latency (s/token) against request rate{'':10s}" + "".join(f"{s:>12s}" for s in PLOTTED))
+    for i, r in enumerate(rates):
+        print(f"  {r:8.3f} req/s{'':38s}" + "".join(f"{curves[s][i]:12.3f}" for s in PLOTTED))
+    print(f"\nhighest rate within {args.slo} s/token, and vLLM's ratio to it (paper: OPT-13B, A100-40GB, ShareGPT)")
+    for s in PLOTTED:
+        ratio = sustain["vllm"] / sustain[s] if sustain[s] else math.inf
+        paper = PAPER["ratio"].get(s, "") if args.trace == "sharegpt" else ""
+        print(f"  {s:12s} {sustain[s]:8.3f} req/s   vLLM / it {ratio:6.2f}x   {paper}")
+    print(f"\nat {args.at_rate} req/s: batched requests, KV memory holding tokens (of reserved / of the pool), "
+          "preemptions (paper: figure 13, figure 2)")  # fmt: skip
+    for s in PLOTTED:
+        r = at[s]
+        paper = f"{PAPER['batched'].get(s, '-')} / {PAPER['kv'].get(s, '-')} %" if args.trace == "sharegpt" else ""
+        print(f"  {s:12s} {r.mean_batch:7.2f}   {100 * r.kv_token_share:5.1f} % / {100 * r.kv_pool_share:5.1f} %   "
+              f"{r.preemptions:5d}   paper {paper}")  # fmt: skip
+
+    # 4. capacity
+    print(f"\ncapacity: vLLM per replica at the SLO, and the GPUs {args.target_rate} req/s would need")
+    capacity = []
+    for tp in args.tp:
+        try:
+            kv_budget(hw, shape, tp)
+        except ValueError as e:
+            print(f"  TP {tp}: {e}")
+            continue
+        rate = max_rate("vllm", args, tp, hi=sustain["vllm"] * tp)
+        gpus = math.ceil(args.target_rate / rate) * tp if rate else None
+        capacity.append({"tp": tp, "rate_per_replica": rate, "gpus": gpus})
+        print(f"  TP {tp}: {rate:8.3f} req/s per replica -> {gpus} GPUs")
+    result = {
+        "gpu": args.gpu, "model": args.model, "trace": args.trace, "requests": args.requests, "slo": args.slo,
+        "rates": rates, "curves": curves, "sustainable": sustain, "at_rate": args.at_rate,
+        "at": {s: vars(r) for s, r in at.items()}, "capacity": capacity, "paper": PAPER,
+        "seconds_per_run": seconds_per_run, "seconds": time.perf_counter() - t0,
+    }  # fmt: skip
+    stem = f"what_if_{args.gpu}_{args.model}_{args.trace}"
+    out = ROOT / "benchmarks" / "results" / f"{stem}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    if not args.no_plot:
+        plot(curves, rates, args, at, ROOT / "docs" / "img" / f"{stem}.png")
+        print(f"\nplot: docs/img/{stem}.png")
+    print(f"json: {out.relative_to(ROOT)}  ({result['seconds']:.0f} s; one run of {args.requests} requests: "
+          f"{seconds_per_run:.1f} s)")  # fmt: skip
+    return result
+
+
+if __name__ == "__main__":
+    main()
