@@ -43,7 +43,11 @@ PLOTTED = ("vllm", "orca-oracle", "orca-pow2", "orca-max", "ft")
 
 def latency_at(system: str, rate: float, args, tp: int = 1):
     reqs = trace(args.trace, args.requests, rate, args.seed, model_shape(args.model).vocab)
-    return simulate(system, reqs, args.gpu, args.model, tp, rate)
+    kwargs = {}
+    if system == "vllm-spec":
+        kwargs = dict(num_speculative_tokens=args.spec_k, alpha=args.spec_alpha,
+                      draft_shape=model_shape(args.spec_draft) if args.spec_draft else None)  # fmt: skip
+    return simulate(system, reqs, args.gpu, args.model, tp, rate, **kwargs)
 
 
 def max_rate(system: str, args, tp: int = 1, hi: float = 1.0) -> float:
@@ -99,14 +103,17 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=int, default=1000, help="requests per simulated run")
     p.add_argument("--slo", type=float, default=0.1, help="normalized-latency SLO (s/token) for sustainable rates")
     p.add_argument("--at-rate", type=float, default=None, help="rate for batched requests and KV use (default: 2 "
-                   "for sharegpt, 30 for alpaca, as the paper's figure 13)")  # fmt: skip
+                   "for sharegpt, 30 for alpaca, as the paper's figure 13; 10 for shared-prefix)")  # fmt: skip
     p.add_argument("--target-rate", type=float, default=10.0, help="req/s the capacity table plans for")
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4, 8], help="TP sizes for the capacity table")
     p.add_argument("--points", type=int, default=10, help="rates on the latency curves")
+    p.add_argument("--spec-k", type=int, default=0, help="add vllm-spec: level 4 with this many guesses per step")
+    p.add_argument("--spec-alpha", type=float, default=0.7, help="vllm-spec: P(a guess is accepted | those before were)")
+    p.add_argument("--spec-draft", default=None, help="vllm-spec: the draft model's shape (default: free guesses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
     args = p.parse_args(argv)
-    args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0}[args.trace]
+    args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0}[args.trace]
     t0 = time.perf_counter()
     shape, hw = model_shape(args.model), gpu(args.gpu)
     budget = kv_budget(hw, shape)
@@ -115,29 +122,30 @@ def main(argv=None) -> dict:
           f"{args.trace}-like trace, {args.requests} requests per run")  # fmt: skip
 
     # 2. sustainable rates (vLLM first: its rate sets the curves' range)
+    systems = PLOTTED + (("vllm-prefix",) if args.trace == "shared-prefix" else ()) + (("vllm-spec",) if args.spec_k else ())
     sustain = {"vllm": max_rate("vllm", args)}
-    for system in PLOTTED[1:]:
+    for system in systems[1:]:
         sustain[system] = max_rate(system, args, hi=sustain["vllm"] / 2)
     # 1. the curves
     top = 1.25 * sustain["vllm"]
     rates = [top * (i + 1) / args.points for i in range(args.points)]
-    curves = {s: [latency_at(s, r, args).normalized_latency for r in rates] for s in PLOTTED}
+    curves = {s: [latency_at(s, r, args).normalized_latency for r in rates] for s in systems}
     # 3. at one rate
     t_run = time.perf_counter()
-    at = {s: latency_at(s, args.at_rate, args) for s in PLOTTED}
-    seconds_per_run = (time.perf_counter() - t_run) / len(PLOTTED)
+    at = {s: latency_at(s, args.at_rate, args) for s in systems}
+    seconds_per_run = (time.perf_counter() - t_run) / len(systems)
 
-    print(f"\nnormalized latency (s/token) against request rate{'':10s}" + "".join(f"{s:>12s}" for s in PLOTTED))
+    print(f"\nnormalized latency (s/token) against request rate{'':10s}" + "".join(f"{s:>12s}" for s in systems))
     for i, r in enumerate(rates):
-        print(f"  {r:8.3f} req/s{'':38s}" + "".join(f"{curves[s][i]:12.3f}" for s in PLOTTED))
+        print(f"  {r:8.3f} req/s{'':38s}" + "".join(f"{curves[s][i]:12.3f}" for s in systems))
     print(f"\nhighest rate within {args.slo} s/token, and vLLM's ratio to it (paper: OPT-13B, A100-40GB, ShareGPT)")
-    for s in PLOTTED:
+    for s in systems:
         ratio = sustain["vllm"] / sustain[s] if sustain[s] else math.inf
         paper = PAPER["ratio"].get(s, "") if args.trace == "sharegpt" else ""
         print(f"  {s:12s} {sustain[s]:8.3f} req/s   vLLM / it {ratio:6.2f}x   {paper}")
     print(f"\nat {args.at_rate} req/s: batched requests, KV memory holding tokens (of reserved / of the pool), "
           "preemptions (paper: figure 13, figure 2)")  # fmt: skip
-    for s in PLOTTED:
+    for s in systems:
         r = at[s]
         paper = f"{PAPER['batched'].get(s, '-')} / {PAPER['kv'].get(s, '-')} %" if args.trace == "sharegpt" else ""
         print(f"  {s:12s} {r.mean_batch:7.2f}   {100 * r.kv_token_share:5.1f} % / {100 * r.kv_pool_share:5.1f} %   "

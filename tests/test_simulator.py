@@ -203,3 +203,26 @@ def test_traces_have_the_papers_means():
     assert arrivals == sorted(arrivals) and abs(arrivals[-1] / 2000 - 0.2) < 0.02  # Poisson at 5 req/s
     result = simulate("vllm", trace("alpaca", 50, rate=math.inf, vocab=32000), model="llama-2-7b")
     assert result.requests == 50 and result.kv_token_share > 0.5 and result.preemptions == 0
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])
+def test_simulated_speculation_accepts_at_alpha_per_position(alpha):
+    """Level 4's engine with guesses accepted with probability alpha each: outputs keep their lengths,
+    P(the first i guesses accepted) is alpha ** i, and a step emits (1 - alpha ** (k + 1)) / (1 - alpha) tokens."""
+    from benchmarks.sim.engines import SimulatedSpeculative
+
+    k, target = 3, 200
+    e = SimulatedSpeculative("llama-2-7b", hardware=gpu("a100-80gb"), clock=SimClock(), kv_cache_memory=8 << 30,
+                             num_speculative_tokens=k, alpha=alpha, seed=1)  # fmt: skip
+    for i in range(6):
+        e.targets[f"r{i}"] = target
+        e.add_request(f"r{i}", list(range(5, 40)), SamplingParams(max_tokens=1000, temperature=0.0))
+    groups = dict(e.requests)
+    while e.has_unfinished_requests():
+        e.step()
+    assert all(len(g[0].output_token_ids) == target for g in groups.values())
+    per_pos = e.spec_stats.per_position()
+    for i, p in enumerate(per_pos, start=1):
+        assert p == pytest.approx(alpha**i, abs=0.05)
+    want = (k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
+    assert e.spec_stats.mean_acceptance_length == pytest.approx(want, rel=0.06)

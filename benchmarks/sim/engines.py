@@ -44,8 +44,9 @@ from level2_continuous.engine import ContinuousEngine
 from level2_continuous.request import Request
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import PrefixCachingEngine
+from level4_speculative.engine import SpeculativeEngine
 
-from .cost import Hardware, ModelShape, StepCost, model_dir, step_cost
+from .cost import Hardware, ModelShape, StepCost, model_dir, step_cost, step_time
 
 
 class SimClock:
@@ -148,9 +149,10 @@ class Simulated:
     def make_executor(self, num_blocks: int) -> SimulatedExecutor:
         return SimulatedExecutor(num_blocks, self.hardware, self.shape, self.clock, self.tp, self.keep_trace)
 
-    def next_token(self, req) -> int:
-        """The workload's token: EOS once the request reaches its target length."""
-        return self.shape.eos_token_id if len(req.output_token_ids) + 1 >= self.targets[req.request_id] else self.filler
+    def next_token(self, req, ahead: int = 0) -> int:
+        """The workload's token `ahead` places past the request's output: EOS at its target length."""
+        done = len(req.output_token_ids) + ahead + 1 >= self.targets[req.request_id]
+        return self.shape.eos_token_id if done else self.filler
 
 
 class SimulatedContinuous(Simulated, ContinuousEngine):
@@ -179,6 +181,79 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
 
 class SimulatedPrefix(SimulatedContinuous, PrefixCachingEngine):
     """Level 3 (vLLM with prefix caching) on the modelled clock."""
+
+
+class SimProposer:
+    """Level 4's proposer Protocol without a model: k filler guesses per request. A draft model's time
+    (k decode steps of its shape over the drafting requests) goes on the clock; n-grams cost nothing."""
+
+    has_kv_cache = False
+
+    def __init__(self, engine: SimulatedSpeculative):
+        self.engine = engine
+
+    def prefill(self, sched: SchedulerOutput) -> None:
+        pass
+
+    def propose(self, drafting: list) -> None:
+        e = self.engine
+        for req, k in drafting:
+            req.spec_token_ids, req.spec_probs = [e.filler] * k, None
+        if e.draft_shape is not None and drafting:
+            for j in range(max(k for _, k in drafting)):
+                chunks = [(req.num_tokens + j - 1, 1) for req, k in drafting if k > j]
+                e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, len(chunks), e.tp))
+
+
+class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
+    """Level 4 on the modelled clock: the real engine's guesses, verification rows, KV slots and
+    `disable_by_batch_size`; a guess at position j (1-based) is accepted with probability `alpha[j-1]`
+    (one alpha for every position if a float), the first rejection ending the run, as in
+    Leviathan et al.'s analysis. `draft_shape`: the draft model whose steps cost time (None: free,
+    as n-grams nearly are)."""
+
+    def __init__(self, model: str, *, num_speculative_tokens: int = 4, alpha: float | list[float] = 0.7,
+                 draft_shape: ModelShape | None = None, disable_by_batch_size: int | None = None, seed: int = 0,
+                 **kwargs):  # fmt: skip
+        import random
+
+        k = num_speculative_tokens
+        self.alpha = [alpha] * k if isinstance(alpha, (int, float)) else list(alpha)
+        if len(self.alpha) < k:
+            raise ValueError(f"alpha has {len(self.alpha)} positions, fewer than num_speculative_tokens={k}")
+        self.draft_shape, self.rng = draft_shape, random.Random(seed)
+        spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size}
+        super().__init__(model, speculative_config=spec, **kwargs)
+
+    def load_model(self) -> LoadedModel:
+        loaded = super().load_model()
+        self.load_draft(loaded)  # (an n-gram config: no draft model is loaded)
+        return loaded
+
+    def make_proposer(self) -> SimProposer:
+        return SimProposer(self)
+
+    def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        for req, n in sched.scheduled:
+            rows = req.num_logits(n)
+            if not rows:
+                continue
+            k = rows - 1
+            accepted = 0
+            while accepted < k and self.rng.random() < self.alpha[accepted]:
+                accepted += 1
+            if k:
+                self.spec_stats.record(k, accepted)
+            tokens = []
+            for _ in range(accepted + 1):  # the accepted guesses and the target's own next token
+                tokens.append(self.next_token(req, len(tokens)))
+                if tokens[-1] == self.shape.eos_token_id:
+                    break
+            out.requests.append(req)
+            out.token_ids.append(tokens)
+            out.logprobs.append([None] * len(tokens))
+        return out
 
 
 def next_power_of_two(n: int) -> int:

@@ -4,8 +4,10 @@ What it is: the paper's two traces as seeded synthetic workloads, and `simulate`
 one to a simulated system (engines.py) as requests arrive and reports what the PagedAttention
 paper plots:
 
-    sharegpt   prompts mean 161 tokens, outputs mean 338 (the paper's table 1), long-tailed
-    alpaca     prompts mean 19, outputs mean 58
+    sharegpt        prompts mean 161 tokens, outputs mean 338 (the paper's table 1), long-tailed
+    alpaca          prompts mean 19, outputs mean 58
+    shared-prefix   the project's (benchmarks/workloads.py): one 384-token system prompt and
+                    8-32 tokens of each request's own, outputs 32-64: level 3's case
 
     normalized latency   mean over requests of (finish - arrival) / output tokens (s/token)
     batched requests     the time-weighted mean number of requests in a step
@@ -29,10 +31,17 @@ from ladder.progress import GenerateProgress
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
 from .cost import Hardware, gpu, kv_budget, model_shape
-from .engines import SimClock, SimulatedContinuous, SimulatedOrca, SimulatedPrefix, SimulatedStatic
+from .engines import (
+    SimClock,
+    SimulatedContinuous,
+    SimulatedOrca,
+    SimulatedPrefix,
+    SimulatedSpeculative,
+    SimulatedStatic,
+)
 
-TRACES = {"sharegpt": (161.0, 338.0), "alpaca": (19.0, 58.0)}  # mean prompt, mean output (tokens)
-SYSTEMS = ("vllm", "vllm-prefix", "orca-oracle", "orca-pow2", "orca-max", "ft")
+TRACES = {"sharegpt": (161.0, 338.0), "alpaca": (19.0, 58.0), "shared-prefix": (404.0, 48.0)}  # mean prompt, output
+SYSTEMS = ("vllm", "vllm-prefix", "vllm-spec", "orca-oracle", "orca-pow2", "orca-max", "ft")
 
 
 @dataclass
@@ -57,6 +66,13 @@ def trace(name: str, num: int, rate: float, seed: int = 0, vocab: int = 50272, m
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
     rng = random.Random(seed)
+    if name == "shared-prefix":  # the project's workload: one 384-token system prompt + 8-32 own tokens
+        prefix, t, reqs = [rng.randrange(3, vocab) for _ in range(384)], 0.0, []
+        for _ in range(num):
+            t += rng.expovariate(rate) if rate != math.inf else 0.0
+            own = [rng.randrange(3, vocab) for _ in range(rng.randint(8, 32))]
+            reqs.append(SimRequest(t, prefix + own, rng.randint(32, 64)))
+        return reqs
     mean_in, mean_out = TRACES[name]
     prompts = lengths(rng, num, mean_in, 0.9, max_len // 2)
     outputs = lengths(rng, num, mean_out, 0.8, max_len // 2)
@@ -91,17 +107,18 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
         return SimulatedStatic(model, **common, **kwargs)
     if system.startswith("orca-"):
         return SimulatedOrca(model, reservation=system[5:], max_num_batched_tokens=2048, **common, **kwargs)
-    if system in ("vllm", "vllm-prefix"):
-        cls = SimulatedPrefix if system == "vllm-prefix" else SimulatedContinuous
+    if system in ("vllm", "vllm-prefix", "vllm-spec"):  # vllm-spec: kwargs num_speculative_tokens, alpha, draft_shape
+        cls = {"vllm": SimulatedContinuous, "vllm-prefix": SimulatedPrefix, "vllm-spec": SimulatedSpeculative}[system]
         return cls(model, block_size=16, max_num_batched_tokens=2048, **common, **kwargs)
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
 def simulate(system: str, reqs: list[SimRequest], gpu_name: str = "a100-40gb", model: str = "opt-13b", tp: int = 1,
-             rate: float = 0.0, hardware: Hardware | None = None, engine=None) -> SimResult:  # fmt: skip
-    """Serve `reqs` (arrivals included) with `system` on a simulated GPU; `engine` (made here if None)."""
+             rate: float = 0.0, hardware: Hardware | None = None, engine=None, **engine_kwargs) -> SimResult:  # fmt: skip
+    """Serve `reqs` (arrivals included) with `system` on a simulated GPU; `engine` (made here if None, with
+    `engine_kwargs`)."""
     clock = engine.clock if engine is not None else SimClock()
-    engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp)
+    engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp, **engine_kwargs)
     max_len = engine.max_model_len
     seqs = []
     for i, r in enumerate(reqs):

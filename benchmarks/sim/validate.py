@@ -12,14 +12,13 @@ CPU and the model the built-in one:
      one of the benchmark's); for every step the roofline time of what it scheduled is
      subtracted from the step's wall time, and the rest is fitted as c0 + c1 * requests in the
      step (least squares): the Python and dispatch cost a CPU pays per step and per row;
-  3. the prediction: levels 0, 2 and 3, simulated with that hardware, play each committed
+  3. the prediction: levels 0, 2, 3 and 4, simulated with that hardware, play each committed
      workload (uniform, spread, shared-prefix, chat, latency; poisson at its reference rate)
-     with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths), and
-     their output tokens/s and mean TTFT are set beside the committed ones.
+     with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths; level
+     4's draft acceptance per position is the one the benchmark measured, an input), and their
+     output tokens/s and mean TTFT are set beside the committed ones.
 
-What it is not: a check of levels 1 and 4, which the simulator does not model (level 1's
-static batches over blocks, level 4's drafts), or of GPUs (a lent GPU runs the same check with
-its own calibration: docs/what_if.md).
+What it is not: a check of level 1 (static batches over blocks: not simulated) or of GPUs.
 """
 
 from __future__ import annotations
@@ -40,10 +39,30 @@ from ladder.progress import GenerateProgress
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
 from .cost import Hardware, ModelShape, step_cost
-from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedStatic
+from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic
 
 ROOT = Path(__file__).resolve().parents[2]
-LEVELS = {"level0_naive": SimulatedStatic, "level2_continuous": SimulatedContinuous, "level3_prefix": SimulatedPrefix}
+LEVELS = {"level0_naive": SimulatedStatic, "level2_continuous": SimulatedContinuous, "level3_prefix": SimulatedPrefix,
+          "level4_speculative": SimulatedSpeculative}  # fmt: skip
+
+
+def spec_config(cfg: dict) -> dict:
+    """Level 4 as the benchmark runs it (benchmarks/engines.py): its draft model, 2 guesses, off above 8 requests."""
+    from benchmarks.engines import DISABLE_BY_BATCH_SIZE, NUM_SPECULATIVE_TOKENS
+
+    draft = cfg.get("draft_model") or str(ROOT / "models" / "tiny-shakespeare-draft")
+    if not Path(draft, "config.json").is_file():
+        draft = str(ROOT / "models" / Path(draft).name)
+    return {"model": draft, "num_speculative_tokens": NUM_SPECULATIVE_TOKENS, "disable_by_batch_size": DISABLE_BY_BATCH_SIZE}
+
+
+def conditional_alphas(per_position: list[float]) -> list[float]:
+    """P(guess i accepted | guesses before it accepted) from P(guesses 1..i all accepted), position by position."""
+    out, before = [], 1.0
+    for p in per_position:
+        out.append(p / before if before else 0.0)
+        before = p
+    return out
 
 
 def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
@@ -68,14 +87,16 @@ def calibration_mix(seed: int = 123) -> list[tuple[list[int], int]]:
     return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 96))], rng.randint(8, 200)) for _ in range(96)]
 
 
-def measured_steps(level: str, model: str, dtype: str) -> list[tuple[list[tuple[int, int]], int, float]]:
-    """Run the calibration mix on the real engine of `level`: per step (chunks, sampled rows, wall seconds)."""
+def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[list[tuple[int, int]], int, float]]:
+    """Run the calibration mix on the real engine of `level`: per step (chunks, sampled rows, wall seconds).
+    Level 4's step includes its draft's guesses (the fit's overhead absorbs their cost)."""
     import importlib
 
     mod = importlib.import_module(level)
     shape = ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text()))
     budget = 24 * 300 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # 24 requests' worst case
-    llm = mod.LLM(model, dtype=dtype, kv_cache_memory=budget, max_model_len=-1)
+    extra = {"speculative_config": spec_config(cfg)} if level == "level4_speculative" else {}
+    llm = mod.LLM(model, dtype=dtype, kv_cache_memory=budget, max_model_len=-1, **extra)
     reqs = calibration_mix()
     llm.generate([[40] * 16], [exact(8)], progress=False)  # warm-up: first-call costs stay out
     engine, steps = llm.llm_engine, []
@@ -113,12 +134,12 @@ def measured_steps(level: str, model: str, dtype: str) -> list[tuple[list[tuple[
     return steps
 
 
-def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32") -> dict:
+def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg: dict | None = None) -> dict:
     """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * tokens, by least
     squares over the real engine's steps on the calibration mix (see the module docstring)."""
     shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())),
                     dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)  # fmt: skip
-    steps = measured_steps(level, model, dtype)
+    steps = measured_steps(level, model, dtype, cfg or {})
     X = torch.tensor([[1.0, len(c), sum(n for _, n in c)] for c, _, _ in steps], dtype=torch.float64)
     roof = torch.tensor([step_cost(hw, shape, c, k).total for c, k, _ in steps], dtype=torch.float64)
     wall = torch.tensor([w for _, _, w in steps], dtype=torch.float64)
@@ -136,6 +157,11 @@ def predict(level: str, name: str, committed: dict, cfg: dict, hw: Hardware, mod
     clock = SimClock()
     kw = dict(hardware=hw, clock=clock, dtype=dtype, kv_cache_memory=w["kv_cache_memory"],
               max_num_seqs=wl.max_num_seqs or cfg["max_num_seqs"], max_model_len=-1, keep_trace=True)  # fmt: skip
+    if level == "level4_speculative":  # the guesses' acceptance is an input: the measured one, per position
+        spec = committed_row(committed, name, level)["spec"]
+        sc = spec_config(cfg)
+        kw.update(num_speculative_tokens=sc["num_speculative_tokens"], disable_by_batch_size=sc["disable_by_batch_size"],
+                  alpha=conditional_alphas(spec["per_position"]))  # fmt: skip
     engine = LEVELS[level](model, **kw)
     seqs, count = [], iter(range(1 << 30))
 
@@ -212,7 +238,7 @@ def main(argv=None) -> dict:
     print("calibration on the real engines (the calibration mix: 96 requests; wall - roofline = c0 + c1 * requests + "
           "c2 * tokens per step)")  # fmt: skip
     for level in LEVELS:
-        cals[level] = cal = calibrate(level, model, bare, dtype)
+        cals[level] = cal = calibrate(level, model, bare, dtype, cfg)
         hws[level] = cpu_hardware(committed["roofline"], cal)
         print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:6.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us;"
               f" {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
