@@ -14,8 +14,9 @@ batches). For one GPU, model and trace it prints and plots
   4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 and the GPUs that
      `--target-rate` requests/s would need.
 
-The plot goes to docs/img/what_if_<gpu>_<model>_<trace>.png, the numbers to
-benchmarks/results/what_if_<gpu>_<model>_<trace>.json.
+The plot what_if_<gpu>_<model>_<trace>.png and the numbers what_if_<gpu>_<model>_<trace>.json go
+outside the repository (`ladder.cli.output_dir()`) unless --img-dir and --out say where; the
+committed ones: --img-dir docs/img --out benchmarks/results/what_if_<gpu>_<model>_<trace>.json.
 
 What it is not: a measurement. Only the cost model's time is modelled (benchmarks/sim/cost.py
 and docs/what_if.md say what it leaves out); every decision is the real engine's.
@@ -32,7 +33,6 @@ from pathlib import Path
 from benchmarks.sim.cost import gpu, gpu_names, kv_budget, model_shape
 from benchmarks.sim.serve import TRACES, simulate, trace
 
-ROOT = Path(__file__).resolve().parent.parent
 PAPER = {  # OPT-13B, one A100-40GB, ShareGPT (Kwon et al. 2023, figures 2, 12 and 13)
     "ratio": {"orca-oracle": "1.7-2.7x", "orca-pow2": "-", "orca-max": "2.7-8x", "ft": "up to 22x"},
     "batched": {"vllm": 30.42, "orca-oracle": 13.62, "orca-pow2": 9.81, "orca-max": 7.00},
@@ -50,16 +50,15 @@ def latency_at(system: str, rate: float, args, tp: int = 1):
     return simulate(system, reqs, args.gpu, args.model, tp, rate, **kwargs)
 
 
-def max_rate(system: str, args, tp: int = 1, hi: float = 1.0) -> float:
-    """The highest rate whose normalized latency is within the SLO (bisection on a log scale, 4 %). If
-    even all requests at once meet the SLO (too few requests for it to bind), the rate at which the
-    system finishes requests while some are queued: any faster arrival would grow its queue without bound."""
-    lo, start = 0.0, hi
-    while latency_at(system, hi, args, tp).normalized_latency <= args.slo:  # find an upper bound
-        lo, hi = hi, hi * 2
-        if hi > 64 * start:
-            return latency_at(system, math.inf, args, tp).drain_rate
-    lo = lo or hi / 1024
+def max_rate(system: str, args, tp: int = 1) -> float:
+    """The highest rate a system sustains: never more than it finishes requests while a queue waits (its
+    saturated rate, from all requests arriving at once: any faster arrival grows the queue without
+    bound, however few requests show it), and within that, the highest rate whose normalized latency
+    meets the SLO (bisection on a log scale, 4 %)."""
+    cap = latency_at(system, math.inf, args, tp).drain_rate
+    if latency_at(system, cap, args, tp).normalized_latency <= args.slo:
+        return cap
+    lo, hi = cap / 1024, cap
     if latency_at(system, lo, args, tp).normalized_latency > args.slo:
         return 0.0
     while hi / lo > 1.04:
@@ -112,6 +111,8 @@ def main(argv=None) -> dict:
     p.add_argument("--spec-draft", default=None, help="vllm-spec: the draft model's shape (default: free guesses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--out", type=Path, default=None, help="the JSON (default: outside the repository)")
+    p.add_argument("--img-dir", type=Path, default=None, help="where the plot goes (default: outside the repository)")
     args = p.parse_args(argv)
     args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0}[args.trace]
     t0 = time.perf_counter()
@@ -123,9 +124,7 @@ def main(argv=None) -> dict:
 
     # 2. sustainable rates (vLLM first: its rate sets the curves' range)
     systems = PLOTTED + (("vllm-prefix",) if args.trace == "shared-prefix" else ()) + (("vllm-spec",) if args.spec_k else ())
-    sustain = {"vllm": max_rate("vllm", args)}
-    for system in systems[1:]:
-        sustain[system] = max_rate(system, args, hi=sustain["vllm"] / 2)
+    sustain = {system: max_rate(system, args) for system in systems}
     # 1. the curves
     top = 1.25 * sustain["vllm"]
     rates = [top * (i + 1) / args.points for i in range(args.points)]
@@ -160,7 +159,7 @@ def main(argv=None) -> dict:
         except ValueError as e:
             print(f"  TP {tp}: {e}")
             continue
-        rate = max_rate("vllm", args, tp, hi=sustain["vllm"] * tp)
+        rate = sustain["vllm"] if tp == 1 else max_rate("vllm", args, tp)
         gpus = math.ceil(args.target_rate / rate) * tp if rate else None
         capacity.append({"tp": tp, "rate_per_replica": rate, "gpus": gpus})
         print(f"  TP {tp}: {rate:8.3f} req/s per replica -> {gpus} GPUs")
@@ -170,15 +169,17 @@ def main(argv=None) -> dict:
         "at": {s: vars(r) for s, r in at.items()}, "capacity": capacity, "paper": PAPER,
         "seconds_per_run": seconds_per_run, "seconds": time.perf_counter() - t0,
     }  # fmt: skip
+    from ladder.cli import output_dir
+
     stem = f"what_if_{args.gpu}_{args.model}_{args.trace}"
-    out = ROOT / "benchmarks" / "results" / f"{stem}.json"
+    out = args.out or output_dir() / f"{stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     if not args.no_plot:
-        plot(curves, rates, args, at, ROOT / "docs" / "img" / f"{stem}.png")
-        print(f"\nplot: docs/img/{stem}.png")
-    print(f"json: {out.relative_to(ROOT)}  ({result['seconds']:.0f} s; one run of {args.requests} requests: "
-          f"{seconds_per_run:.1f} s)")  # fmt: skip
+        img = (args.img_dir or output_dir()) / f"{stem}.png"
+        plot(curves, rates, args, at, img)
+        print(f"\nplot: {img}")
+    print(f"json: {out}  ({result['seconds']:.0f} s; one run of {args.requests} requests: {seconds_per_run:.1f} s)")
     return result
 
 

@@ -18,8 +18,8 @@ memory traffic, plus a fixed per-step overhead:
                bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV)
     lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
-    overhead   seconds per step (the CPU's scheduling and kernel launches), per request and per
-               token in it (zero per request and token on a GPU unless calibrated)
+    overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
+               token and per context token in it (only the first on a GPU unless calibrated)
 
     t_step = sum over classes of max(FLOPs / (peak * eff_c), bytes / (bandwidth * eff_m)) + comm + overhead
 
@@ -56,6 +56,7 @@ class Hardware:
     step_overhead_s: float = 2e-3  # per step, whatever its size (scheduling, launches)
     seq_overhead_s: float = 0.0  # per request in the step (a CPU engine's per-row Python and dispatch)
     token_overhead_s: float = 0.0  # per new token (a CPU's elementwise ops, slower than its bandwidth says)
+    context_overhead_s: float = 0.0  # per token of context attended over (a CPU's attention, below its roofline)
     # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
     # tenfold from 1 row to 1,024 (benchmarks/roofline.py); None: `flops` at any size
     flops_curve: tuple[tuple[int, float], ...] | None = None
@@ -200,7 +201,9 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     if tp > 1:  # two all-reduces per layer (after attention, after the MLP), ring: 2 (tp - 1) / tp of the bytes
         nbytes = T * h * b * 2 * (tp - 1) / tp
         comm = 2 * L * (hw.link_latency_s + nbytes / hw.link_bytes_per_s)
+    context = sum(c + n for c, n in chunks)
     overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
+    overhead += hw.context_overhead_s * context
     return StepCost(linear, attention, lm_head, comm, overhead)
 
 

@@ -64,7 +64,8 @@ class SimClock:
 
 @dataclass
 class SimStep:
-    """What the executor needs to know of a step: (tokens already cached, new tokens) per request."""
+    """What the executor needs to know of a step: (tokens already cached, new tokens) per request, and how
+    many logits rows the LM head computes."""
 
     chunks: list[tuple[int, int]]
     num_sampled: int
@@ -172,7 +173,7 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
         if take is not None:
             take()  # (copy-on-write pairs: a copy is a memory move the model does not count)
         return SimStep([(r.num_computed_tokens, n) for r, n in sched.scheduled],
-                       sum(1 for r, n in sched.scheduled if r.num_logits(n)))  # fmt: skip
+                       sum(r.num_logits(n) for r, n in sched.scheduled))  # logits rows (k + 1 when verifying)
 
     def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
         reqs = [r for r, n in sched.scheduled if r.num_logits(n)]

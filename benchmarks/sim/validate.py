@@ -8,10 +8,12 @@ CPU and the model the built-in one:
 
   1. the hardware: the matmul rates at each batch size and the memory bandwidth that the
      committed benchmark measured (`benchmarks/results/latest.json`, its "roofline" section);
-  2. the overhead: a real level-2 engine runs a calibration workload (its own seeded mix, not
-     one of the benchmark's); for every step the roofline time of what it scheduled is
-     subtracted from the step's wall time, and the rest is fitted as c0 + c1 * requests in the
-     step (least squares): the Python and dispatch cost a CPU pays per step and per row;
+  2. the overhead: each simulated level's real engine runs a calibration workload (its own
+     seeded requests, not the benchmark's: a crowd, then two requests alone); for every step
+     the roofline time of what it scheduled is subtracted from the step's wall time, and the
+     rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context tokens in the step
+     (nonnegative least squares, relative errors): the Python and dispatch cost a CPU pays per step, per
+     row and per token, and what its attention costs beyond the roofline's bytes;
   3. the prediction: levels 0, 2, 3 and 4, simulated with that hardware, play each committed
      workload (uniform, spread, shared-prefix, chat, latency; poisson at its reference rate)
      with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths; level
@@ -67,12 +69,12 @@ def conditional_alphas(per_position: list[float]) -> list[float]:
 
 def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
     """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
-    `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per token), in seconds."""
+    `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token)."""
     curve = tuple((p["batch"], p["flops_per_s"]) for p in roofline["sweep"])
-    o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0}
+    o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0, "c3_s": 0.0}
     return Hardware("this CPU", curve[-1][1], roofline["bandwidth"], 1 << 40, compute_efficiency=1.0,
                     memory_efficiency=1.0, step_overhead_s=o["c0_s"], seq_overhead_s=o["c1_s"],
-                    token_overhead_s=o["c2_s"], flops_curve=curve)  # fmt: skip
+                    token_overhead_s=o["c2_s"], context_overhead_s=o["c3_s"], flops_curve=curve)  # fmt: skip
 
 
 def exact(n: int) -> SamplingParams:
@@ -81,10 +83,15 @@ def exact(n: int) -> SamplingParams:
                           output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
 
 
-def calibration_mix(seed: int = 123) -> list[tuple[list[int], int]]:
-    """The calibration's own requests: 96 prompts of 8-96 tokens, outputs of 8-200 (no benchmark workload)."""
+def calibration_mix(seed: int = 123) -> list[list[tuple[list[int], int]]]:
+    """The calibration's own requests (none of the benchmark's), in rounds run one after the other: 96
+    prompts of 8-384 tokens with outputs of 8-200 at once (batches from 1 to about 90, contexts up to
+    580), then two alone (batch 1, a long decode each): the fit sees the batch sizes and contexts the
+    benchmark's workloads run at, without their requests."""
     rng = random.Random(seed)
-    return [([rng.randrange(32, 127) for _ in range(rng.randint(8, 96))], rng.randint(8, 200)) for _ in range(96)]
+    crowd = [([rng.randrange(32, 127) for _ in range(rng.randint(8, 384))], rng.randint(8, 200)) for _ in range(96)]
+    alone = [[([rng.randrange(32, 127) for _ in range(rng.randint(8, 48))], 96)] for _ in range(2)]
+    return [crowd, *alone]
 
 
 def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[list[tuple[int, int]], int, float]]:
@@ -94,10 +101,10 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
 
     mod = importlib.import_module(level)
     shape = ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text()))
-    budget = 24 * 300 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # 24 requests' worst case
+    budget = 24 * 600 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # 24 requests' worst case
     extra = {"speculative_config": spec_config(cfg)} if level == "level4_speculative" else {}
     llm = mod.LLM(model, dtype=dtype, kv_cache_memory=budget, max_model_len=-1, **extra)
-    reqs = calibration_mix()
+    rounds = calibration_mix()
     llm.generate([[40] * 16], [exact(8)], progress=False)  # warm-up: first-call costs stay out
     engine, steps = llm.llm_engine, []
     if level == "level0_naive":  # no step(): its loop times each step for the stats; its forward says what ran
@@ -113,7 +120,8 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
             return inner_record(running, reserved, used, seconds)
 
         engine._execute, engine.stats.record_step = execute, record
-        llm.generate([p for p, _ in reqs], [exact(n) for _, n in reqs], progress=False)
+        for reqs in rounds:
+            llm.generate([p for p, _ in reqs], [exact(n) for _, n in reqs], progress=False)
         return steps
     inner = engine.schedule
     shapes = []
@@ -125,27 +133,48 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
         return out
 
     engine.schedule = schedule
-    for i, (prompt, n) in enumerate(reqs):
-        engine.add_request(f"c{i}", prompt, exact(n))
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        engine.step()
-        steps.append((*shapes[-1], time.perf_counter() - t0))
+    for r, reqs in enumerate(rounds):
+        for i, (prompt, n) in enumerate(reqs):
+            engine.add_request(f"c{r}-{i}", prompt, exact(n))
+        while engine.has_unfinished_requests():
+            t0 = time.perf_counter()
+            engine.step()
+            steps.append((*shapes[-1], time.perf_counter() - t0))
     return steps
 
 
+def nonnegative_lstsq(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """argmin |A x - b| with x >= 0, for a handful of columns: the best least-squares fit over every subset
+    of columns allowed to be nonzero whose solution is nonnegative (a cost is never negative; an
+    unconstrained fit trades a negative per-request cost against the others when they are collinear)."""
+    import itertools
+
+    n, best, best_err = A.shape[1], torch.zeros(A.shape[1], dtype=A.dtype), float((b**2).sum())
+    for k in range(1, n + 1):
+        for cols in itertools.combinations(range(n), k):
+            x = torch.linalg.lstsq(A[:, list(cols)], b[:, None]).solution[:, 0]
+            if (x >= 0).all():
+                err = float(((A[:, list(cols)] @ x - b) ** 2).sum())
+                if err < best_err:
+                    best, best_err = torch.zeros(n, dtype=A.dtype).index_put((torch.tensor(cols),), x), err
+    return best
+
+
 def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg: dict | None = None) -> dict:
-    """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * tokens, by least
-    squares over the real engine's steps on the calibration mix (see the module docstring)."""
+    """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * new tokens + c3 *
+    context tokens, by least
+    squares over the real engine's steps on the calibration mix (see the module docstring), each step's
+    error relative to its time: a 3 ms decode alone counts as much as a 200 ms prefill."""
     shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())),
                     dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)  # fmt: skip
     steps = measured_steps(level, model, dtype, cfg or {})
-    X = torch.tensor([[1.0, len(c), sum(n for _, n in c)] for c, _, _ in steps], dtype=torch.float64)
+    X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c)] for c, _, _ in steps],
+                     dtype=torch.float64)  # fmt: skip
     roof = torch.tensor([step_cost(hw, shape, c, k).total for c, k, _ in steps], dtype=torch.float64)
     wall = torch.tensor([w for _, _, w in steps], dtype=torch.float64)
-    coef = torch.linalg.lstsq(X, (wall - roof)[:, None]).solution[:, 0]
+    coef = nonnegative_lstsq(X / wall[:, None], (wall - roof) / wall)
     fit = roof + X @ coef
-    return {"level": level, "c0_s": coef[0].item(), "c1_s": coef[1].item(), "c2_s": coef[2].item(),
+    return {"level": level, "c0_s": coef[0].item(), "c1_s": coef[1].item(), "c2_s": coef[2].item(), "c3_s": coef[3].item(),
             "steps": len(steps), "wall_s": wall.sum().item(), "roofline_share": (roof.sum() / wall.sum()).item(),
             "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
 
@@ -220,27 +249,49 @@ def committed_row(committed: dict, name: str, level: str) -> dict | None:
     return w["results"].get(level)
 
 
+def measure_now(out: Path, threads: int, quick: bool = False) -> dict:
+    """The benchmark's workloads on this machine now, levels 0, 2, 3 and 4, one run each (no HF, no sweeps;
+    poisson at 0.9x level 2's capacity): what the prediction is held against."""
+    from benchmarks import throughput
+
+    argv = ["--all", "--engines", ",".join(LEVELS), "--hf-sweep", "none", "--rate-multiples", "0.9",
+            "--threads", str(threads), "--repeats", "1", "--no-progress", "--out", str(out)]  # fmt: skip
+    throughput.main(argv + (["--quick"] if quick else []))
+    return json.loads(out.read_text())
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.sim.validate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--results", default=str(ROOT / "benchmarks" / "results" / "latest.json"))
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: the committed run's)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "what_if_validation.json"))
+    p.add_argument("--results", default=None, help="a results JSON to predict (default: measure now, about 10 "
+                   "minutes; benchmarks/results/latest.json is the committed run)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the committed run)")
+    p.add_argument("--quick", action="store_true", help="measure the benchmark's quick workloads (a smoke run)")
+    p.add_argument("--out", default=None, help="the JSON (default: outside the repository; the committed one: "
+                   "benchmarks/results/what_if_validation.json)")  # fmt: skip
     args = p.parse_args(argv)
-    committed = json.loads(Path(args.results).read_text())
+    from ladder.cli import output_dir
+
+    args.out = args.out or str(output_dir() / "what_if_validation.json")
+    torch.set_num_threads(args.threads)
+    if args.results is None:  # calibrate below, right after measuring: the same machine, minutes apart
+        committed = measure_now(output_dir() / "what_if_measured.json", args.threads, args.quick)
+        torch.set_num_threads(args.threads)
+    else:
+        committed = json.loads(Path(args.results).read_text())
     cfg = committed["config"]
-    torch.set_num_threads(args.threads or cfg.get("threads") or 1)
     model, dtype = cfg["model"], cfg["dtype"]
     if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
         model = str(ROOT / "models" / cfg["model_name"])
     bare = cpu_hardware(committed["roofline"])
     cals, hws = {}, {}
-    print("calibration on the real engines (the calibration mix: 96 requests; wall - roofline = c0 + c1 * requests + "
-          "c2 * tokens per step)")  # fmt: skip
+    print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
+          " + c3 * context tokens, per step)")  # fmt: skip
     for level in LEVELS:
         cals[level] = cal = calibrate(level, model, bare, dtype, cfg)
         hws[level] = cpu_hardware(committed["roofline"], cal)
-        print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:6.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us;"
+        print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:5.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us"
+              f"  c3 {cal['c3_s'] * 1e9:5.0f} ns;"
               f" {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
               f" the fit's error {100 * cal['fit_error']:.1f} %")  # fmt: skip
     rows = []
@@ -268,7 +319,7 @@ def main(argv=None) -> dict:
     print(f"\n|error| tokens/s: median {100 * summary['tok_s_median']:.1f} %, worst {100 * summary['tok_s_worst']:.1f} %;"
           f" TTFT: median {100 * summary['ttft_median']:.1f} %, worst {100 * summary['ttft_worst']:.1f} %"
           "  (goal: median <= 10 %, worst <= 20 %)")  # fmt: skip
-    result = {"calibration": cals, "rows": rows, "summary": summary, "results": args.results}
+    result = {"calibration": cals, "rows": rows, "summary": summary, "results": args.results or "measured now"}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"json: {args.out}")
     return result
