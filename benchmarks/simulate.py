@@ -7,8 +7,9 @@ iteration scheduling, `ReservingKVCacheManager`) and FasterTransformer (level 0'
 batches). For one GPU, model and trace it prints and plots
 
   1. normalized latency (s/token) against request rate, per system: the paper's figure 12;
-  2. the highest rate each system sustains under a normalized-latency SLO, and vLLM's ratio
-     to each (paper, OPT-13B on ShareGPT: 1.7-2.7x Orca Oracle, 2.7-8x Orca Max, up to 22x FT);
+  2. the highest rate each system sustains (its saturated rate, lowered if needed to meet a
+     normalized-latency SLO), and vLLM's ratio to each (paper, OPT-13B on ShareGPT: 1.7-2.7x
+     Orca Oracle, 2.7-8x Orca Max, up to 22x FT);
   3. at one rate (`--at-rate`, 2 req/s: the paper's figure 13), the mean number of batched
      requests and the share of KV memory holding tokens (figure 2: 20.4-38.2 % for Orca);
   4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 and the GPUs that
@@ -51,10 +52,10 @@ def latency_at(system: str, rate: float, args, tp: int = 1):
 
 
 def max_rate(system: str, args, tp: int = 1) -> float:
-    """The highest rate a system sustains: never more than it finishes requests while a queue waits (its
-    saturated rate, from all requests arriving at once: any faster arrival grows the queue without
-    bound, however few requests show it), and within that, the highest rate whose normalized latency
-    meets the SLO (bisection on a log scale, 4 %)."""
+    """The highest rate a system sustains: its saturated rate (requests finished per second while a queue
+    waits, all requests arriving at once: at or above it the queue grows without bound, however few
+    requests a run has to show it), lowered, if the SLO needs it, to the highest rate whose normalized
+    latency meets the SLO (bisection on a log scale, 4 %)."""
     cap = latency_at(system, math.inf, args, tp).drain_rate
     if latency_at(system, cap, args, tp).normalized_latency <= args.slo:
         return cap
@@ -137,11 +138,13 @@ def main(argv=None) -> dict:
     print(f"\nnormalized latency (s/token) against request rate{'':10s}" + "".join(f"{s:>12s}" for s in systems))
     for i, r in enumerate(rates):
         print(f"  {r:8.3f} req/s{'':38s}" + "".join(f"{curves[s][i]:12.3f}" for s in systems))
-    print(f"\nhighest rate within {args.slo} s/token, and vLLM's ratio to it (paper: OPT-13B, A100-40GB, ShareGPT)")
+    print(f"\nsustainable rate (saturated, lowered if needed to meet {args.slo} s/token), normalized latency there, "
+          "and vLLM's ratio (paper: OPT-13B, A100-40GB, ShareGPT)")  # fmt: skip
     for s in systems:
         ratio = sustain["vllm"] / sustain[s] if sustain[s] else math.inf
         paper = PAPER["ratio"].get(s, "") if args.trace == "sharegpt" else ""
-        print(f"  {s:12s} {sustain[s]:8.3f} req/s   vLLM / it {ratio:6.2f}x   {paper}")
+        there = latency_at(s, sustain[s], args).normalized_latency if sustain[s] else math.nan
+        print(f"  {s:12s} {sustain[s]:8.3f} req/s  {there:6.3f} s/token   vLLM / it {ratio:6.2f}x   {paper}")
     print(f"\nat {args.at_rate} req/s: batched requests, KV memory holding tokens (of reserved / of the pool), "
           "preemptions (paper: figure 13, figure 2)")  # fmt: skip
     for s in systems:

@@ -5,7 +5,8 @@ What it is:
     are forced to the same lengths: the same requests in every step with the same token counts,
     the same preemptions, the same prefix hits (the simulator replaces the time, nothing else);
   - cost-model properties: a step grows with its tokens and its context, tensor parallelism
-    shortens a large step and adds its all-reduces, and a memory-bound batch-1 decode costs
+    shortens a large step and adds its all-reduces, pipeline parallelism adds its sends (and
+    splits the weights: OPT-66B runs on four A100-40GBs), and a memory-bound batch-1 decode costs
     the weights' read (Llama-2-7B on an A100: 13.5 GB / 1.555 TB/s, about 8.7 ms);
   - Orca's contiguous reservations: the three sizes, and the external fragmentation of first fit;
   - `python -m benchmarks.simulate` on a small trace: vLLM sustains the highest rate, then Orca
@@ -133,6 +134,11 @@ def test_a_step_costs_more_with_tokens_and_context_and_less_with_tp():
     tp1, tp2, tp4 = (step_cost(hw, shape, big, 2, tp) for tp in (1, 2, 4))
     assert tp1.total > tp2.total > tp4.total  # a large step splits across ranks ...
     assert tp1.comm == 0 < tp2.comm < tp4.comm  # ... and pays for its all-reduces
+    pp2 = step_cost(hw, shape, big, 2, 1, pp=2)  # stages one after another: the same work, plus one send
+    assert pp2.linear == tp1.linear and pp2.attention == tp1.attention and 0 < pp2.comm < tp2.comm
+    opt66 = model_shape("opt-66b")  # too big for one A100-40GB, fine over four as TP 2 x PP 2
+    assert simulate("vllm", trace("alpaca", 30, rate=math.inf), model="opt-66b", tp=2, pp=2).requests == 30
+    assert kv_budget(gpu("a100-40gb"), opt66, 4) > 0
 
 
 def test_a_batch_one_decode_reads_the_weights():
@@ -228,3 +234,22 @@ def test_simulated_speculation_accepts_at_alpha_per_position(alpha):
         assert p == pytest.approx(alpha**i, abs=0.05)
     want = (k + 1) if alpha == 1.0 else (1 - alpha ** (k + 1)) / (1 - alpha)
     assert e.spec_stats.mean_acceptance_length == pytest.approx(want, rel=0.06)
+
+
+def test_a_simulated_draft_takes_its_share_of_the_kv_budget(llama_dir, checkpoint_factory):
+    """Level 4 with a draft model splits the budget between the two caches; the simulated one, given the
+    draft's shape, holds the same number of blocks."""
+    import level4_speculative
+    from benchmarks.sim.cost import ModelShape
+    from benchmarks.sim.engines import SimulatedSpeculative
+
+    draft = checkpoint_factory("llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
+    budget = kv_bytes(llama_dir, 4 * 40)
+    real = level4_speculative.LLMEngine(llama_dir, dtype="float64", block_size=4, kv_cache_memory=budget,
+                                        speculative_config={"model": str(draft), "num_speculative_tokens": 2})  # fmt: skip
+    shape = ModelShape.from_hf(json.loads((draft / "config.json").read_text()))
+    sim = SimulatedSpeculative(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), dtype="float64", block_size=4,
+                               kv_cache_memory=budget, num_speculative_tokens=2, draft_shape=shape)  # fmt: skip
+    alone = SimulatedSpeculative(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), dtype="float64",
+                                 block_size=4, kv_cache_memory=budget, num_speculative_tokens=2)  # fmt: skip
+    assert sim.num_blocks == real.num_blocks < alone.num_blocks == 40

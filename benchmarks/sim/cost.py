@@ -18,6 +18,9 @@ memory traffic, plus a fixed per-step overhead:
                bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV)
     lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
+    PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; the
+               stages run one after another (one step in flight: level 5 overlaps micro-batches,
+               this model does not, so PP buys memory here, never speed)
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
                token and per context token in it (only the first on a GPU unless calibrated)
 
@@ -104,6 +107,7 @@ class ModelShape:
     max_len: int
     gated_mlp: bool  # SwiGLU's three matrices (llama) or two (opt)
     eos_token_id: int
+    tied_embeddings: bool = False  # the LM head is the embedding (OPT's default): one V x H matrix, not two
     dtype_bytes: int = 2
 
     @classmethod
@@ -117,7 +121,7 @@ class ModelShape:
             head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
             intermediate=hf.get("intermediate_size") or hf["ffn_dim"], vocab=hf["vocab_size"],
             max_len=hf.get("max_position_embeddings", 2048), gated_mlp=hf["model_type"] != "opt",
-            eos_token_id=eos,
+            eos_token_id=eos, tied_embeddings=hf.get("tie_word_embeddings", hf["model_type"] == "opt"),
         )  # fmt: skip
 
     @property
@@ -130,8 +134,8 @@ class ModelShape:
 
     @property
     def params(self) -> int:
-        """Every weight: the layers, the embedding and the LM head (counted apart: HF's total for untied models)."""
-        return self.num_layers * self.layer_params + 2 * self.vocab * self.hidden
+        """Every weight: the layers, the embedding and the LM head (one matrix when they are tied)."""
+        return self.num_layers * self.layer_params + (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
 
     @property
     def weight_bytes(self) -> int:
@@ -157,6 +161,7 @@ def model_shape(name: str) -> ModelShape:
 
 def kv_budget(hw: Hardware, shape: ModelShape, tp: int = 1, gpu_memory_utilization: float = 0.9,
               activation_reserve: float = 0.05) -> int:  # fmt: skip
+    # (tp: the GPUs the weights are split over, tensor x pipeline parallel)
     """KV bytes per rank: vLLM's rule, `utilization * memory - weights - activations`, the activations'
     peak taken as a share of the memory (vLLM profiles it with a dummy forward at the largest batch)."""
     free = hw.memory_bytes * (gpu_memory_utilization - activation_reserve) - shape.weight_bytes / tp
@@ -181,7 +186,7 @@ class StepCost:
 
 
 def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int,
-              tp: int = 1) -> StepCost:  # fmt: skip
+              tp: int = 1, pp: int = 1) -> StepCost:  # fmt: skip
     """chunks: (tokens already cached, new tokens) per scheduled request; num_sampled: logits rows."""
     b, L, h = shape.dtype_bytes, shape.num_layers, shape.hidden
     T = sum(n for _, n in chunks)
@@ -201,11 +206,14 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     if tp > 1:  # two all-reduces per layer (after attention, after the MLP), ring: 2 (tp - 1) / tp of the bytes
         nbytes = T * h * b * 2 * (tp - 1) / tp
         comm = 2 * L * (hw.link_latency_s + nbytes / hw.link_bytes_per_s)
+    if pp > 1:  # each stage hands its activations to the next, point to point
+        comm += (pp - 1) * (hw.link_latency_s + T * h * b / hw.link_bytes_per_s)
     context = sum(c + n for c, n in chunks)
     overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
     overhead += hw.context_overhead_s * context
     return StepCost(linear, attention, lm_head, comm, overhead)
 
 
-def step_time(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int, tp: int = 1) -> float:
-    return step_cost(hw, shape, chunks, num_sampled, tp).total
+def step_time(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int, tp: int = 1,
+              pp: int = 1) -> float:  # fmt: skip
+    return step_cost(hw, shape, chunks, num_sampled, tp, pp).total

@@ -17,12 +17,14 @@ with only the forward pass and the sampler's draw replaced:
                         the next power of two of its true length, or its true length
     FasterTransformer   level 0's static batches and max-length slabs (`SimulatedStatic`), its
                         batches formed from the requests that have arrived
+    level 4             `SimulatedSpeculative`: the real engine's guesses and verification, each
+                        guess accepted with probability alpha per position
 
 Everything that decides (admission, block tables, preemption, prefix hits, when a request
 joins or leaves the batch) is the code a reader has read; only the time is modelled.
 
-What it is not: a model of tokens. A request's output length is given, not sampled; level
-4's drafts and level 5's ranks are not simulated here (docs/what_if.md).
+What it is not: a model of tokens (a request's output length is given, not sampled), or of
+level 5's overlapped micro-batches (its ranks are a cost: docs/what_if.md).
 
 Reference: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023), section 6.1 for the baselines; Vidur (MLSys 2024).
@@ -85,15 +87,16 @@ class SimulatedExecutor:
     """Satisfies level 1's `Executor` Protocol; a forward is a cost and no logits."""
 
     def __init__(self, num_blocks: int, hardware: Hardware, shape: ModelShape, clock: SimClock, tp: int = 1,
-                 keep_trace: bool = False):  # fmt: skip
+                 keep_trace: bool = False, pp: int = 1):  # fmt: skip
         self.num_blocks, self.hardware, self.shape, self.clock, self.tp = num_blocks, hardware, shape, clock, tp
+        self.pp = pp
         self.trace: list[StepTrace] | None = [] if keep_trace else None
         self.probe = lambda: (0, 0)  # the engine's (allocated, stored) KV tokens, for the trace
         self._in_flight: deque[SimStep] = deque()
         self.steps = 0
 
     def execute(self, step: SimStep) -> None:
-        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp)
+        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp)
         if self.trace is not None:
             tokens = sum(n for _, n in step.chunks)
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
@@ -132,8 +135,8 @@ class Simulated:
     `targets[request_id]` is the output length the request ends at (with EOS)."""
 
     def __init__(self, model: str, *, hardware: Hardware, clock: SimClock, tp: int = 1, keep_trace: bool = False,
-                 dtype: str = "bfloat16", **kwargs):  # fmt: skip
-        self.hardware, self.tp, self.keep_trace = hardware, tp, keep_trace
+                 dtype: str = "bfloat16", pp: int = 1, **kwargs):  # fmt: skip
+        self.hardware, self.tp, self.keep_trace, self.pp = hardware, tp, keep_trace, pp
         self.targets: dict[str, int] = {}
         path = Path(model) if (Path(model) / "config.json").is_file() else model_dir(str(model))  # a shipped shape
         self.hf = json.loads((path / "config.json").read_text())
@@ -148,7 +151,7 @@ class Simulated:
         return LoadedModel(None, engine_model_config(self.hf), None, [self.shape.eos_token_id], path, self.hf, {})
 
     def make_executor(self, num_blocks: int) -> SimulatedExecutor:
-        return SimulatedExecutor(num_blocks, self.hardware, self.shape, self.clock, self.tp, self.keep_trace)
+        return SimulatedExecutor(num_blocks, self.hardware, self.shape, self.clock, self.tp, self.keep_trace, self.pp)
 
     def next_token(self, req, ahead: int = 0) -> int:
         """The workload's token `ahead` places past the request's output: EOS at its target length."""
@@ -194,30 +197,37 @@ class SimProposer:
         self.engine = engine
 
     def prefill(self, sched: SchedulerOutput) -> None:
-        pass
+        """The draft computes the step's prompt chunks too (its cache keeps up with the target's)."""
+        e = self.engine
+        chunks = [(r.num_computed_tokens, n - len(r.spec_token_ids)) for r, n in sched.scheduled]
+        chunks = [(c, n) for c, n in chunks if n > 1]
+        if e.draft_shape is not None and e.draft_cost and chunks:
+            e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, 0, e.tp, e.pp))
 
     def propose(self, drafting: list) -> None:
         e = self.engine
         for req, k in drafting:
             req.spec_token_ids, req.spec_probs = [e.filler] * k, None
-        if e.draft_shape is not None and drafting:
+        if e.draft_shape is not None and e.draft_cost and drafting:
             for j in range(max(k for _, k in drafting)):
                 chunks = [(req.num_tokens + j - 1, 1) for req, k in drafting if k > j]
-                e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, len(chunks), e.tp))
+                e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, len(chunks), e.tp, e.pp))
 
 
 class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
     """Level 4 on the modelled clock: the real engine's guesses, verification rows, KV slots and
     `disable_by_batch_size`; a guess at position j (1-based) is accepted with probability `alpha[j-1]`
     (one alpha for every position if a float), the first rejection ending the run, as in
-    Leviathan et al.'s analysis. `draft_shape`: the draft model whose steps cost time (None: free,
-    as n-grams nearly are)."""
+    Leviathan et al.'s analysis. `draft_shape`: the draft model, whose cache takes its share of the
+    KV budget as the real engine's does and whose prefills and guesses cost time (`draft_cost=False`:
+    not on the clock, when a calibration already counts them); None: no draft (n-grams: free)."""
 
     def __init__(self, model: str, *, num_speculative_tokens: int = 4, alpha: float | list[float] = 0.7,
-                 draft_shape: ModelShape | None = None, disable_by_batch_size: int | None = None, seed: int = 0,
-                 **kwargs):  # fmt: skip
+                 draft_shape: ModelShape | None = None, draft_cost: bool = True,
+                 disable_by_batch_size: int | None = None, seed: int = 0, **kwargs):  # fmt: skip
         import random
 
+        self.draft_cost = draft_cost
         k = num_speculative_tokens
         self.alpha = [alpha] * k if isinstance(alpha, (int, float)) else list(alpha)
         if len(self.alpha) < k:
@@ -233,6 +243,10 @@ class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
 
     def make_proposer(self) -> SimProposer:
         return SimProposer(self)
+
+    def draft_kv_bytes_per_token(self) -> int:
+        """The draft's cache shares the budget (level 4's split), in the target's dtype."""
+        return replace(self.draft_shape, dtype_bytes=self.shape.dtype_bytes).kv_bytes_per_token if self.draft_shape else 0
 
     def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
         out = ModelRunnerOutput()
@@ -391,16 +405,17 @@ class SimulatedStatic(Simulated, NaiveEngine):
         return [self.next_token(s) for s in seqs], [None] * len(seqs)
 
     def run(self, seqs, bar) -> None:
-        """Level 0's loop, with arrivals: a batch is formed from the requests that have arrived."""
+        """Level 0's loop, with arrivals, as a static-batching server runs it (benchmarks/engines.py,
+        `static_batches`): the requests that have arrived form a round, which runs to its end (in as
+        many batches as memory needs) before whoever arrived meanwhile is looked at."""
         pending = deque(sorted(seqs, key=lambda s: s.metrics.arrival_time))
-        self.waiting = deque()
-        while pending or self.waiting:
+        while pending:
+            self.clock.now = max(self.clock.now, pending[0].metrics.arrival_time)
+            self.waiting = deque()
             while pending and pending[0].metrics.arrival_time <= self.clock.now:
                 self.waiting.append(pending.popleft())
-            if not self.waiting:
-                self.clock.now = pending[0].metrics.arrival_time
-                continue
-            batch = []
-            while self.waiting and len(batch) < self.config.max_num_seqs and self._admit_one(self.waiting[0]):
-                batch.append(self.waiting.popleft())
-            self._run_batch(batch, bar)
+            while self.waiting:
+                batch = []
+                while self.waiting and len(batch) < self.config.max_num_seqs and self._admit_one(self.waiting[0]):
+                    batch.append(self.waiting.popleft())
+                self._run_batch(batch, bar)

@@ -100,9 +100,12 @@ class SimResult:
     drain_rate: float  # requests finished per second while some were still queued (the saturated rate)
 
 
-def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int = 1, **kwargs):
-    budget = kv_budget(hw, model_shape(model), tp) * tp  # the engine counts whole-model bytes per token
-    common = dict(hardware=hw, clock=clock, tp=tp, kv_cache_memory=budget, max_num_seqs=256, keep_trace=True)
+def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int = 1, pp: int = 1, **kwargs):
+    budget = kv_budget(hw, model_shape(model), tp * pp)  # per GPU
+    if kwargs.get("draft_shape") is not None:  # every GPU holds the draft's weights too
+        budget -= kwargs["draft_shape"].weight_bytes
+    budget *= tp * pp  # the engine counts whole-model bytes per token
+    common = dict(hardware=hw, clock=clock, tp=tp, pp=pp, kv_cache_memory=budget, max_num_seqs=256, keep_trace=True)
     if system == "ft":
         return SimulatedStatic(model, **common, **kwargs)
     if system.startswith("orca-"):
@@ -114,11 +117,12 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
 
 
 def simulate(system: str, reqs: list[SimRequest], gpu_name: str = "a100-40gb", model: str = "opt-13b", tp: int = 1,
-             rate: float = 0.0, hardware: Hardware | None = None, engine=None, **engine_kwargs) -> SimResult:  # fmt: skip
+             rate: float = 0.0, hardware: Hardware | None = None, engine=None, pp: int = 1,
+             **engine_kwargs) -> SimResult:  # fmt: skip
     """Serve `reqs` (arrivals included) with `system` on a simulated GPU; `engine` (made here if None, with
     `engine_kwargs`)."""
     clock = engine.clock if engine is not None else SimClock()
-    engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp, **engine_kwargs)
+    engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp, pp, **engine_kwargs)
     max_len = engine.max_model_len
     seqs = []
     for i, r in enumerate(reqs):

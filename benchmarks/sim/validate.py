@@ -189,8 +189,10 @@ def predict(level: str, name: str, committed: dict, cfg: dict, hw: Hardware, mod
     if level == "level4_speculative":  # the guesses' acceptance is an input: the measured one, per position
         spec = committed_row(committed, name, level)["spec"]
         sc = spec_config(cfg)
+        draft = ModelShape.from_hf(json.loads((Path(sc["model"]) / "config.json").read_text()))
         kw.update(num_speculative_tokens=sc["num_speculative_tokens"], disable_by_batch_size=sc["disable_by_batch_size"],
-                  alpha=conditional_alphas(spec["per_position"]))  # fmt: skip
+                  alpha=conditional_alphas(spec["per_position"]), draft_shape=draft,
+                  draft_cost=False)  # its cache shares the budget; its time is in the calibrated overhead  # fmt: skip
     engine = LEVELS[level](model, **kw)
     seqs, count = [], iter(range(1 << 30))
 
@@ -251,7 +253,8 @@ def committed_row(committed: dict, name: str, level: str) -> dict | None:
 
 def measure_now(out: Path, threads: int, quick: bool = False) -> dict:
     """The benchmark's workloads on this machine now, levels 0, 2, 3 and 4, one run each (no HF, no sweeps;
-    poisson at 0.9x level 2's capacity): what the prediction is held against."""
+    poisson at 0.9x level 0's capacity: the harness's base when level 1 does not run): what the prediction
+    is held against."""
     from benchmarks import throughput
 
     argv = ["--all", "--engines", ",".join(LEVELS), "--hf-sweep", "none", "--rate-multiples", "0.9",
