@@ -272,6 +272,7 @@ class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
 
 
 def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
     return 1 << max(0, n - 1).bit_length()
 
 
@@ -359,6 +360,7 @@ class SimulatedOrca(SimulatedContinuous):
         super().__init__(model, block_size=1, **kwargs)
 
     def reserve(self, req: Request) -> int:
+        """The region a request reserves at admission, by `self.reservation` (see the class docstring)."""
         true = len(req.prompt_token_ids) + self.targets[req.request_id]
         if self.reservation == "max":
             return req.max_total_tokens  # what the request may grow to: prompt + max_tokens

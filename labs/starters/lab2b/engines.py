@@ -1,0 +1,429 @@
+# Lab 2b: your copy of sim/engines.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 2b THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""The ladder's own engines with the model replaced by a cost: a GPU's clock, not its arithmetic.
+
+What it is: each system the PagedAttention paper compares, built from the ladder's classes
+with only the forward pass and the sampler's draw replaced:
+
+    SimulatedExecutor   the executor seam (level1_paged/executor.py): `execute(step)` advances
+                        the clock by the cost model's time for that step and returns no logits
+    Simulated           a mixin for a level-2/3 engine: weights never load (the shape comes from
+                        a config.json), `prepare_input` describes the step instead of building
+                        tensors, and `sample` takes each request's next token from the workload:
+                        a filler token, and EOS at the request's target length
+    level 2, level 3    vLLM: `SimulatedContinuous`, `SimulatedPrefix` (the real Scheduler, the
+                        real block managers, preemption by recompute, prefix hits)
+    Orca (max / pow2 / oracle)
+                        level 2's iteration scheduling over `ReservingKVCacheManager`: a request
+                        reserves contiguous room at admission, for the model's maximum length,
+                        the next power of two of its true length, or its true length
+    FasterTransformer   level 0's static batches and max-length slabs (`SimulatedStatic`), its
+                        batches formed from the requests that have arrived
+    level 4             `SimulatedSpeculative`: the real engine's guesses and verification, each
+                        guess accepted with probability alpha per position
+
+Everything that decides (admission, block tables, preemption, prefix hits, when a request
+joins or leaves the batch) is the code a reader has read; only the time is modelled.
+
+What it is not: a model of tokens (a request's output length is given, not sampled), or of
+level 5's overlapped micro-batches (its ranks are a cost: docs/what_if.md).
+
+Reference: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
+PagedAttention" (SOSP 2023), section 6.1 for the baselines; Vidur (MLSys 2024).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import deque
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from level0_naive.engine import NaiveEngine
+from level0_naive.loader import LoadedModel
+from level0_naive.model import ModelConfig
+from level1_paged.paged_cache import num_blocks_for_budget
+from level2_continuous.engine import ContinuousEngine
+from level2_continuous.request import Request
+from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
+from level3_prefix.engine import PrefixCachingEngine
+from level4_speculative.engine import SpeculativeEngine
+
+from .cost import Hardware, ModelShape, StepCost, model_dir, step_cost, step_time
+
+
+class SimClock:
+    """The engine's clock: seconds that only the cost model (and the arrivals) move."""
+
+    def __init__(self, start: float = 0.0):
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass
+class SimStep:
+    """What the executor needs to know of a step: (tokens already cached, new tokens) per request, and how
+    many logits rows the LM head computes."""
+
+    chunks: list[tuple[int, int]]
+    num_sampled: int
+
+
+@dataclass
+class StepTrace:
+    start: float
+    cost: StepCost
+    batch: int  # requests in the step
+    tokens: int  # new tokens in the step
+    allocated: int  # KV tokens reserved or in allocated blocks as the step ran
+    stored: int  # of them, tokens whose K/V are stored
+
+
+class SimulatedExecutor:
+    """Satisfies level 1's `Executor` Protocol; a forward is a cost and no logits."""
+
+    def __init__(self, num_blocks: int, hardware: Hardware, shape: ModelShape, clock: SimClock, tp: int = 1,
+                 keep_trace: bool = False, pp: int = 1):  # fmt: skip
+        self.num_blocks, self.hardware, self.shape, self.clock, self.tp = num_blocks, hardware, shape, clock, tp
+        self.pp = pp
+        self.trace: list[StepTrace] | None = [] if keep_trace else None
+        self.probe = lambda: (0, 0)  # the engine's (allocated, stored) KV tokens, for the trace
+        self._in_flight: deque[SimStep] = deque()
+        self.steps = 0
+
+    def execute(self, step: SimStep) -> None:
+        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp)
+        if self.trace is not None:
+            tokens = sum(n for _, n in step.chunks)
+            self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
+        self.clock.advance(cost.total)
+        self.steps += 1
+        return None
+
+    def submit(self, step: SimStep) -> int:
+        self._in_flight.append(step)
+        return self.steps + len(self._in_flight) - 1
+
+    def collect(self) -> None:
+        return self.execute(self._in_flight.popleft())
+
+    def collective_rpc(self, method: str, *args: Any) -> list:
+        return [getattr(self, method)(*args)]
+
+    def check_health(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def engine_model_config(hf: dict) -> ModelConfig:
+    """The ModelConfig an engine needs (KV bytes, positions) from any shipped config.json, OPT's included."""
+    s = ModelShape.from_hf(hf)
+    return ModelConfig(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                       num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                       head_dim=s.head_dim, max_position_embeddings=s.max_len)  # fmt: skip
+
+
+class Simulated:
+    """Mixin for an engine: no weights, a simulated executor, tokens from the workload.
+
+    `targets[request_id]` is the output length the request ends at (with EOS)."""
+
+    def __init__(self, model: str, *, hardware: Hardware, clock: SimClock, tp: int = 1, keep_trace: bool = False,
+                 dtype: str = "bfloat16", pp: int = 1, **kwargs):  # fmt: skip
+        self.hardware, self.tp, self.keep_trace, self.pp = hardware, tp, keep_trace, pp
+        self.targets: dict[str, int] = {}
+        path = Path(model) if (Path(model) / "config.json").is_file() else model_dir(str(model))  # a shipped shape
+        self.hf = json.loads((path / "config.json").read_text())
+        bytes_ = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
+        self.shape = replace(ModelShape.from_hf(self.hf, path.name), dtype_bytes=bytes_)
+        self.filler = (self.shape.eos_token_id + 1) % self.shape.vocab
+        super().__init__(str(path), clock=clock, dtype=dtype, **kwargs)
+
+    def load_model(self) -> LoadedModel:
+        """The config alone: no weights, no tokenizer (prompts are token ids)."""
+        path = Path(self.config.model)
+        return LoadedModel(None, engine_model_config(self.hf), None, [self.shape.eos_token_id], path, self.hf, {})
+
+    def make_executor(self, num_blocks: int) -> SimulatedExecutor:
+        return SimulatedExecutor(num_blocks, self.hardware, self.shape, self.clock, self.tp, self.keep_trace, self.pp)
+
+    def next_token(self, req, ahead: int = 0) -> int:
+        """The workload's token `ahead` places past the request's output: EOS at its target length."""
+        done = len(req.output_token_ids) + ahead + 1 >= self.targets[req.request_id]
+        return self.shape.eos_token_id if done else self.filler
+
+
+class SimulatedContinuous(Simulated, ContinuousEngine):
+    """Level 2 (vLLM without prefix caching) on the modelled clock."""
+
+    def make_worker(self) -> SimulatedExecutor:
+        worker = self.make_executor(num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token))
+        worker.probe = self.kv_tokens
+        return worker
+
+    def kv_tokens(self) -> tuple[int, int]:
+        used_blocks, stored = self.kv.usage()
+        return used_blocks * self.kv.block_size, stored
+
+    def prepare_input(self, sched: SchedulerOutput) -> SimStep:
+        take = getattr(self.kv, "take_block_copies", None)
+        if take is not None:
+            take()  # (copy-on-write pairs: a copy is a memory move the model does not count)
+        return SimStep([(r.num_computed_tokens, n) for r, n in sched.scheduled],
+                       sum(r.num_logits(n) for r, n in sched.scheduled))  # logits rows (k + 1 when verifying)
+
+    def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
+        reqs = [r for r, n in sched.scheduled if r.num_logits(n)]
+        return ModelRunnerOutput(reqs, [[self.next_token(r)] for r in reqs], [[None] for _ in reqs])
+
+
+class SimulatedPrefix(SimulatedContinuous, PrefixCachingEngine):
+    """Level 3 (vLLM with prefix caching) on the modelled clock."""
+
+
+class SimProposer:
+    """Level 4's proposer Protocol without a model: k filler guesses per request. A draft model's time
+    (k decode steps of its shape over the drafting requests) goes on the clock; n-grams cost nothing."""
+
+    has_kv_cache = False
+
+    def __init__(self, engine: SimulatedSpeculative):
+        self.engine = engine
+
+    def prefill(self, sched: SchedulerOutput) -> None:
+        """The draft computes the step's prompt chunks too (its cache keeps up with the target's)."""
+        e = self.engine
+        chunks = [(r.num_computed_tokens, n - len(r.spec_token_ids)) for r, n in sched.scheduled]
+        chunks = [(c, n) for c, n in chunks if n > 1]
+        if e.draft_shape is not None and e.draft_cost and chunks:
+            e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, 0, e.tp, e.pp))
+
+    def propose(self, drafting: list) -> None:
+        e = self.engine
+        for req, k in drafting:
+            req.spec_token_ids, req.spec_probs = [e.filler] * k, None
+        if e.draft_shape is not None and e.draft_cost and drafting:
+            for j in range(max(k for _, k in drafting)):
+                chunks = [(req.num_tokens + j - 1, 1) for req, k in drafting if k > j]
+                e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, len(chunks), e.tp, e.pp))
+
+
+class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
+    """Level 4 on the modelled clock: the real engine's guesses, verification rows, KV slots and
+    `disable_by_batch_size`; a guess at position j (1-based) is accepted with probability `alpha[j-1]`
+    (one alpha for every position if a float), the first rejection ending the run, as in
+    Leviathan et al.'s analysis. `draft_shape`: the draft model, whose cache takes its share of the
+    KV budget as the real engine's does and whose prefills and guesses cost time (`draft_cost=False`:
+    not on the clock, when a calibration already counts them); None: no draft (n-grams: free)."""
+
+    def __init__(self, model: str, *, num_speculative_tokens: int = 4, alpha: float | list[float] = 0.7,
+                 draft_shape: ModelShape | None = None, draft_cost: bool = True,
+                 disable_by_batch_size: int | None = None, seed: int = 0, **kwargs):  # fmt: skip
+        import random
+
+        self.draft_cost = draft_cost
+        k = num_speculative_tokens
+        self.alpha = [alpha] * k if isinstance(alpha, (int, float)) else list(alpha)
+        if len(self.alpha) < k:
+            raise ValueError(f"alpha has {len(self.alpha)} positions, fewer than num_speculative_tokens={k}")
+        self.draft_shape, self.rng = draft_shape, random.Random(seed)
+        spec = {"method": "ngram", "num_speculative_tokens": k, "disable_by_batch_size": disable_by_batch_size}
+        super().__init__(model, speculative_config=spec, **kwargs)
+
+    def load_model(self) -> LoadedModel:
+        loaded = super().load_model()
+        self.load_draft(loaded)  # (an n-gram config: no draft model is loaded)
+        return loaded
+
+    def make_proposer(self) -> SimProposer:
+        return SimProposer(self)
+
+    def draft_kv_bytes_per_token(self) -> int:
+        """The draft's cache shares the budget (level 4's split), in the target's dtype."""
+        return replace(self.draft_shape, dtype_bytes=self.shape.dtype_bytes).kv_bytes_per_token if self.draft_shape else 0
+
+    def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
+        out = ModelRunnerOutput()
+        for req, n in sched.scheduled:
+            rows = req.num_logits(n)
+            if not rows:
+                continue
+            k = rows - 1
+            accepted = 0
+            while accepted < k and self.rng.random() < self.alpha[accepted]:
+                accepted += 1
+            if k:
+                self.spec_stats.record(k, accepted)
+            tokens = []
+            for _ in range(accepted + 1):  # the accepted guesses and the target's own next token
+                tokens.append(self.next_token(req, len(tokens)))
+                if tokens[-1] == self.shape.eos_token_id:
+                    break
+            out.requests.append(req)
+            out.token_ids.append(tokens)
+            out.logprobs.append([None] * len(tokens))
+        return out
+
+
+def next_power_of_two(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1)."""
+    # TODO (lab 2b): next_power_of_two
+    # The smallest power of two that is >= n, and 1 for n <= 1 (Orca Pow2 rounds a request's true length up
+    # to it). int.bit_length() tells how many bits a number needs.
+    raise NotImplementedError("lab 2b: write next_power_of_two")
+
+
+class ReservingKVCacheManager:
+    """Orca's memory: a request reserves one contiguous region at admission and holds it to the end.
+
+    Counted in tokens (block size 1: a region has no blocks), placed first-fit in one address space
+    [0, capacity), so freed regions leave holes a larger request cannot use (external fragmentation).
+    `reserve(req)` is the region's size: the model's maximum (Orca Max), the next power of two of the
+    true length (Pow2), or the true length (Oracle). Nothing is ever preempted: the region covers the
+    request."""
+
+    block_size = 1
+
+    def __init__(self, capacity_tokens: int, reserve):
+        self.num_blocks, self.reserve = capacity_tokens, reserve
+        self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (start, size)
+        self.stored: dict[int, int] = {}
+        self.num_reserved = self.num_stored = 0
+
+    def first_fit(self, size: int, keep_free: int = 0) -> int | None:
+        """The lowest start of a hole of `size` tokens, or None (also None if fewer than `keep_free`
+        tokens would be left free in all)."""
+        # TODO (lab 2b): ReservingKVCacheManager.first_fit
+        # Regions are (start, size) in one address space [0, self.num_blocks) (self.regions: seq_id -> region).
+        # Return the lowest start of a hole at least `size` long, walking the regions in address order: the
+        # hole before each region, then the one after the last. None if no hole is big enough, or if fewer than
+        # `keep_free` tokens would be left free in all (self.num_blocks - self.num_reserved - size).
+        raise NotImplementedError("lab 2b: write ReservingKVCacheManager.first_fit")
+
+    def get_computed_blocks(self, req: Request) -> tuple[list, int]:
+        return [], 0
+
+    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None,
+                       keep_free: int = 0) -> bool:  # fmt: skip
+        if req.seq_id not in self.regions:
+            size = self.reserve(req)
+            start = self.first_fit(size, keep_free)
+            if start is None:
+                return False
+            self.regions[req.seq_id] = (start, size)
+            self.num_reserved += size
+        if req.num_computed_tokens + num_new_tokens > self.regions[req.seq_id][1]:
+            raise RuntimeError(f"request {req.request_id} outgrew its reservation (the reservation rule is wrong)")
+        return True
+
+    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
+        n = req.num_computed_tokens if num_tokens is None else num_tokens
+        self.num_stored += n - self.stored.get(req.seq_id, 0)
+        self.stored[req.seq_id] = n
+
+    def free(self, req: Request) -> None:
+        self.num_reserved -= self.regions.pop(req.seq_id, (0, 0))[1]
+        self.num_stored -= self.stored.pop(req.seq_id, 0)
+
+    def block_table(self, req: Request) -> list[int]:
+        return []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.num_blocks - self.num_reserved
+
+    def usage(self) -> tuple[int, int]:
+        return self.num_reserved, self.num_stored
+
+    def ref_counts(self) -> list[int]:
+        return []
+
+    def cached_free_blocks(self) -> list[int]:
+        return []
+
+
+ORCA_RESERVATIONS = ("max", "pow2", "oracle")
+
+
+class SimulatedOrca(SimulatedContinuous):
+    """Orca: level 2's iteration-level scheduling with contiguous reservations (`reservation`)."""
+
+    def __init__(self, model: str, *, reservation: str = "oracle", **kwargs):
+        if reservation not in ORCA_RESERVATIONS:
+            raise ValueError(f"reservation={reservation!r} is not one of {ORCA_RESERVATIONS}")
+        self.reservation = reservation
+        super().__init__(model, block_size=1, **kwargs)
+
+    def reserve(self, req: Request) -> int:
+        """The region a request reserves at admission, by `self.reservation` (see the class docstring)."""
+        # TODO (lab 2b): SimulatedOrca.reserve
+        # The request's true length is its prompt plus its target output length (self.targets[req.request_id]).
+        # Orca Max reserves what it may grow to, req.max_total_tokens; Oracle its true length; Pow2 the next
+        # power of two of its true length, never more than req.max_total_tokens (self.reservation says which).
+        raise NotImplementedError("lab 2b: write SimulatedOrca.reserve")
+
+    def make_kv_manager(self) -> ReservingKVCacheManager:
+        return ReservingKVCacheManager(self.num_blocks, self.reserve)
+
+
+@dataclass
+class StaticSlab:
+    """Level 0's slab without its tensors: how much it reserves and holds."""
+
+    reserved: int
+    used: int = 0
+    finished: bool = False
+
+
+class SimulatedStatic(Simulated, NaiveEngine):
+    """FasterTransformer: level 0's static batching and max-length slabs, on the modelled clock. Its
+    batch is formed from the requests that have arrived (`pending`, in arrival order), and runs to
+    its longest member before the next is formed."""
+
+    def _init_kv_cache(self) -> None:
+        self.slabs: dict[int, StaticSlab] = {}
+        self.reserved_tokens = 0
+        self.worker = self.make_executor(0)
+        self.worker.probe = lambda: (self.reserved_tokens, sum(s.used for s in self.slabs.values() if not s.finished))
+
+    def _admit_one(self, seq) -> bool:
+        reserve = seq.max_total_tokens
+        if (self.reserved_tokens + reserve) * self.bytes_per_token > self.kv_budget:
+            return False
+        self.slabs[seq.seq_id] = StaticSlab(reserve)
+        self.reserved_tokens += reserve
+        return True
+
+    def _execute(self, running, chunks) -> None:
+        for s, (toks, start) in zip(running, chunks):
+            self.slabs[s.seq_id].used = start + len(toks)
+        self.worker.execute(SimStep([(start, len(toks)) for toks, start in chunks], len(running)))
+
+    def sample_tokens(self, logits, seqs) -> tuple[list[int], list]:
+        return [self.next_token(s) for s in seqs], [None] * len(seqs)
+
+    def run(self, seqs, bar) -> None:
+        """Level 0's loop, with arrivals, as a static-batching server runs it (benchmarks/engines.py,
+        `static_batches`): the requests that have arrived form a round, which runs to its end (in as
+        many batches as memory needs) before whoever arrived meanwhile is looked at."""
+        pending = deque(sorted(seqs, key=lambda s: s.metrics.arrival_time))
+        while pending:
+            self.clock.now = max(self.clock.now, pending[0].metrics.arrival_time)
+            self.waiting = deque()
+            while pending and pending[0].metrics.arrival_time <= self.clock.now:
+                self.waiting.append(pending.popleft())
+            while self.waiting:
+                batch = []
+                while self.waiting and len(batch) < self.config.max_num_seqs and self._admit_one(self.waiting[0]):
+                    batch.append(self.waiting.popleft())
+                self._run_batch(batch, bar)
