@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .cpu_ops import OPS_NAMES
+from .structured import BACKENDS
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -51,9 +52,9 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
-        if self.structured_outputs_backend not in ("auto", "xgrammar", "guidance", "reference"):
-            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} is not one of: auto, "
-                             "xgrammar, guidance, reference")  # fmt: skip
+        if self.structured_outputs_backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} is not one of: "
+                             f"{', '.join(BACKENDS)}")  # fmt: skip
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:

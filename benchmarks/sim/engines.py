@@ -38,6 +38,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from level0_naive.engine import NaiveEngine
 from level0_naive.loader import LoadedModel
 from level0_naive.model import ModelConfig
@@ -121,6 +123,11 @@ class SimulatedExecutor:
         pass
 
 
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per value of a dtype by name ("bfloat16": 2)."""
+    return getattr(torch, dtype).itemsize
+
+
 def engine_model_config(hf: dict) -> ModelConfig:
     """The ModelConfig an engine needs (KV bytes, positions) from any shipped config.json, OPT's included."""
     s = ModelShape.from_hf(hf)
@@ -140,8 +147,7 @@ class Simulated:
         self.targets: dict[str, int] = {}
         path = Path(model) if (Path(model) / "config.json").is_file() else model_dir(str(model))  # a shipped shape
         self.hf = json.loads((path / "config.json").read_text())
-        bytes_ = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[dtype]
-        self.shape = replace(ModelShape.from_hf(self.hf, path.name), dtype_bytes=bytes_)
+        self.shape = replace(ModelShape.from_hf(self.hf, path.name), dtype_bytes=dtype_bytes(dtype))
         self.filler = (self.shape.eos_token_id + 1) % self.shape.vocab
         super().__init__(str(path), clock=clock, dtype=dtype, **kwargs)
 

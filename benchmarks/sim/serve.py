@@ -116,6 +116,34 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
+def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
+    """Feed `reqs` to a simulated engine as they arrive (each request's id `prefix` + its index, its
+    SamplingParams `params_for(req)`, its output length the workload's), and run it until all are done:
+    their sequences. A static engine (level 0) forms its rounds from the arrivals itself."""
+    ids = [f"{prefix}{i}" for i in range(len(reqs))]
+    for rid, r in zip(ids, reqs):
+        engine.targets[rid] = r.output_len
+    if isinstance(engine, SimulatedStatic):
+        seqs = []
+        for rid, r in zip(ids, reqs):
+            seq = engine.inputs.make_group(r.prompt, params_for(r), request_id=rid)[0]
+            seq.metrics.arrival_time = r.arrival
+            seqs.append(seq)
+        engine.run(seqs, GenerateProgress(len(seqs), enabled=False))
+        return seqs
+    clock, seqs, i = engine.clock, [], 0
+    while i < len(reqs) or engine.has_unfinished_requests():
+        while i < len(reqs) and reqs[i].arrival <= clock.now:
+            engine.add_request(ids[i], reqs[i].prompt, params_for(reqs[i]), arrival_time=reqs[i].arrival)
+            seqs += engine.requests[ids[i]]
+            i += 1
+        if engine.has_unfinished_requests():
+            engine.step()
+        else:  # idle: on to the next arrival
+            clock.now = reqs[i].arrival
+    return seqs
+
+
 def simulate(system: str, reqs: list[SimRequest], gpu_name: str = "a100-40gb", model: str = "opt-13b", tp: int = 1,
              rate: float = 0.0, hardware: Hardware | None = None, engine=None, pp: int = 1,
              **engine_kwargs) -> SimResult:  # fmt: skip
@@ -124,33 +152,12 @@ def simulate(system: str, reqs: list[SimRequest], gpu_name: str = "a100-40gb", m
     clock = engine.clock if engine is not None else SimClock()
     engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp, pp, **engine_kwargs)
     max_len = engine.max_model_len
-    seqs = []
-    for i, r in enumerate(reqs):
-        params = SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
-                                output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-        engine.targets[f"r{i}"] = r.output_len
-        seqs.append((f"r{i}", r, params))
-    if isinstance(engine, SimulatedStatic):
-        group = []
-        for rid, r, params in seqs:
-            seq = engine.inputs.make_group(r.prompt, params, request_id=rid)[0]
-            seq.metrics.arrival_time = r.arrival
-            group.append(seq)
-        engine.run(group, GenerateProgress(len(group), enabled=False))
-        done = group
-    else:
-        done, i = [], 0
-        while i < len(seqs) or engine.has_unfinished_requests():
-            while i < len(seqs) and seqs[i][1].arrival <= clock.now:
-                rid, r, params = seqs[i]
-                engine.add_request(rid, r.prompt, params, arrival_time=r.arrival)
-                done += engine.requests[rid]
-                i += 1
-            if not engine.has_unfinished_requests():
-                clock.now = seqs[i][1].arrival
-                continue
-            engine.step()
-    return summarize(system, rate, engine, done, reqs)
+
+    def params_for(r: SimRequest) -> SamplingParams:  # what a user sends: room to the end, EOS decides
+        return SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
+                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+    return summarize(system, rate, engine, play(engine, reqs, params_for), reqs)
 
 
 def summarize(system: str, rate: float, engine, seqs, reqs: list[SimRequest]) -> SimResult:

@@ -37,11 +37,11 @@ import torch
 
 from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
-from ladder.progress import GenerateProgress
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
 from .cost import Hardware, ModelShape, step_cost
-from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic
+from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic, dtype_bytes
+from .serve import SimRequest, play
 
 ROOT = Path(__file__).resolve().parents[2]
 LEVELS = {"level0_naive": SimulatedStatic, "level2_continuous": SimulatedContinuous, "level3_prefix": SimulatedPrefix,
@@ -100,8 +100,8 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
     import importlib
 
     mod = importlib.import_module(level)
-    shape = ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text()))
-    budget = 24 * 600 * 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 4  # 24 requests' worst case
+    shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())), dtype_bytes=4)
+    budget = 24 * 600 * shape.kv_bytes_per_token  # 24 requests' worst case, in float32
     extra = {"speculative_config": spec_config(cfg)} if level == "level4_speculative" else {}
     llm = mod.LLM(model, dtype=dtype, kv_cache_memory=budget, max_model_len=-1, **extra)
     rounds = calibration_mix()
@@ -166,7 +166,7 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
     squares over the real engine's steps on the calibration mix (see the module docstring), each step's
     error relative to its time: a 3 ms decode alone counts as much as a 200 ms prefill."""
     shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())),
-                    dtype_bytes=torch.finfo(getattr(torch, dtype)).bits // 8)  # fmt: skip
+                    dtype_bytes=dtype_bytes(dtype))  # fmt: skip
     steps = measured_steps(level, model, dtype, cfg or {})
     X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c)] for c, _, _ in steps],
                      dtype=torch.float64)  # fmt: skip
@@ -194,45 +194,19 @@ def predict(level: str, name: str, committed: dict, cfg: dict, hw: Hardware, mod
                   alpha=conditional_alphas(spec["per_position"]), draft_shape=draft,
                   draft_cost=False)  # its cache shares the budget; its time is in the calibrated overhead  # fmt: skip
     engine = LEVELS[level](model, **kw)
-    seqs, count = [], iter(range(1 << 30))
+    seqs, rounds = [], iter(range(1 << 30))
 
-    def submit(reqs, arrivals):
-        group = []
-        for r, at in zip(reqs, arrivals):
-            rid = f"r{next(count)}"
-            engine.targets[rid] = r.max_tokens
-            if isinstance(engine, SimulatedStatic):
-                seq = engine.inputs.make_group(r.prompt, exact(r.max_tokens), request_id=rid)[0]
-                seq.metrics.arrival_time = at
-                group.append(seq)
-            else:
-                group.append((rid, r, at))
-        return group
-
-    def serve(group):
-        if isinstance(engine, SimulatedStatic):
-            engine.run(group, GenerateProgress(len(group), enabled=False))
-            return group
-        out, i = [], 0
-        while i < len(group) or engine.has_unfinished_requests():
-            while i < len(group) and group[i][2] <= clock.now:
-                rid, r, at = group[i]
-                engine.add_request(rid, r.prompt, exact(r.max_tokens), arrival_time=at)
-                out += engine.requests[rid]
-                i += 1
-            if engine.has_unfinished_requests():
-                engine.step()
-            else:
-                clock.now = group[i][2]
-        return out
+    def serve(reqs, arrivals):  # the workload's requests (prompt, exact length) arriving at these times
+        sim = [SimRequest(at, r.prompt, r.max_tokens) for r, at in zip(reqs, arrivals)]
+        return play(engine, sim, lambda r: exact(r.output_len), prefix=f"t{next(rounds)}-")
 
     if wl.arrivals is not None:
         rate = w["reference_rate"]
-        seqs = serve(submit(wl.first, [a / rate for a in wl.arrivals]))
+        seqs = serve(wl.first, [a / rate for a in wl.arrivals])
     else:
 
-        def run_round(reqs):
-            done = serve(submit(reqs, [clock.now] * len(reqs)))
+        def run_round(reqs):  # chat's turns: one round after another on the same engine
+            done = serve(reqs, [clock.now] * len(reqs))
             seqs.extend(done)
             return [list(s.output_token_ids) for s in done]
 
