@@ -46,7 +46,7 @@ from level1_paged.paged_cache import check_fits_in_pool, num_blocks_for_budget
 from level1_paged.worker import ModelInput, Worker
 
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
-from .observers import StepObserver, snapshot
+from .observers import StepObserver, notify
 from .request import Request
 from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
@@ -256,9 +256,7 @@ class ContinuousEngine(EngineBase):
                             len(sched.preempted), used_blocks, sched_s, step_s, ids)  # fmt: skip
         self.step_log.append(record)
         if self.observers:  # nothing is copied unless someone looks
-            snap = snapshot(self.kv, list(self.scheduler.running), list(self.scheduler.waiting))
-            for observe in self.observers:
-                observe(record, snap)
+            notify(self.observers, record, self.kv, list(self.scheduler.running), list(self.scheduler.waiting))
 
     # --- LLM.generate, on top of the step loop -----------------------------------------------
     def run(self, seqs: list[Request], bar: GenerateProgress) -> None:

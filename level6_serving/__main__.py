@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
       help="when the engine dies (a worker rank killed, a step that cannot be recovered), drain and exit with "
            "status 1 so a supervisor restarts the server (default on; --no-exit-on-engine-death keeps serving "
            "503s)")  # fmt: skip
+    a("--dashboard", action=argparse.BooleanOptionalAction, default=True,
+      help="serve the live dashboard at /dashboard: the KV blocks, the queues, the steps (default on; "
+           "--no-dashboard turns it off; behind --api-key, the page asks for the key)")  # fmt: skip
     a("--seed", type=nonneg_int, default=0, help="seeds every request that gives no seed (default 0)")
     a("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
@@ -168,12 +171,14 @@ def main(argv=None) -> None:
         flag = f"argument --{m[1].replace('_', '-')}: " if m else ""
         parser().error(f"{flag}{e}")
     app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting,
-                    max_request_body_bytes=args.max_request_body_bytes)  # fmt: skip
+                    max_request_body_bytes=args.max_request_body_bytes, dashboard_on=args.dashboard)  # fmt: skip
     sock = bind(args.host, args.port)
     host, real_port = sock.getsockname()[:2]
     # Printed whatever the log level: the one line a user (and ServerProcess) needs.
     print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {engine.engine_name})",
           file=sys.stderr, flush=True)  # fmt: skip
+    if args.dashboard:
+        print(f"dashboard: http://{host}:{real_port}/dashboard", file=sys.stderr, flush=True)
     server = make_server(
         app,
         args.drain_timeout,

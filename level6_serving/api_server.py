@@ -12,9 +12,11 @@ SIGTERM (or Ctrl-C) that drains instead of cutting streams:
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (`serving.py`),
 `GET /v1/models`, `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`,
-`GET /metrics` (`metrics.py`), and `GET /openapi.json` and `/docs`, which describe the real
-request bodies (`openapi.py`). With `api_key`, every route but OPEN_PATHS needs
-`Authorization: Bearer <key>` (401 otherwise). Every error, a 404 for an unknown route
+`GET /metrics` (`metrics.py`), `GET /openapi.json` and `/docs`, which describe the real
+request bodies (`openapi.py`), and the live dashboard, `GET /dashboard` and its event stream
+(`dashboard.py`; off with `dashboard_on=False`). With `api_key`, every route but OPEN_PATHS
+needs `Authorization: Bearer <key>` (401 otherwise): the dashboard's page loads without it
+and asks for the key, which its event stream and prompts then send. Every error, a 404 for an unknown route
 included, is `{"error": {"message", "type", "param", "code"}}`.
 
 Three plain ASGI middlewares wrap the routes (Starlette's BaseHTTPMiddleware would sit
@@ -59,7 +61,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
-from . import metrics, openapi
+from . import dashboard, metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest
@@ -67,7 +69,8 @@ from .serving import OpenAIServing, engine_unavailable
 
 log = logging.getLogger("level6_serving")
 
-OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs")  # load balancers, Prometheus, readers
+# load balancers, Prometheus, readers; the dashboard's page, which holds no data and asks for the key itself
+OPEN_PATHS = ("/health", "/metrics", "/version", "/openapi.json", "/docs", *dashboard.PAGES)
 
 
 class BodyTooLarge(Exception):
@@ -168,12 +171,21 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key: str | None = None,
               max_num_waiting: int = 1024, max_n: int | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES) -> FastAPI:  # fmt: skip
-    """The ASGI app over a (not yet started) AsyncLLMEngine; the app's lifespan starts and stops it."""
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, dashboard_on: bool = True) -> FastAPI:  # fmt: skip
+    """The ASGI app over a (not yet started) AsyncLLMEngine; the app's lifespan starts and stops it.
+    `dashboard_on`: serve the live dashboard at /dashboard (dashboard.py)."""
     serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.max_num_seqs)
+    hub = None
+    if dashboard_on:  # the feed joins the engine's observers before the engine thread starts
+        feed = dashboard.DashboardFeed().attach(engine.engine)
+        info = dashboard.engine_info(engine.engine, served_model_names[0], "server", completions=True)
+        hub = dashboard.DashboardHub(feed, info, refresh=lambda: engine.call(feed.capture),
+                                     closing=lambda: serving.draining or not engine.is_running)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
+        if hub is not None:
+            hub.start(asyncio.get_running_loop())
         engine.start()
         try:
             yield
@@ -184,7 +196,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             await engine.shutdown()  # aborts what is left and joins the engine thread
 
     app = FastAPI(title="inference-ladder level 6", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.state.serving, app.state.engine = serving, engine
+    app.state.serving, app.state.engine, app.state.dashboard = serving, engine, hub
     app.openapi = lambda: openapi.schema(app)
     app.add_middleware(InternalErrors)  # added first: the innermost of the three
     if api_key:
@@ -270,6 +282,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         if bad:
             raise APIError(400, f"tokens {bad} are outside the vocabulary [0, {vocab})", "tokens")
         return {"prompt": await engine.decode(req.tokens)}
+
+    if hub is not None:
+        dashboard.add_routes(app, hub)
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus():

@@ -1,0 +1,337 @@
+// The live dashboard's script: read frames from /dashboard/events, draw them; send prompts.
+//
+// A frame (level6_serving/dashboard.py, build_frame) is one JSON object:
+//   pool.state[b]   0 free, 1 cached (free, holding a prefix), 2 used by one request, 3 shared
+//   pool.owner[b]   index into frame.requests of the first holder (-1 none, -2 a request not listed)
+//   pool.shared     [[block, refs], ...] for every block held by more than one request
+//   pool.cached_lru the cached-but-free blocks, evicted first, first
+//   requests        [id, sample index, status, prompt, output, computed, preemptions, blocks]
+//   steps           [time, batch, prefill, decode, seconds, preempted, generated, drafted, accepted]
+//                   for every step since the last frame
+// The event stream is read with fetch(), not EventSource, so that an API key can be sent.
+"use strict";
+
+const FREE = 0, CACHED = 1, USED = 2, SHARED = 3;
+const KEEP_STEPS = 240, KEEP_FRAMES = 90;
+const $ = (id) => document.getElementById(id);
+let info = { model: "", completions: false };
+let key = sessionStorage.getItem("ladder-api-key") || "";
+let steps = [];  // the last KEEP_STEPS step rows
+let series = { tps: [], ttft: [], acc: [], rej: [] };  // one value per frame
+let lastFrame = null;
+
+function headers(json) {
+  const h = {};
+  if (key) h["Authorization"] = "Bearer " + key;
+  if (json) h["Content-Type"] = "application/json";
+  return h;
+}
+
+function colour(id, light) {
+  let h = 0;
+  for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) >>> 0;
+  return `hsl(${h % 360} 62% ${light || 58}%)`;
+}
+
+function setStatus(text, cls) {
+  const s = $("status");
+  s.textContent = text;
+  s.className = "status " + (cls || "");
+}
+
+// --- the connection -------------------------------------------------------------------------
+async function loadInfo() {
+  const r = await fetch("/dashboard/info", { headers: headers() });
+  if (r.status === 401) return false;
+  info = await r.json();
+  $("model").textContent = info.model;
+  $("engine").textContent = `${info.engine} · ${info.mode} · ${info.num_blocks} blocks of ${info.block_size} tokens` +
+    (info.prefix_caching ? " · prefix caching" : "") + (info.speculative ? " · speculative" : "");
+  const offline = !info.completions;
+  $("offline").hidden = !offline;
+  for (const id of ["send", "burst", "prompt"]) $(id).disabled = offline;
+  $("drafts-row").hidden = !info.speculative;
+  return true;
+}
+
+async function connect() {
+  try {
+    if (!(await loadInfo())) return askForKey("");
+    const r = await fetch("/dashboard/events", { headers: headers() });
+    if (r.status === 401) return askForKey("that key was refused");
+    if (!r.ok) throw new Error("HTTP " + r.status);
+    $("keybox").hidden = true;
+    setStatus("live", "live");
+    const reader = r.body.getReader(), text = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      buf += text.decode(value, { stream: true });
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) if (line.startsWith("data: ")) onFrame(JSON.parse(line.slice(6)));
+      }
+    }
+    setStatus("the stream ended; reconnecting…", "down");
+  } catch (e) {
+    setStatus("disconnected; retrying…", "down");
+  }
+  setTimeout(connect, 1000);
+}
+
+function askForKey(message) {
+  $("keybox").hidden = false;
+  $("keymsg").textContent = message;
+  setStatus("needs an API key", "down");
+}
+
+$("keygo").addEventListener("click", () => {
+  key = $("key").value.trim();
+  sessionStorage.setItem("ladder-api-key", key);
+  connect();
+});
+
+// --- a frame -------------------------------------------------------------------------------------
+function onFrame(f) {
+  const dt = lastFrame ? f.time - lastFrame.time : 0;
+  lastFrame = f;
+  steps = steps.concat(f.steps).slice(-KEEP_STEPS);
+  let generated = 0, drafted = 0, accepted = 0;
+  for (const s of f.steps) { generated += s[6]; drafted += s[7]; accepted += s[8]; }
+  push(series.tps, dt > 0 ? generated / dt : null);
+  push(series.ttft, f.ttft.count ? f.ttft.sum / f.ttft.count : null);
+  push(series.acc, accepted);
+  push(series.rej, drafted - accepted);
+  drawPool(f);
+  drawQueues(f);
+  drawTimeline();
+  drawSparks();
+}
+
+function push(arr, v) {
+  arr.push(v);
+  if (arr.length > KEEP_FRAMES) arr.shift();
+}
+
+function fitCanvas(c, height) {
+  const ratio = window.devicePixelRatio || 1, w = c.clientWidth || c.parentElement.clientWidth;
+  c.width = Math.round(w * ratio);
+  c.height = Math.round(height * ratio);
+  c.style.height = height + "px";
+  const g = c.getContext("2d");
+  g.setTransform(ratio, 0, 0, ratio, 0, 0);
+  return [g, w];
+}
+
+// --- the block pool -----------------------------------------------------------------------------
+let grid = null;  // where the last grid was drawn, for the hover tip
+
+function drawPool(f) {
+  const p = f.pool, n = p.shown, c = $("pool");
+  const width = c.clientWidth || c.parentElement.clientWidth;
+  let cell = 22;  // shrink the cells until the grid fits 360 px of height
+  while (cell > 4 && Math.ceil(n / Math.floor(width / cell)) * cell > 360) cell--;
+  const cols = Math.max(1, Math.floor(width / cell)), rows = Math.ceil(n / cols);
+  const [g] = fitCanvas(c, Math.max(rows * cell, cell));
+  const refs = new Map(p.shared);
+  let used = 0, cached = 0;
+  for (let b = 0; b < n; b++) {
+    const x = (b % cols) * cell, y = Math.floor(b / cols) * cell, s = p.state[b], o = p.owner[b];
+    const id = o >= 0 ? f.requests[o][0] : "(not listed)";
+    g.fillStyle = s === FREE ? "#e6e6e6" : s === CACHED ? "#f7dc8c" : colour(id);
+    g.fillRect(x + 1, y + 1, cell - 2, cell - 2);
+    if (s === CACHED) { g.strokeStyle = "#b98900"; g.lineWidth = 1; g.strokeRect(x + 1.5, y + 1.5, cell - 3, cell - 3); cached++; }
+    if (s === USED || s === SHARED) used++;
+    if (s === SHARED) {
+      g.strokeStyle = "#111"; g.lineWidth = 2; g.strokeRect(x + 2, y + 2, cell - 4, cell - 4);
+      if (cell >= 14) {
+        g.fillStyle = "#111"; g.font = `bold ${Math.floor(cell * 0.55)}px system-ui`;
+        g.textAlign = "center"; g.textBaseline = "middle";
+        g.fillText(String(refs.get(b)), x + cell / 2, y + cell / 2 + 1);
+      }
+    }
+  }
+  grid = { f, cell, cols, n, refs };
+  c.dataset.seq = f.seq; c.dataset.used = used; c.dataset.shared = p.shared.length; c.dataset.cached = cached;
+  const more = p.num_blocks > n ? ` (the first ${n} drawn)` : "";
+  $("pool-summary").textContent = `${p.num_blocks - p.num_free} of ${p.num_blocks} held · ${p.shared.length} shared · ` +
+    `${cached} cached · ${p.num_free - cached} empty${more}`;
+  drawLRU(p);
+}
+
+function drawLRU(p) {
+  const c = $("lru"), [g, w] = fitCanvas(c, 16), k = p.cached_lru.length;
+  $("lru-count").textContent = k ? `${k} blocks: the left one goes first when a block is needed` : "none";
+  const cell = Math.max(2, Math.min(16, Math.floor(w / Math.max(k, 1))));
+  for (let i = 0; i < k && (i + 1) * cell <= w; i++) {
+    g.fillStyle = "#f7dc8c"; g.fillRect(i * cell + 1, 1, cell - 2, 14);
+    g.strokeStyle = "#b98900"; g.strokeRect(i * cell + 1.5, 1.5, cell - 3, 13);
+  }
+}
+
+$("pool").addEventListener("mousemove", (e) => {
+  if (!grid) return;
+  const r = e.target.getBoundingClientRect();
+  const b = Math.floor((e.clientY - r.top) / grid.cell) * grid.cols + Math.floor((e.clientX - r.left) / grid.cell);
+  if (b < 0 || b >= grid.n) return;
+  const p = grid.f.pool, o = p.owner[b], s = p.state[b];
+  const who = o >= 0 ? `request ${grid.f.requests[o][0]}` : o === -2 ? "a request not listed" : "";
+  const what = ["free", "free, holding a prefix that a later request may reuse", "held by " + who,
+                `shared by ${grid.refs.get(b)} requests (first: ${who})`][s];
+  $("tip").textContent = `block ${b}: ${what}`;
+});
+
+// --- the queues ---------------------------------------------------------------------------------
+function cellOf(text, cls) {
+  const td = document.createElement("td");
+  if (cls) td.className = cls;
+  td.textContent = text;
+  return td;
+}
+
+function drawQueues(f) {
+  $("nrunning").textContent = f.running;
+  $("nwaiting").textContent = f.waiting;
+  const run = document.createElement("tbody"), wait = document.createElement("tbody");
+  for (const [id, index, status, prompt, output, computed, preempted, blocks] of f.requests) {
+    const tr = document.createElement("tr"), name = cellOf(index ? `${id} #${index}` : id, "id");
+    const dot = document.createElement("span");
+    dot.className = "dot"; dot.style.background = colour(id);
+    name.prepend(dot);
+    tr.append(name);
+    if (status === "running") {
+      const total = Math.max(prompt + output, 1), bar = document.createElement("div"), td = document.createElement("td");
+      bar.className = "bar";
+      bar.title = `${computed} of ${prompt + output} tokens in the cache (prompt ${prompt}, output ${output})`;
+      const pr = document.createElement("i"), dn = document.createElement("i");
+      pr.className = "prompt"; pr.style.width = (100 * prompt / total) + "%";
+      dn.className = "done"; dn.style.width = (100 * computed / total) + "%";
+      bar.append(pr, dn); td.append(bar); tr.append(td);
+      tr.append(cellOf(prompt), cellOf(output), cellOf(blocks), cellOf(preempted || ""));
+      run.append(tr);
+    } else {
+      tr.append(cellOf(status), cellOf(prompt), cellOf(output), cellOf(preempted || ""));
+      wait.append(tr);
+    }
+  }
+  $("running").replaceChild(run, $("running").tBodies[0]);
+  $("waiting").replaceChild(wait, $("waiting").tBodies[0]);
+  $("more").textContent = f.requests_more ? `and ${f.requests_more} more requests not listed` : "";
+}
+
+// --- the timeline and the sparklines --------------------------------------------------------------
+function drawTimeline() {
+  const [g, w] = fitCanvas($("timeline"), 150), h = 150, n = steps.length;
+  if (!n) return;
+  const bw = w / KEEP_STEPS;
+  const maxTok = Math.max(1, ...steps.map((s) => s[2] + s[3]));
+  const maxBatch = Math.max(1, ...steps.map((s) => s[1]));
+  const maxMs = Math.max(1e-6, ...steps.map((s) => s[4]));
+  steps.forEach((s, i) => {
+    const x = i * bw, pre = (s[2] / maxTok) * (h - 14), dec = (s[3] / maxTok) * (h - 14);
+    g.fillStyle = "#3b7dd8"; g.fillRect(x, h - dec, Math.max(bw - 0.5, 0.5), dec);
+    g.fillStyle = "#e07b39"; g.fillRect(x, h - dec - pre, Math.max(bw - 0.5, 0.5), pre);
+  });
+  line(g, steps.map((s) => s[1] / maxBatch), bw, h - 14, "#222", 14);
+  line(g, steps.map((s) => s[4] / maxMs), bw, h - 14, "#2a9d55", 14);
+  g.fillStyle = "#555"; g.font = "11px system-ui"; g.textAlign = "left"; g.textBaseline = "top";
+  g.fillText(`tokens ≤ ${maxTok} · batch ≤ ${maxBatch} · step ≤ ${(maxMs * 1000).toFixed(1)} ms`, 4, 1);
+}
+
+function line(g, ys, dx, h, colour, top) {
+  g.strokeStyle = colour; g.lineWidth = 1.5; g.beginPath();
+  ys.forEach((y, i) => { const px = i * dx + dx / 2, py = top + h - y * h; i ? g.lineTo(px, py) : g.moveTo(px, py); });
+  g.stroke();
+}
+
+function spark(id, values, colour) {
+  const [g, w] = fitCanvas($(id), 36), h = 34, vals = values.filter((v) => v !== null);
+  if (!vals.length) return;
+  const max = Math.max(...vals) || 1, dx = w / KEEP_FRAMES;
+  g.fillStyle = colour;
+  values.forEach((v, i) => { if (v !== null) { const bh = (v / max) * h; g.fillRect(i * dx, 35 - bh, Math.max(dx - 1, 1), bh); } });
+}
+
+function drawSparks() {
+  spark("spark-tps", series.tps, "#3b7dd8");
+  spark("spark-ttft", series.ttft, "#e07b39");
+  const last = (a) => { for (let i = a.length - 1; i >= 0; i--) if (a[i] !== null) return a[i]; return null; };
+  const tps = last(series.tps), ttft = last(series.ttft);
+  $("tps").textContent = tps === null ? "–" : tps.toFixed(1);
+  $("ttft").textContent = ttft === null ? "–" : ttft.toFixed(3);
+  if (info.speculative) {
+    const [g, w] = fitCanvas($("spark-drafts"), 36), dx = w / KEEP_FRAMES;
+    const max = Math.max(1, ...series.acc.map((a, i) => a + series.rej[i]));
+    series.acc.forEach((a, i) => {
+      const ha = (a / max) * 34, hr = (series.rej[i] / max) * 34;
+      g.fillStyle = "#2a9d55"; g.fillRect(i * dx, 35 - ha, Math.max(dx - 1, 1), ha);
+      g.fillStyle = "#d64545"; g.fillRect(i * dx, 35 - ha - hr, Math.max(dx - 1, 1), hr);
+    });
+    const a = series.acc.reduce((x, y) => x + y, 0), r = series.rej.reduce((x, y) => x + y, 0);
+    $("drafts").textContent = a + r ? `${(100 * a / (a + r)).toFixed(0)} % kept` : "–";
+  }
+}
+
+// --- prompts ------------------------------------------------------------------------------------
+async function complete(prompt, maxTokens, temperature, onText) {
+  const body = { model: info.model, prompt, max_tokens: maxTokens, temperature, stream: true };
+  const r = await fetch("/v1/completions", { method: "POST", headers: headers(true), body: JSON.stringify(body) });
+  if (!r.ok) throw new Error((await r.json()).error.message);
+  const reader = r.body.getReader(), text = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += text.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const line = buf.slice(0, cut).trim();
+      buf = buf.slice(cut + 2);
+      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
+      const chunk = JSON.parse(line.slice(6));
+      if (chunk.error) throw new Error(chunk.error.message);
+      for (const c of chunk.choices) onText(c.text);
+    }
+  }
+}
+
+function numberIn(id, fallback) {
+  const v = Number($(id).value);
+  return Number.isFinite(v) ? v : fallback;
+}
+
+$("send").addEventListener("click", async () => {
+  const out = $("answer");
+  out.textContent = "";
+  $("send").disabled = true;
+  try {
+    await complete($("prompt").value, numberIn("max-tokens", 64), numberIn("temperature", 0.8), (t) => { out.textContent += t; });
+  } catch (e) {
+    out.textContent += `\n[error: ${e.message}]`;
+  } finally {
+    $("send").disabled = false;
+  }
+});
+
+// Eight prompts whose first ~130 characters are the same: with prefix caching on, the later ones
+// find the first one's full blocks (drawn shared), and when they finish those blocks stay cached.
+// Short enough for the built-in models' 256-token context with room for the answers.
+const PREFIX = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n\n" +
+  "First Citizen:\nYou are all resolved rather to die than to famish?\n\n";
+const ENDINGS = ["All:", "Second Citizen:", "MENENIUS:", "MARCIUS:", "First Senator:", "COMINIUS:", "VOLUMNIA:", "BRUTUS:"];
+
+$("burst").addEventListener("click", async () => {
+  const status = $("burst-status");
+  let done = 0, failed = 0;
+  status.textContent = `0 of ${ENDINGS.length} done`;
+  await Promise.all(ENDINGS.map((end) =>
+    complete(PREFIX + end + "\n", 40, 0.8, () => {})
+      .catch(() => { failed++; })
+      .finally(() => { done++; status.textContent = `${done} of ${ENDINGS.length} done` + (failed ? `, ${failed} failed` : ""); })));
+});
+
+window.addEventListener("resize", () => { if (lastFrame) { drawPool(lastFrame); drawTimeline(); drawSparks(); } });
+connect();
