@@ -10,7 +10,7 @@ step that ran (`LLMEngine(..., observers=[...])`), after the step's bookkeeping,
     into tuples, so an observer can keep it, draw it later, or compare two of them:
 
         requests       (request_id, sample index, status, block ids in logical order, and its
-                       progress: prompt, output and computed tokens, preemptions), running first
+                       progress: prompt, output and computed tokens, preemptions, max_tokens), running first
         ref_counts     one per physical block: how many running requests hold it (0: free)
         cached_free    free blocks that still hold a named prefix (level 3), least recently
                        freed first: the order they will be evicted in
@@ -46,6 +46,7 @@ class RequestBlocks:
     num_output_tokens: int = 0
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache (0 again after a preemption)
     num_preemptions: int = 0
+    max_tokens: int = 0  # the output it may grow to (its SamplingParams')
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,9 @@ def notify(observers: list[StepObserver], record, kv, running: list, waiting: li
         observe(record, snap if want else None)
 
 
-def _progress(r) -> tuple[int, int, int, int]:
-    return len(r.prompt_token_ids), len(r.output_token_ids), r.num_computed_tokens, r.num_preemptions
+def _progress(r) -> tuple[int, int, int, int, int]:
+    return (len(r.prompt_token_ids), len(r.output_token_ids), r.num_computed_tokens, r.num_preemptions,
+            r.params.max_tokens or 0)  # fmt: skip
 
 
 def snapshot(kv, running: list, waiting: list) -> KVSnapshot:

@@ -113,9 +113,10 @@ def build_frame(snap: KVSnapshot, steps: list, now: float, seq: int, ttft: tuple
         },
         "running": sum(r.status == "running" for r in snap.requests),
         "waiting": sum(r.status != "running" for r in snap.requests),
-        # [id, sample index, status, prompt, output, computed tokens, preemptions, blocks]
+        # [id, sample index, status, prompt, output, computed tokens, preemptions, blocks, max_tokens]
         "requests": [[r.request_id, r.index, r.status, r.num_prompt_tokens, r.num_output_tokens,
-                      r.num_computed_tokens, r.num_preemptions, len(r.block_ids)] for r in listed],  # fmt: skip
+                      r.num_computed_tokens, r.num_preemptions, len(r.block_ids), r.max_tokens]
+                     for r in listed],  # fmt: skip
         "requests_more": len(snap.requests) - len(listed),
         # [time, batch, prefill tokens, decode tokens, step seconds, preempted, generated, drafted, accepted]
         "steps": steps,

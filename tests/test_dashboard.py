@@ -75,9 +75,9 @@ class Checker:
         running, waiting = list(e.scheduler.running), list(e.scheduler.waiting)
         assert (frame["running"], frame["waiting"]) == (len(running), len(waiting))
         want = [[r.request_id, r.index, "running", len(r.prompt_token_ids), len(r.output_token_ids),
-                 r.num_computed_tokens, r.num_preemptions, len(e.kv.block_table(r))] for r in running]
+                 r.num_computed_tokens, r.num_preemptions, len(e.kv.block_table(r)), r.params.max_tokens] for r in running]
         want += [[r.request_id, r.index, r.status.value, len(r.prompt_token_ids), len(r.output_token_ids),
-                  r.num_computed_tokens, r.num_preemptions, 0] for r in waiting]  # fmt: skip
+                  r.num_computed_tokens, r.num_preemptions, 0, r.params.max_tokens] for r in waiting]  # fmt: skip
         assert frame["requests"] == want and frame["requests_more"] == 0
         state, owner, refs, evictable = expected_blocks(e)
         pool = frame["pool"]

@@ -5,7 +5,7 @@
 //   pool.owner[b]   index into frame.requests of the first holder (-1 none, -2 a request not listed)
 //   pool.shared     [[block, refs], ...] for every block held by more than one request
 //   pool.cached_lru the cached-but-free blocks, evicted first, first
-//   requests        [id, sample index, status, prompt, output, computed, preemptions, blocks]
+//   requests        [id, sample index, status, prompt, output, computed, preemptions, blocks, max_tokens]
 //   steps           [time, batch, prefill, decode, seconds, preempted, generated, drafted, accepted]
 //                   for every step since the last frame
 // The event stream is read with fetch(), not EventSource, so that an API key can be sent.
@@ -27,10 +27,11 @@ function headers(json) {
   return h;
 }
 
-function colour(id, light) {
-  let h = 0;
-  for (let i = 0; i < id.length; i++) h = (h * 31 + id.charCodeAt(i)) >>> 0;
-  return `hsl(${h % 360} 62% ${light || 58}%)`;
+function colour(id) {  // FNV-1a, then the golden ratio: ids that differ by one character get far-apart hues
+  let h = 2166136261;
+  for (let i = 0; i < id.length; i++) h = Math.imul(h ^ id.charCodeAt(i), 16777619) >>> 0;
+  const hue = Math.floor(((h * 0.6180339887) % 1) * 360), light = 48 + (h >>> 28);
+  return `hsl(${hue} 62% ${light}%)`;
 }
 
 function setStatus(text, cls) {
@@ -196,19 +197,21 @@ function drawQueues(f) {
   $("nrunning").textContent = f.running;
   $("nwaiting").textContent = f.waiting;
   const run = document.createElement("tbody"), wait = document.createElement("tbody");
-  for (const [id, index, status, prompt, output, computed, preempted, blocks] of f.requests) {
+  for (const [id, index, status, prompt, output, computed, preempted, blocks, maxTokens] of f.requests) {
     const tr = document.createElement("tr"), name = cellOf(index ? `${id} #${index}` : id, "id");
     const dot = document.createElement("span");
     dot.className = "dot"; dot.style.background = colour(id);
     name.prepend(dot);
     tr.append(name);
     if (status === "running") {
-      const total = Math.max(prompt + output, 1), bar = document.createElement("div"), td = document.createElement("td");
+      // the prompt's share of what the request may grow to, filled as its prefill goes; then the output
+      const total = Math.max(prompt + Math.max(maxTokens, output), 1), bar = document.createElement("div");
+      const td = document.createElement("td");
       bar.className = "bar";
-      bar.title = `${computed} of ${prompt + output} tokens in the cache (prompt ${prompt}, output ${output})`;
+      bar.title = `prompt ${Math.min(computed, prompt)} of ${prompt} computed; output ${output} of at most ${maxTokens}`;
       const pr = document.createElement("i"), dn = document.createElement("i");
-      pr.className = "prompt"; pr.style.width = (100 * prompt / total) + "%";
-      dn.className = "done"; dn.style.width = (100 * computed / total) + "%";
+      pr.className = "prompt"; pr.style.width = (100 * Math.min(computed, prompt) / total) + "%";
+      dn.className = "done"; dn.style.left = (100 * prompt / total) + "%"; dn.style.width = (100 * output / total) + "%";
       bar.append(pr, dn); td.append(bar); tr.append(td);
       tr.append(cellOf(prompt), cellOf(output), cellOf(blocks), cellOf(preempted || ""));
       run.append(tr);
@@ -324,13 +327,20 @@ const PREFIX = "First Citizen:\nBefore we proceed any further, hear me speak.\n\
 const ENDINGS = ["All:", "Second Citizen:", "MENENIUS:", "MARCIUS:", "First Senator:", "COMINIUS:", "VOLUMNIA:", "BRUTUS:"];
 
 $("burst").addEventListener("click", async () => {
-  const status = $("burst-status");
-  let done = 0, failed = 0;
-  status.textContent = `0 of ${ENDINGS.length} done`;
-  await Promise.all(ENDINGS.map((end) =>
-    complete(PREFIX + end + "\n", 40, 0.8, () => {})
-      .catch(() => { failed++; })
-      .finally(() => { done++; status.textContent = `${done} of ${ENDINGS.length} done` + (failed ? `, ${failed} failed` : ""); })));
+  // The first request goes alone, and the others once its first token is out: by then its prompt's
+  // blocks are computed and named, so the other seven find them. (Sent in the same step, all eight
+  // would compute their own copies: a block is found only once it is full and computed.)
+  const status = $("burst-status"), n = ENDINGS.length;
+  let done = 0, failed = 0, started;
+  const first = new Promise((resolve) => { started = resolve; });
+  const show = () => { status.textContent = `${done} of ${n} done` + (failed ? `, ${failed} failed` : ""); };
+  const send = (end, onText) => complete(PREFIX + end + "\n", 40, 0.8, onText)
+    .catch(() => { failed++; }).finally(() => { done++; started(); show(); });
+  show();
+  const all = [send(ENDINGS[0], () => started())];
+  await first;
+  for (const end of ENDINGS.slice(1)) all.push(send(end, () => {}));
+  await Promise.all(all);
 });
 
 window.addEventListener("resize", () => { if (lastFrame) { drawPool(lastFrame); drawTimeline(); drawSparks(); } });

@@ -1,0 +1,339 @@
+# Lab 6b: your copy of level6_serving/dashboard.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 6b THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""The live dashboard: the engine's block pool, queues and steps, streamed to a browser page.
+
+What it is: three pieces between the engine thread and a page (`static/dashboard.html`):
+
+    engine thread                          event loop                         browser
+    ─────────────                          ──────────                         ───────
+    step() ─> DashboardFeed(record, snap)  DashboardHub                       GET /dashboard
+              a row per step (batch,       latest frame, one pending          GET /dashboard/events
+              prefill/decode tokens,  ──>  frame per client (a slow      ──>  (server-sent events:
+              time, drafts); a frame       client skips frames, never          one JSON frame each)
+              a few times a second         queues them)
+
+- `DashboardFeed` is a step observer (level2_continuous/observers.py). Every step it keeps
+  a small row (bounded: MAX_STEPS between two frames); at most `hz` times a second, and only
+  while someone watches, it asks the engine for a KV snapshot and turns it into a *frame*:
+  the pool as two arrays (each block's state and owner), the shared blocks with their
+  reference counts, the cached-but-free blocks in eviction order, the queues with each
+  request's progress (at most MAX_REQUESTS listed), the step rows since the last frame, and
+  the times to first token of the requests that finished since (the engine's TTFT histogram
+  grows when a request finishes). A frame is bounded in size
+  whatever the engine's load: MAX_BLOCKS blocks, MAX_REQUESTS requests, MAX_STEPS rows.
+- `block_states(snapshot)` is the picture's one idea: a block is free, cached (free, but
+  still holding a named prefix a later request may reuse), used by one request, or shared
+  by several (level 3's prefix hits, level 4's forked samples).
+- `DashboardHub` lives on the event loop: the feed hands it each frame with
+  `call_soon_threadsafe`, it keeps the latest, and each SSE client (at most MAX_CLIENTS)
+  gets the newest frame when it is ready to read. `add_routes` puts the page, its script,
+  its style sheet, `/dashboard/info` and `/dashboard/events` on a FastAPI app: the level-6
+  server's (`build_app(..., dashboard=True)`) or a small one of its own for an offline run or
+  the simulator (`dashboard_app`, used by `python -m benchmarks.watch`).
+
+With no page open the feed builds nothing: the engine's step costs one small row.
+
+What it is not: a metrics store (Prometheus and Grafana are: examples/grafana/), or a way to
+change the engine (a frame is a copy; nothing is read back).
+
+Reference: vLLM's Grafana dashboards over its `vllm:` metrics (examples/online_serving/
+prometheus_grafana); the SGLang radix-cache visualisers, which redraw the idea from a model
+of it, where this page draws the real engine's state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable
+from importlib import resources
+
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from level2_continuous.observers import KVSnapshot, snapshot
+
+HZ = 5.0  # frames a second at most
+MAX_STEPS = 512  # step rows kept between two frames (a frame carries at most this many)
+MAX_REQUESTS = 256  # requests listed in a frame (running first); the rest are counted
+MAX_BLOCKS = 16384  # blocks drawn (the grid of a bigger pool shows its first MAX_BLOCKS)
+MAX_CLIENTS = 16  # open event streams; one more is answered 503
+IDLE_REFRESH_S = 1.0  # no frame for this long: ask the engine for one (an abort while idle makes no step)
+HEARTBEAT_S = 15.0  # an SSE comment line keeps proxies from closing a quiet stream
+
+FREE, CACHED, USED, SHARED = 0, 1, 2, 3  # a block's state in a frame
+PAGES = {  # what /dashboard serves, from the package (no build step)
+    "/dashboard": ("dashboard.html", "text/html; charset=utf-8"),
+    "/dashboard/dashboard.js": ("dashboard.js", "text/javascript; charset=utf-8"),
+    "/dashboard/dashboard.css": ("dashboard.css", "text/css; charset=utf-8"),
+}
+
+
+def block_states(snap: KVSnapshot) -> tuple[list[int], list[int]]:
+    """Per physical block, its state and its owner, as the grid draws them:
+
+        state   SHARED  held by more than one request (reference count > 1)
+                USED    held by exactly one
+                CACHED  held by none, but still naming a prefix (in snap.cached_free)
+                FREE    held by none, holding nothing anyone can find
+        owner   the index in snap.requests of the first request whose table holds the block
+                (its colour on the page); -1 for a block nobody holds
+    """
+    # TODO (lab 6b): block_states
+    # Two lists of snap.num_blocks entries. state: SHARED where snap.ref_counts says more than one request holds
+    # the block, USED where exactly one does, CACHED where none does but the block is in snap.cached_free (a freed
+    # block that still names a prefix), FREE otherwise. owner: the index in snap.requests of the FIRST request
+    # whose block_ids contain the block (the colour the page draws it in), -1 for a block nobody holds.
+    raise NotImplementedError("lab 6b: write block_states")
+
+
+def build_frame(snap: KVSnapshot, steps: list, now: float, seq: int, ttft: tuple[float, int] = (0.0, 0)) -> dict:
+    """One frame: the snapshot, the step rows since the last frame, and the new first tokens."""
+    state, owner = block_states(snap)
+    shown = min(snap.num_blocks, MAX_BLOCKS)
+    listed = snap.requests[:MAX_REQUESTS]
+    return {
+        "seq": seq,
+        "time": now,
+        "pool": {
+            "num_blocks": snap.num_blocks,
+            "block_size": snap.block_size,
+            "num_free": snap.num_free_blocks,
+            "shown": shown,
+            "state": state[:shown],  # [shown] FREE / CACHED / USED / SHARED
+            "owner": [o if o < MAX_REQUESTS else -2 for o in owner[:shown]],  # -2: a request not listed
+            "shared": [[b, r] for b, r in enumerate(snap.ref_counts[:shown]) if r > 1],  # [block, refs]
+            "cached_lru": list(snap.cached_free[:MAX_BLOCKS]),  # evicted first, first
+        },
+        "running": sum(r.status == "running" for r in snap.requests),
+        "waiting": sum(r.status != "running" for r in snap.requests),
+        # [id, sample index, status, prompt, output, computed tokens, preemptions, blocks, max_tokens]
+        "requests": [[r.request_id, r.index, r.status, r.num_prompt_tokens, r.num_output_tokens,
+                      r.num_computed_tokens, r.num_preemptions, len(r.block_ids), r.max_tokens]
+                     for r in listed],  # fmt: skip
+        "requests_more": len(snap.requests) - len(listed),
+        # [time, batch, prefill tokens, decode tokens, step seconds, preempted, generated, drafted, accepted]
+        "steps": steps,
+        "ttft": {"sum": ttft[0], "count": ttft[1]},
+    }
+
+
+class DashboardFeed:
+    """The engine-thread side: a step observer that makes frames (see the module docstring).
+
+    `hz`: frames a second at most (None: one every step, for tests); `clock`: the wall clock that
+    paces the frames (not the engine's, which a simulator moves by its own rules); `step_seconds`:
+    how long a step took (a simulator gives its modelled time)."""
+
+    def __init__(self, hz: float | None = HZ, clock: Callable[[], float] = time.monotonic,
+                 step_seconds: Callable[[object], float] | None = None):  # fmt: skip
+        self.interval = 0.0 if not hz else 1.0 / hz
+        self.clock = clock
+        self.step_seconds = step_seconds or (lambda record: record.step_seconds)
+        self.engine = None
+        self.latest: dict | None = None
+        self.seq = 0
+        self._last_frame = -math.inf
+        self._steps: deque[list] = deque(maxlen=MAX_STEPS)
+        self._subscribers: list[Callable[[dict], None]] = []
+        self._generated = self._drafted = self._accepted = 0  # the engine's counters at the last step
+        self._ttft = (0.0, 0)  # the engine's TTFT histogram (sum, count) at the last frame
+
+    # --- wiring ------------------------------------------------------------------------------
+    def attach(self, engine) -> DashboardFeed:
+        """Observe `engine` (before it runs, or between steps on its own thread)."""
+        self.engine = engine
+        self._generated, self._drafted, self._accepted = self._counters()
+        self._ttft = self._ttft_now()
+        engine.observers.append(self)
+        return self
+
+    def subscribe(self, deliver: Callable[[dict], None]) -> None:
+        """`deliver(frame)` is called on the engine thread for each frame (the hub hops to its loop)."""
+        self._subscribers.append(deliver)
+
+    @property
+    def watched(self) -> bool:
+        """Frames are made only while someone takes them (a hub with clients, a test)."""
+        return any(getattr(s, "watched", True) for s in self._subscribers)
+
+    # --- the observer ------------------------------------------------------------------------
+    def wants_snapshot(self, record) -> bool:
+        if not self.watched:
+            return False
+        idle = record.running == 0 and record.waiting == 0  # the last step of a burst: always drawn
+        return idle or self.clock() - self._last_frame >= self.interval
+
+    def __call__(self, record, snap: KVSnapshot | None) -> None:
+        generated, drafted, accepted = self._counters()
+        self._steps.append([record.time, record.running, record.num_prefill_tokens,
+                            record.num_batched_tokens - record.num_prefill_tokens, self.step_seconds(record),
+                            record.preempted, generated - self._generated, drafted - self._drafted,
+                            accepted - self._accepted])  # fmt: skip
+        self._generated, self._drafted, self._accepted = generated, drafted, accepted
+        if snap is not None:
+            self._publish(snap, record.time)
+
+    def capture(self, engine=None) -> dict:
+        """A frame now, between steps, on the engine's thread (an idle engine makes no step: an
+        abort or a finished request would otherwise stay on the page)."""
+        engine = engine or self.engine
+        sched = engine.scheduler
+        return self._publish(snapshot(engine.kv, list(sched.running), list(sched.waiting)), engine.clock())
+
+    def _publish(self, snap: KVSnapshot, now: float) -> dict:
+        ttft = self._ttft_now()
+        new = (ttft[0] - self._ttft[0], ttft[1] - self._ttft[1])
+        self.seq += 1
+        frame = build_frame(snap, list(self._steps), now, self.seq, new)
+        self._steps.clear()
+        self._ttft, self._last_frame, self.latest = ttft, self.clock(), frame
+        for deliver in self._subscribers:
+            deliver(frame)
+        return frame
+
+    def _counters(self) -> tuple[int, int, int]:
+        e = self.engine
+        if e is None:
+            return 0, 0, 0
+        spec = getattr(e, "spec_stats", None)
+        return (e.stats.generated_tokens, spec.num_draft_tokens if spec else 0,
+                spec.num_accepted_tokens if spec else 0)  # fmt: skip
+
+    def _ttft_now(self) -> tuple[float, int]:
+        return (0.0, 0) if self.engine is None else (self.engine.stats.ttft.sum, self.engine.stats.ttft.count)
+
+
+class DashboardHub:
+    """The event-loop side: the latest frame, and one pending frame per open event stream."""
+
+    def __init__(self, feed: DashboardFeed, info: dict, refresh: Callable[[], Awaitable] | None = None,
+                 closing: Callable[[], bool] = lambda: False):  # fmt: skip
+        self.feed, self.info, self.refresh, self.closing = feed, info, refresh, closing
+        self.latest: dict | None = None
+        self._clients: set[asyncio.Queue] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._encoded: tuple[int, bytes] | None = None  # (seq, the latest frame as an SSE event)
+        self.watched = False  # read by the feed on the engine thread: a plain bool, set on the loop
+        feed.subscribe(self)
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+
+    def __call__(self, frame: dict) -> None:  # on the engine thread
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._put, frame)
+            except RuntimeError:  # the loop is closed: nobody is watching any more
+                pass
+
+    def _put(self, frame: dict) -> None:
+        # TODO (lab 6b): DashboardHub._put
+        # Runs on the event loop for every frame the feed makes. Remember it as self.latest (a page that connects
+        # later starts from it), then offer it to every open stream: self._clients holds one asyncio.Queue(maxsize=1)
+        # per page. A page that has not read its last frame must get this newer one instead (drop what is waiting,
+        # then put), never wait, and never see an older frame after a newer one.
+        raise NotImplementedError("lab 6b: write DashboardHub._put")
+
+    def encode(self, frame: dict) -> bytes:
+        """The frame as one SSE event, encoded once however many clients read it."""
+        if self._encoded is None or self._encoded[0] != frame["seq"]:
+            self._encoded = (frame["seq"], b"data: " + json.dumps(frame, separators=(",", ":")).encode() + b"\n\n")
+        return self._encoded[1]
+
+    async def events(self, request: Request) -> Response:
+        if len(self._clients) >= MAX_CLIENTS:
+            return JSONResponse({"error": {"message": f"at most {MAX_CLIENTS} dashboards at once", "type": "busy",
+                                           "param": None, "code": None}}, status_code=503)  # fmt: skip
+        q: asyncio.Queue = asyncio.Queue(maxsize=1)
+        self._clients.add(q)
+        self.watched = True
+
+        async def stream():
+            try:
+                if self.latest is not None:
+                    yield self.encode(self.latest)
+                quiet = 0.0
+                while not self.closing():
+                    try:
+                        frame = await asyncio.wait_for(q.get(), timeout=0.5)  # short: a drain is noticed soon
+                    except asyncio.TimeoutError:
+                        quiet += 0.5
+                        if self.refresh is not None and quiet >= IDLE_REFRESH_S and q.empty():
+                            await self._refresh()
+                        if quiet >= HEARTBEAT_S:
+                            quiet = 0.0
+                            yield b": keep-alive\n\n"
+                        continue
+                    quiet = 0.0
+                    yield self.encode(frame)
+            finally:
+                self._clients.discard(q)
+                self.watched = bool(self._clients)
+
+        return StreamingResponse(stream(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})  # fmt: skip
+
+    async def _refresh(self) -> None:
+        """Ask the idle engine for a frame (it makes no steps, so no frames, while idle)."""
+        try:
+            await self.refresh()
+        except Exception:  # noqa: BLE001 - a dead or stopped engine: the page keeps its last frame
+            return
+
+
+def page(name: str) -> bytes:
+    return resources.files("level6_serving").joinpath("static", name).read_bytes()
+
+
+def add_routes(app: FastAPI, hub: DashboardHub) -> None:
+    """The page, its script and style (open: they hold no data), `/dashboard/info` and the event stream."""
+    for path, (name, media_type) in PAGES.items():
+        body = page(name)
+        app.add_api_route(path, lambda body=body, media_type=media_type: Response(body, media_type=media_type),
+                          methods=["GET"], include_in_schema=False)  # fmt: skip
+    app.add_api_route("/dashboard/info", lambda: hub.info, methods=["GET"], include_in_schema=False)
+    app.add_api_route("/dashboard/events", hub.events, methods=["GET"], include_in_schema=False)
+
+
+def engine_info(engine, model_name: str, mode: str, completions: bool) -> dict:
+    """What the page's header says, read once from the engine's configuration."""
+    c = engine.config
+    return {
+        "model": model_name,
+        "mode": mode,  # server | offline | simulator
+        "engine": type(engine).__name__,
+        "completions": completions,  # the prompt box and the burst button need /v1/completions
+        "num_blocks": engine.num_blocks,
+        "block_size": c.block_size,
+        "max_num_seqs": c.max_num_seqs,
+        "prefix_caching": bool(getattr(c, "enable_prefix_caching", False)),
+        "speculative": getattr(engine, "speculative_config", None) is not None,
+        "hz": HZ,
+    }
+
+
+def dashboard_app(engine, model_name: str, mode: str, hz: float | None = HZ,
+                  step_seconds: Callable[[object], float] | None = None) -> tuple[FastAPI, DashboardFeed]:  # fmt: skip
+    """A server with the dashboard alone, for an engine run on this thread (an offline run, the
+    simulator): no completions, and no refresh (the engine is not ours to call between steps)."""
+    feed = DashboardFeed(hz, step_seconds=step_seconds).attach(engine)
+    hub = DashboardHub(feed, engine_info(engine, model_name, mode, completions=False))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        hub.start(asyncio.get_running_loop())
+        yield
+
+    app = FastAPI(title=f"inference-ladder dashboard ({mode})", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    add_routes(app, hub)
+    app.state.hub = hub
+    return app, feed
