@@ -63,6 +63,14 @@ async def one_batch(engine, batch: int, prompt: int, tokens: int, tag: str) -> N
     await asyncio.gather(*(one(i) for i in range(batch)))
 
 
+def wait_until(condition, reader, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline or (reader is not None and reader.poll() is not None):
+            raise RuntimeError("the reader process did not connect (or the server did not see it go) in time")
+        time.sleep(0.01)
+
+
 async def frame_cost(engine, feed, args, n: int = 50) -> float:
     """Seconds one frame costs (snapshot + frame + JSON), timed on the engine thread mid-batch."""
 
@@ -104,8 +112,7 @@ def main(argv=None) -> dict:
                     reader = None
                     if mode == "open":
                         reader = subprocess.Popen([sys.executable, "-c", READER, url], stdout=subprocess.PIPE, text=True)
-                        while not hub.watched:
-                            time.sleep(0.01)
+                        wait_until(lambda: hub.watched, reader)
                     steps, t0, seq = len(core.step_log), time.perf_counter(), hub.feed.seq
                     run(f"{mode}{r}")
                     seconds = time.perf_counter() - t0
@@ -117,8 +124,7 @@ def main(argv=None) -> dict:
                         lines = reader.communicate()[0].split()
                         frames.append((len(lines), sum(map(int, lines))))
                         made.append(hub.feed.seq - seq)
-                        while hub.watched:  # the server has seen the reader go
-                            time.sleep(0.01)
+                        wait_until(lambda: not hub.watched, None)  # the server has seen the reader go
             per_frame = asyncio.run_coroutine_threadsafe(frame_cost(engine, hub.feed, args), srv.server.loop).result()
     closed, opened = min(results["closed"]), min(results["open"])
     ratios = [o / c for o, c in zip(results["open"], results["closed"])]

@@ -4,19 +4,20 @@ What it is: the page the level-6 server shows at /dashboard (level6_serving/dash
 here over an engine that runs in this process, with nobody sending requests: a benchmark
 workload on a real engine of level 2, 3 or 4 (the built-in tiny model, on this CPU, slowed
 down by `--pace` so a person can follow it), or a paper trace on a simulated GPU
-(`--simulate`: the real scheduler and block manager on the modelled clock of
-benchmarks/sim/, in step with the wall clock times `--speed`):
+(`--simulate`: level 2's or 3's real scheduler and block manager on the modelled clock
+of benchmarks/sim/, in step with the wall clock times `--speed`):
 
     python -m benchmarks.watch                                       # level 3, shared-prefix, http://127.0.0.1:8001/dashboard
-    python -m benchmarks.watch --level 2 --workload spread --kv-cache-memory 2MiB   # a tight pool: preemptions
+    python -m benchmarks.watch --level 2 --workload spread           # long outputs in a small pool: preemptions
     python -m benchmarks.watch --level 4 --workload chat             # n-gram speculation: drafts kept and rejected
     python -m benchmarks.watch --simulate --gpu a100-40gb --model opt-13b --workload sharegpt --rate 2
-    python -m benchmarks.watch --simulate --system orca-max          # Orca's reservations, the paper's waste
 
 It waits up to `--wait` seconds for a page to connect before it starts (so nothing is missed),
 and keeps the page up after the run until Ctrl-C (`--no-hold`: exit when the run ends).
 
-What it is not: a measurement (the pacing sleeps between steps; `benchmarks.throughput` measures).
+What it is not: a measurement (the pacing sleeps between steps; `benchmarks.throughput` measures),
+or a picture of Orca's or FasterTransformer's memory (their reservations are not blocks: the
+simulator's `--system` takes the paged ones only).
 """
 
 from __future__ import annotations
@@ -50,11 +51,12 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--workload", default=None, help=f"offline: one of {', '.join(OFFLINE_WORKLOADS)} (default "
                    f"shared-prefix); simulated: one of {', '.join(TRACES)} (default sharegpt)")  # fmt: skip
     g.add_argument("--kv-cache-memory", type=byte_size, default=4 << 20,
-                   help="the KV pool (default 4MiB: 42 blocks of the tiny model, a grid that fills up)")  # fmt: skip
+                   help="the KV pool (default 4MiB: 42 blocks of the tiny model, a grid that fills up; it must "
+                        "hold the workload's longest request: spread's takes 36 blocks)")  # fmt: skip
     g.add_argument("--pace", type=nonneg_float, default=0.05, help="seconds to sleep after each step (default 0.05)")
     g = p.add_argument_group("a simulated GPU (--simulate)")
     g.add_argument("--simulate", action="store_true")
-    g.add_argument("--system", default="vllm", choices=[s for s in SYSTEMS if s not in ("ft", "vllm-spec")])
+    g.add_argument("--system", default="vllm", choices=[s for s in SYSTEMS if s in ("vllm", "vllm-prefix")])
     g.add_argument("--gpu", default="a100-40gb", choices=gpu_names())
     g.add_argument("--model", default="opt-13b", help="a shape in benchmarks/sim/models (default opt-13b)")
     g.add_argument("--rate", type=positive_float, default=2.0, help="requests/s arriving (default 2)")
@@ -185,6 +187,8 @@ def main(argv=None) -> int:
             done = run_simulated(engine, args)
         else:
             done = run_offline(engine, args, lambda: time.sleep(args.pace) if args.pace else None)
+        if hub.watched:
+            feed.capture(engine)  # the idle engine's last state (no more steps: the rate-limited feed may have skipped it)
         print(f"done: {done} requests finished{'; Ctrl-C to stop' if args.hold else ''}", file=sys.stderr, flush=True)
         while args.hold and thread.is_alive():
             time.sleep(0.5)

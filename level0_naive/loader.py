@@ -35,7 +35,28 @@ SUPPORTED = {
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
+    "mixtral": {"norm_topk_prob": True},  # mixtures of experts (moe.py)
+    "qwen2_moe": {"qkv_bias": True},
+    "qwen3_moe": {"qk_norm": True},
 }
+# Mixtral names its MoE block and experts its own way; the model uses Qwen-MoE's names (moe.py).
+MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+
+
+def our_name(name: str, model_type: str) -> str:
+    """A checkpoint's tensor name -> the model's."""
+    if model_type == "mixtral" and ".block_sparse_moe." in name:
+        for theirs, ours in MIXTRAL_NAMES:
+            name = name.replace(theirs, ours)
+    return name
+
+
+def checkpoint_name(name: str, model_type: str) -> str:
+    """The model's tensor name -> the checkpoint's (level 5 reads slices by the checkpoint's names)."""
+    if model_type == "mixtral" and ".mlp." in name:
+        for theirs, ours in MIXTRAL_NAMES:
+            name = name.replace(ours, theirs)
+    return name
 
 
 @dataclass
@@ -67,7 +88,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     heads = hf["num_attention_heads"]
     extra = SUPPORTED[mtype]
     max_pos = hf.get("max_position_embeddings", 2048)
-    window = hf.get("sliding_window") if hf.get("use_sliding_window", mtype == "mistral") else None
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", mtype in ("mistral", "mixtral")) else None
     if window:
         # Sliding-window attention is not implemented; within the window it equals full
         # attention, so the usable context is capped at the window instead.
@@ -90,6 +111,13 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=extra.get("qk_norm", False),
+        num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
+        num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+        moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],  # Mixtral: the same
+        norm_topk_prob=extra.get("norm_topk_prob", False) or bool(hf.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
+        decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
     )
 
 
@@ -142,7 +170,7 @@ def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32, dev
     path, cfg, hf = meta.path, meta.config, meta.hf_config
     with torch.device("meta"):
         net = Transformer(cfg, ops)  # no memory yet; weights arrive below
-    state = load_state_dict(path)
+    state = {our_name(k, hf["model_type"]): v for k, v in load_state_dict(path).items()}
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = set(net.state_dict()) - set(state), set(state) - set(net.state_dict())

@@ -179,8 +179,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     if dashboard_on:  # the feed joins the engine's observers before the engine thread starts
         feed = dashboard.DashboardFeed().attach(engine.engine)
         info = dashboard.engine_info(engine.engine, served_model_names[0], "server", completions=True)
+        # Streams end when the server drains; a dead engine's page keeps its last frame (refreshes fail quietly).
         hub = dashboard.DashboardHub(feed, info, refresh=lambda: engine.call(feed.capture),
-                                     closing=lambda: serving.draining or not engine.is_running)  # fmt: skip
+                                     closing=lambda: serving.draining)  # fmt: skip
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -284,7 +285,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         return {"prompt": await engine.decode(req.tokens)}
 
     if hub is not None:
-        dashboard.add_routes(app, hub)
+        dashboard.add_routes(app, hub, needs_key=bool(api_key))
 
     @app.get("/metrics", response_class=PlainTextResponse)  # Prometheus' text format
     async def prometheus():

@@ -73,7 +73,16 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2}),
-}
+    # Mixtures of experts: 4 experts, 2 per token (level0_naive/moe.py)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_key_value_heads": 2, "num_local_experts": 4,
+                                                        "num_experts_per_tok": 2, "sliding_window": None}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {  # a shared expert; layer 1 kept dense
+        "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80, "decoder_sparse_step": 1, "mlp_only_layers": [1]}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_key_value_heads": 2, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48,
+        "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": []}),
+}  # fmt: skip
 
 
 def build_checkpoint(path: Path, arch: str = "llama", seed: int = 0, tokenizer: bool = False, **overrides) -> Path:
@@ -142,7 +151,9 @@ class Oracle:
         from transformers import AutoModelForCausalLM
 
         if path not in self.models:
-            self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+            # The experts' "eager" loop: transformers' default grouped matmul has no float64 kernel.
+            self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                                     experts_implementation="eager").eval()  # fmt: skip
         return self.models[path]
 
     @torch.inference_mode()

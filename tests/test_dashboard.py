@@ -142,8 +142,8 @@ def test_every_frame_equals_the_engine_state_and_the_steps_add_up(engines, level
     rows = [row for f in new for row in f["steps"]]
     records = list(engine.step_log)[steps_before:]
     assert len(rows) == len(records)  # every step once, in a frame
-    assert [r[1:4] for r in rows] == [[s.running, s.num_prefill_tokens, s.num_batched_tokens - s.num_prefill_tokens]
-                                      for s in records]  # fmt: skip
+    assert [r[1:4] for r in rows] == [[len(s.request_ids), s.num_prefill_tokens,
+                                       s.num_batched_tokens - s.num_prefill_tokens] for s in records]  # fmt: skip
     assert sum(r[6] for r in rows) == engine.stats.generated_tokens - generated
     assert sum(r[7] for r in rows) == drafts()[0] - drafted
     assert sum(r[8] for r in rows) == drafts()[1] - accepted
@@ -176,7 +176,7 @@ def test_the_prefix_is_drawn_shared_then_cached(engines):
 # --- bounds -----------------------------------------------------------------------------------------
 class FakeRecord:
     def __init__(self, running=1, waiting=0):
-        self.time, self.running, self.waiting = 0.0, running, waiting
+        self.time, self.running, self.waiting, self.request_ids = 0.0, running, waiting, ["q0"] * running
         self.num_prefill_tokens = self.num_batched_tokens = 1
         self.step_seconds, self.preempted = 0.001, 0
 
@@ -200,12 +200,17 @@ def test_frames_come_at_most_hz_a_second_and_only_while_watched():
         feed(FakeRecord(), tiny_snapshot(1) if want else None)
     assert 5 <= sum(wanted) <= 6 and len(got) == sum(wanted)
     assert sum(len(f["steps"]) for f in got) + len(feed._steps) == 100  # every step's row, once
-    assert feed.wants_snapshot(FakeRecord(running=0, waiting=0))  # the last step of a burst: always drawn
+    assert not feed.wants_snapshot(FakeRecord(running=0, waiting=0))  # the cap holds for the last step too
     hub = DashboardHub(DashboardFeed(), {})
     assert not hub.watched  # a hub without clients does not ask for frames
-    feed2 = DashboardFeed(hz=5)
+    feed2 = DashboardFeed(hz=None)
     feed2.subscribe(hub)
     assert not feed2.watched and not feed2.wants_snapshot(FakeRecord())
+    for _ in range(50):  # steps nobody watches leave nothing behind
+        feed2(FakeRecord(), None)
+    hub.watched = True  # a page opens
+    feed2(FakeRecord(), tiny_snapshot(1))
+    assert len(feed2.latest["steps"]) == 1  # its first frame has this step only, not fifty stale ones
 
 
 def test_a_frame_is_bounded_whatever_the_load(monkeypatch):
@@ -281,7 +286,7 @@ def test_the_server_streams_the_feeds_frames_while_it_serves(server):
     assert out.usage.completion_tokens == 200
     reader.join(60)
     assert len(frames) == 4
-    assert [f["seq"] for f in frames] == sorted(f["seq"] for f in frames)
+    assert all(a["seq"] < b["seq"] for a, b in zip(frames, frames[1:]))  # each frame once, in order
     busy = [f for f in frames if f["running"]]
     assert busy and all(f["requests"][0][0] == out.id for f in busy)  # the request, as the engine ran it
     assert any(sum(r[6] for r in f["steps"]) for f in frames)  # tokens were made between frames
@@ -305,8 +310,12 @@ def test_the_page_sees_an_aborted_requests_blocks_come_back(server):
                             break
         done.set()
 
-    reader = threading.Thread(target=watch_until_whole)
+    reader = threading.Thread(target=watch_until_whole, daemon=True)
     reader.start()
+    hub = server.engine.engine.observers[-1]._subscribers[0]
+    deadline = time.monotonic() + 10
+    while not hub.watched and time.monotonic() < deadline:  # the stream is open before the request
+        time.sleep(0.01)
     body = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         chunks = 0

@@ -9,6 +9,8 @@
 //   steps           [time, batch, prefill, decode, seconds, preempted, generated, drafted, accepted]
 //                   for every step since the last frame
 // The event stream is read with fetch(), not EventSource, so that an API key can be sent.
+// A frame seen twice (the latest is replayed to a page that reconnects) is drawn, not counted twice.
+// Not here: anything that changes the engine (the page only reads, and sends ordinary completions).
 "use strict";
 
 const FREE = 0, CACHED = 1, USED = 2, SHARED = 3;
@@ -56,6 +58,7 @@ async function loadInfo() {
 }
 
 async function connect() {
+  if (document.body.dataset.auth === "1" && !key) return askForKey("");  // not a 401 in the console first
   try {
     if (!(await loadInfo())) return askForKey("");
     const r = await fetch("/dashboard/events", { headers: headers() });
@@ -97,6 +100,14 @@ $("keygo").addEventListener("click", () => {
 
 // --- a frame -------------------------------------------------------------------------------------
 function onFrame(f) {
+  if (lastFrame && f.seq <= lastFrame.seq) {
+    if (f.seq < lastFrame.seq) {  // a new engine behind the same URL (a restarted server): start over
+      steps = []; series = { tps: [], ttft: [], acc: [], rej: [] }; lastFrame = null;
+    } else {  // the same frame again (a reconnect): draw it, count nothing twice
+      drawPool(f); drawQueues(f);
+      return;
+    }
+  }
   const dt = lastFrame ? f.time - lastFrame.time : 0;
   lastFrame = f;
   steps = steps.concat(f.steps).slice(-KEEP_STEPS);
@@ -175,9 +186,9 @@ function drawLRU(p) {
 
 $("pool").addEventListener("mousemove", (e) => {
   if (!grid) return;
-  const r = e.target.getBoundingClientRect();
-  const b = Math.floor((e.clientY - r.top) / grid.cell) * grid.cols + Math.floor((e.clientX - r.left) / grid.cell);
-  if (b < 0 || b >= grid.n) return;
+  const r = e.target.getBoundingClientRect(), col = Math.floor((e.clientX - r.left) / grid.cell);
+  const b = Math.floor((e.clientY - r.top) / grid.cell) * grid.cols + col;
+  if (col >= grid.cols || b < 0 || b >= grid.n) { $("tip").textContent = "\u00a0"; return; }
   const p = grid.f.pool, o = p.owner[b], s = p.state[b];
   const who = o >= 0 ? `request ${grid.f.requests[o][0]}` : o === -2 ? "a request not listed" : "";
   const what = ["free", "free, holding a prefix that a later request may reuse", "held by " + who,
@@ -301,9 +312,9 @@ async function complete(prompt, maxTokens, temperature, onText) {
   }
 }
 
-function numberIn(id, fallback) {
-  const v = Number($(id).value);
-  return Number.isFinite(v) ? v : fallback;
+function numberIn(id, fallback) {  // an emptied field is the default, not 0
+  const text = $(id).value.trim(), v = Number(text);
+  return text !== "" && Number.isFinite(v) ? v : fallback;
 }
 
 $("send").addEventListener("click", async () => {

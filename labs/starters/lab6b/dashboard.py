@@ -28,12 +28,16 @@ What it is: three pieces between the engine thread and a page (`static/dashboard
   by several (level 3's prefix hits, level 4's forked samples).
 - `DashboardHub` lives on the event loop: the feed hands it each frame with
   `call_soon_threadsafe`, it keeps the latest, and each SSE client (at most MAX_CLIENTS)
-  gets the newest frame when it is ready to read. `add_routes` puts the page, its script,
-  its style sheet, `/dashboard/info` and `/dashboard/events` on a FastAPI app: the level-6
-  server's (`build_app(..., dashboard=True)`) or a small one of its own for an offline run or
-  the simulator (`dashboard_app`, used by `python -m benchmarks.watch`).
+  gets the newest frame when it is ready to read, each frame once. `add_routes` puts the page,
+  its script, its style sheet, `/dashboard/info` and `/dashboard/events` on a FastAPI app: the
+  level-6 server's (`build_app(..., dashboard_on=True)`) or a small one of its own for an
+  offline run or the simulator (`dashboard_app`, used by `python -m benchmarks.watch`).
+- At most `hz` frames a second, the last step of a burst included: an idle engine makes no
+  more steps, so the server's open streams ask it for a frame after IDLE_REFRESH_S of quiet
+  (an offline run asks once it ends).
 
-With no page open the feed builds nothing: the engine's step costs one small row.
+With no page open the feed builds nothing and keeps nothing: the engine's step costs a
+counter read.
 
 What it is not: a metrics store (Prometheus and Grafana are: examples/grafana/), or a way to
 change the engine (a frame is a copy; nothing is read back).
@@ -145,6 +149,7 @@ class DashboardFeed:
         self._subscribers: list[Callable[[dict], None]] = []
         self._generated = self._drafted = self._accepted = 0  # the engine's counters at the last step
         self._ttft = (0.0, 0)  # the engine's TTFT histogram (sum, count) at the last frame
+        self._unwatched = False  # steps went by with nobody watching
 
     # --- wiring ------------------------------------------------------------------------------
     def attach(self, engine) -> DashboardFeed:
@@ -166,14 +171,19 @@ class DashboardFeed:
 
     # --- the observer ------------------------------------------------------------------------
     def wants_snapshot(self, record) -> bool:
-        if not self.watched:
-            return False
-        idle = record.running == 0 and record.waiting == 0  # the last step of a burst: always drawn
-        return idle or self.clock() - self._last_frame >= self.interval
+        return self.watched and self.clock() - self._last_frame >= self.interval
 
     def __call__(self, record, snap: KVSnapshot | None) -> None:
         generated, drafted, accepted = self._counters()
-        self._steps.append([record.time, record.running, record.num_prefill_tokens,
+        if not self.watched:  # nobody looks: keep nothing, so the first frame a page gets is not stale
+            self._generated, self._drafted, self._accepted = generated, drafted, accepted
+            self._unwatched = True
+            return
+        if self._unwatched:  # a page has just opened: the TTFTs it sees start now
+            self._steps.clear()
+            self._ttft, self._unwatched = self._ttft_now(), False
+        # the step's batch is the requests it ran (record.running counts those left after it)
+        self._steps.append([record.time, len(record.request_ids), record.num_prefill_tokens,
                             record.num_batched_tokens - record.num_prefill_tokens, self.step_seconds(record),
                             record.preempted, generated - self._generated, drafted - self._drafted,
                             accepted - self._accepted])  # fmt: skip
@@ -218,7 +228,7 @@ class DashboardHub:
                  closing: Callable[[], bool] = lambda: False):  # fmt: skip
         self.feed, self.info, self.refresh, self.closing = feed, info, refresh, closing
         self.latest: dict | None = None
-        self._clients: set[asyncio.Queue] = set()
+        self._clients: set[asyncio.Queue] = set()  # one per open stream, added by the stream itself
         self._loop: asyncio.AbstractEventLoop | None = None
         self._encoded: tuple[int, bytes] | None = None  # (seq, the latest frame as an SSE event)
         self.watched = False  # read by the feed on the engine thread: a plain bool, set on the loop
@@ -252,13 +262,14 @@ class DashboardHub:
         if len(self._clients) >= MAX_CLIENTS:
             return JSONResponse({"error": {"message": f"at most {MAX_CLIENTS} dashboards at once", "type": "busy",
                                            "param": None, "code": None}}, status_code=503)  # fmt: skip
-        q: asyncio.Queue = asyncio.Queue(maxsize=1)
-        self._clients.add(q)
-        self.watched = True
 
         async def stream():
+            q: asyncio.Queue = asyncio.Queue(maxsize=1)
+            self._clients.add(q)  # here, not before: a body that is never iterated holds no slot
+            self.watched, sent = True, 0
             try:
                 if self.latest is not None:
+                    sent = self.latest["seq"]
                     yield self.encode(self.latest)
                 quiet = 0.0
                 while not self.closing():
@@ -273,7 +284,9 @@ class DashboardHub:
                             yield b": keep-alive\n\n"
                         continue
                     quiet = 0.0
-                    yield self.encode(frame)
+                    if frame["seq"] > sent:  # the latest, sent first, may also be waiting in q
+                        sent = frame["seq"]
+                        yield self.encode(frame)
             finally:
                 self._clients.discard(q)
                 self.watched = bool(self._clients)
@@ -293,17 +306,20 @@ def page(name: str) -> bytes:
     return resources.files("level6_serving").joinpath("static", name).read_bytes()
 
 
-def add_routes(app: FastAPI, hub: DashboardHub) -> None:
-    """The page, its script and style (open: they hold no data), `/dashboard/info` and the event stream."""
+def add_routes(app: FastAPI, hub: DashboardHub, needs_key: bool = False) -> None:
+    """The page, its script and style (open: they hold no data), `/dashboard/info` and the event stream.
+    `needs_key`: the page is told (data-auth="1") to ask for the API key before it asks for anything."""
     for path, (name, media_type) in PAGES.items():
         body = page(name)
+        if needs_key and name.endswith(".html"):
+            body = body.replace(b'data-auth="0"', b'data-auth="1"')
         app.add_api_route(path, lambda body=body, media_type=media_type: Response(body, media_type=media_type),
                           methods=["GET"], include_in_schema=False)  # fmt: skip
     app.add_api_route("/dashboard/info", lambda: hub.info, methods=["GET"], include_in_schema=False)
     app.add_api_route("/dashboard/events", hub.events, methods=["GET"], include_in_schema=False)
 
 
-def engine_info(engine, model_name: str, mode: str, completions: bool) -> dict:
+def engine_info(engine, model_name: str, mode: str, completions: bool, hz: float | None = HZ) -> dict:
     """What the page's header says, read once from the engine's configuration."""
     c = engine.config
     return {
@@ -316,7 +332,7 @@ def engine_info(engine, model_name: str, mode: str, completions: bool) -> dict:
         "max_num_seqs": c.max_num_seqs,
         "prefix_caching": bool(getattr(c, "enable_prefix_caching", False)),
         "speculative": getattr(engine, "speculative_config", None) is not None,
-        "hz": HZ,
+        "hz": hz,
     }
 
 
@@ -325,7 +341,7 @@ def dashboard_app(engine, model_name: str, mode: str, hz: float | None = HZ,
     """A server with the dashboard alone, for an engine run on this thread (an offline run, the
     simulator): no completions, and no refresh (the engine is not ours to call between steps)."""
     feed = DashboardFeed(hz, step_seconds=step_seconds).attach(engine)
-    hub = DashboardHub(feed, engine_info(engine, model_name, mode, completions=False))
+    hub = DashboardHub(feed, engine_info(engine, model_name, mode, completions=False, hz=hz))
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
