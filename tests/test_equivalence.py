@@ -185,6 +185,15 @@ def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_
     check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle)
 
 
+@pytest.mark.parametrize("make", LEVELS)
+@settings(max_examples=6)
+@given(workload=workloads(), arch=st.sampled_from(["mixtral", "qwen2_moe", "qwen3_moe"]), data=st.data())
+def test_moe_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_factory, oracle):
+    """Mixtures of experts (level0_naive/moe.py) at every level: routing is per token, so no
+    batching, chunking, preemption, prefix hit or speculation may change a token."""
+    check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle)
+
+
 @pytest.mark.level1
 @settings(max_examples=3)
 @given(workload=workloads(), data=st.data())
