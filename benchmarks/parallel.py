@@ -15,6 +15,10 @@ Each layout runs once per round (`--repeats` rounds, in turn) and keeps its best
 on a shared machine noise only ever slows a run down. It prints a table, writes JSON (outside the repository unless `--out`) and, with
 `--plot PATH`, a picture of tokens/s by layout and batch.
 
+`--moe` compares expert parallelism with tensor parallelism on the built-in mixture of
+experts instead (benchmarks/parallel_moe.py): bytes per token against their model, time
+against alpha-beta, and the grouped expert path against the naive loop.
+
 What it is not: a GPU benchmark. On a CPU a gloo all-reduce costs about a millisecond,
 a thousand times what NVLink costs: docs/level5_multigpu.md says what changes there.
 
@@ -57,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="results JSON (default: parallel.json outside the repository)"
     )
     p.add_argument("--plot", type=Path, default=None, help="also draw tokens/s by layout and batch here")
+    p.add_argument("--moe", action="store_true", help="expert against tensor parallelism on tiny-shakespeare-moe "
+                   "(benchmarks/parallel_moe.py; --model, --tp-batches, --max-tokens and --dtype apply)")  # fmt: skip
     return p
 
 
@@ -118,6 +124,15 @@ def main(argv=None) -> dict:
         assert tp_batches and min(tp_batches) >= 1
     except (ValueError, AssertionError):
         p.error(f"argument --tp-batches: {args.tp_batches!r} is not a comma list of integers >= 1")
+    if args.moe:
+        from .parallel_moe import main as moe_main
+
+        data = moe_main(args)
+        out = args.out or output_dir() / "parallel_moe.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(data, indent=1))
+        print(f"wrote {out}")
+        return data
     model = model_path(args)
     layouts = [(1, 1, args.pp_batch), (1, 2, args.pp_batch), *[(t, 1, b) for b in tp_batches for t in (1, 2)]]
     best: dict[tuple, dict] = {}

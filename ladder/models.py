@@ -1,7 +1,8 @@
 """The built-in models: found by name from any directory, the way hub ids are.
 
-What it is: `models/tiny-shakespeare` (the target) and `models/tiny-shakespeare-draft`
-(the draft for speculative decoding), trained by `models/train_tiny.py` and committed.
+What it is: `models/tiny-shakespeare` (the target), `models/tiny-shakespeare-draft`
+(the draft for speculative decoding) and `models/tiny-shakespeare-moe` (a mixture of
+experts, Mixtral's layout), trained by `models/train_tiny.py` and committed.
 `builtin_path("tiny-shakespeare")` (also "models/tiny-shakespeare") gives their
 absolute directory, so `LLM("tiny-shakespeare")` works wherever Python runs; an explicit
 path that exists always wins. `default_model()` is what a demo uses without `--model`:
@@ -21,9 +22,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / "models"
-BUILTIN_NAMES = ("tiny-shakespeare", "tiny-shakespeare-draft")
+BUILTIN_NAMES = ("tiny-shakespeare", "tiny-shakespeare-draft", "tiny-shakespeare-moe")
 BUILTIN = MODELS_DIR / "tiny-shakespeare"
 BUILTIN_DRAFT = MODELS_DIR / "tiny-shakespeare-draft"
+BUILTIN_MOE = MODELS_DIR / "tiny-shakespeare-moe"
 FALLBACK = Path.home() / ".cache" / "inference-ladder" / "random-llama"
 
 

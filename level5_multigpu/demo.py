@@ -15,6 +15,9 @@ rank a process of its own on this CPU, talking over gloo. It prints
     `--plot PATH` to choose; `python -m ladder.figures` regenerates the committed
     `docs/img/level5_pipeline.png`).
 
+`--moe` runs the mixture-of-experts demo instead (`moe_demo.py`: TP against expert
+parallelism on the built-in `tiny-shakespeare-moe`, and its routing).
+
 What it is not: a speed demonstration. On a CPU a gloo message costs about a millisecond
 and a tiny model's layer far less, so TP=2 is slower here; `benchmarks/parallel.py`
 measures where parallelism pays, with a 100M-parameter model.
@@ -43,6 +46,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 def parser():
     p = demo_parser(__doc__, "level5_multigpu.demo")
     p.add_argument("--requests", type=positive_int, default=8, help="how many requests (default 8)")
+    p.add_argument("--moe", action="store_true", help="run the mixture-of-experts demo instead (moe_demo.py)")
     p.add_argument("--pipeline-partition", type=partition_arg, default=None,
                    help="layers per stage for the PP=2 layouts, e.g. 4,2 (default: as even as possible)")  # fmt: skip
     p.add_argument(
@@ -68,6 +72,13 @@ def partition_arg(text: str) -> list[int]:
 
 
 def main(argv=None) -> dict:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--moe" in argv:  # the mixture-of-experts demo, with the rest of the flags
+        from . import moe_demo
+
+        return moe_demo.main([a for a in argv if a != "--moe"])
     p = parser()
     args = parse_demo_args(p, argv)
     if args.pipeline_partition:  # checked before any rank starts

@@ -7,6 +7,8 @@ and replaces, module by module, what tensor parallelism splits:
     model.embed_tokens      -> VocabParallelEmbedding     (first stage only)
     layers[i].self_attn     -> ParallelAttention           [q|k|v] by heads, o row-parallel
     layers[i].mlp           -> ParallelMLP                 [gate|up] per segment, down row-parallel
+                               (a mixture of experts: moe.py, every expert sliced, or whole experts
+                               per rank with `expert_parallel`)
     layers[i].*_layernorm   -> RMSNorm, replicated         (small: every rank of the stage has it)
     model.norm, lm_head     -> RMSNorm, ParallelLMHead     (last stage only)
 
@@ -49,6 +51,7 @@ from .layers import (
     kv_heads_of_rank,
     vocab_shard,
 )
+from .moe import ExpertParallelMoE, TensorParallelMoE
 from .parallel_state import Comm
 
 
@@ -103,7 +106,8 @@ def load_norm(reader: ShardReader, name: str, dim: int, eps: float) -> RMSNorm:
 class StageModel(Transformer):
     """This rank's layers and shards; `forward` takes hidden states instead of ids after stage 0."""
 
-    def __init__(self, cfg: ModelConfig, reader: ShardReader, comm: Comm, layers: range, ops: Ops = DEFAULT_OPS):
+    def __init__(self, cfg: ModelConfig, reader: ShardReader, comm: Comm, layers: range, ops: Ops = DEFAULT_OPS,
+                 expert_parallel: bool = False):  # fmt: skip
         with torch.device("meta"):
             super().__init__(cfg)  # level 0's modules, allocated nowhere; replaced below
         topo, tp, r = comm.topo, comm.topo.tp, comm.topo.tp_rank
@@ -126,11 +130,15 @@ class StageModel(Transformer):
             )
             layer.self_attn = ParallelAttention(local, QKVParallelLinear.load(reader, f"{p}.self_attn", cfg, tp, r), o,
                                                 cfg.num_heads // tp, k1 - k0, cfg.head_dim, *qk)  # fmt: skip
-            down = RowParallelLinear(reader.read(f"{p}.mlp.down_proj.weight", cols=_split(cfg.intermediate_size, tp, r)),
-                                     _maybe(reader, f"{p}.mlp.down_proj.bias"), comm)  # fmt: skip
-            layer.mlp = ParallelMLP(
-                MergedColumnParallelLinear.load(reader, f"{p}.mlp", cfg.intermediate_size, tp, r), down
-            )
+            if cfg.is_moe_layer(i):  # a mixture of experts: sliced over the ranks, or whole experts per rank
+                layer.mlp = (ExpertParallelMoE if expert_parallel and tp > 1 else TensorParallelMoE)(
+                    cfg, reader, f"{p}.mlp", comm)
+            else:
+                down = RowParallelLinear(reader.read(f"{p}.mlp.down_proj.weight", cols=_split(cfg.intermediate_size, tp, r)),
+                                         _maybe(reader, f"{p}.mlp.down_proj.bias"), comm)  # fmt: skip
+                layer.mlp = ParallelMLP(
+                    MergedColumnParallelLinear.load(reader, f"{p}.mlp", cfg.intermediate_size, tp, r), down
+                )
             layer.input_layernorm = load_norm(reader, f"{p}.input_layernorm.weight", d, cfg.rms_norm_eps)
             layer.post_attention_layernorm = load_norm(
                 reader, f"{p}.post_attention_layernorm.weight", d, cfg.rms_norm_eps

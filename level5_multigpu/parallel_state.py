@@ -113,8 +113,9 @@ class Comm:
         return out
 
     # --- tensor parallelism: within a stage ----------------------------------------------------
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum of every TP rank's x, on every TP rank.
+    def all_reduce(self, x: torch.Tensor, kind: str = "all_reduce") -> torch.Tensor:
+        """The sum of every TP rank's x, on every TP rank (counted under `kind`: a mixture of experts'
+        is "moe_all_reduce", so its share of the traffic can be read apart from attention's).
 
         A library's all-reduce adds the parts in an order it picks by message size (gloo's
         ring cuts the tensor into one chunk per rank), so with three or more ranks a row's
@@ -129,8 +130,37 @@ class Comm:
                 total += part
             x.copy_(total)
         elif self.topo.tp > 1:
-            self._timed("all_reduce", _nbytes(x), lambda: dist.all_reduce(x, group=self.tp_group))
+            self._timed(kind, _nbytes(x), lambda: dist.all_reduce(x, group=self.tp_group))
         return x
+
+    # --- expert parallelism: tokens to their experts' ranks and back (moe.py) -------------------
+    def exchange_counts(self, counts: list[int]) -> list[int]:
+        """Tell each TP rank q how many rows it will get from this one (counts[q]); returns how many
+        this rank gets from each. (The all-to-all of the rows needs the sizes before it starts.)"""
+        send = [torch.tensor([c], dtype=torch.int64) for c in counts]
+        recv = [torch.empty(1, dtype=torch.int64) for _ in counts]
+        self._timed("all_to_all_counts", 8 * (len(counts) - 1), lambda: dist.all_to_all(recv, send, group=self.tp_group))
+        return [int(t) for t in recv]
+
+    def all_to_all(self, parts: list[torch.Tensor], recv_rows: list[int]) -> torch.Tensor:
+        """Send parts[q] to TP rank q; receive recv_rows[q] rows from each; return them concatenated in
+        rank order. Counted: the bytes sent to other ranks (a rank's own part never leaves it)."""
+        me, x = self.topo.tp_rank, torch.cat(parts)  # one buffer, split by destination (sizes may differ, or be 0)
+        out = torch.empty((sum(recv_rows), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        sent = sum(_nbytes(p) for q, p in enumerate(parts) if q != me)
+        self._timed("all_to_all", sent, lambda: dist.all_to_all_single(
+            out, x, output_split_sizes=recv_rows, input_split_sizes=[len(p) for p in parts], group=self.tp_group))
+        return out
+
+    def all_gather_rows(self, x: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+        """Every TP rank's rows (sizes[q] of them from rank q), concatenated in rank order, on every rank.
+        gloo gathers equal sizes, so each slice travels padded to the largest."""
+        buf = torch.zeros((max(sizes), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        buf[: x.shape[0]] = x
+        parts = [torch.empty_like(buf) for _ in sizes]
+        self._timed("all_gather", _nbytes(buf) * (len(sizes) - 1),
+                    lambda: dist.all_gather(parts, buf, group=self.tp_group))  # fmt: skip
+        return torch.cat([p[:n] for p, n in zip(parts, sizes)])
 
     def gather_to_first(self, x: torch.Tensor) -> torch.Tensor | None:
         """Concatenate every TP rank's x [N, d_i] along the last dim on TP rank 0; others get None."""
@@ -174,17 +204,27 @@ def init_process_group(backend: str, init_method: str, topo: Topology, timeout_s
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
 
-def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 20) -> dict[str, float]:
-    """Fit t = alpha + beta * bytes to this group's all-reduce, by least squares over a few sizes
-    (every rank of the TP group must call it together). Returns seconds and seconds per byte."""
+def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 20,
+               kind: str = "all_reduce") -> dict[str, float]:  # fmt: skip
+    """Fit t = alpha + beta * bytes to this group's `kind` of message (all_reduce, all_to_all or
+    all_gather), by least squares over a few sizes (every rank of the TP group must call it
+    together), its bytes counted as `Comm.stats` counts them. Returns seconds and seconds per byte."""
+    tp, g = comm.topo.tp, comm.tp_group
     xs, ts = [], []
     for n in sizes:
+        n = max(n // tp, 1) * tp  # all_to_all: equal parts
         x = torch.ones(n, dtype=torch.float32)
-        dist.all_reduce(x, group=comm.tp_group)  # warm up this size
+        parts = [torch.empty(n, dtype=torch.float32) for _ in range(tp)]
+        run, nbytes = {  # what one call does, and the bytes Comm counts for it
+            "all_reduce": (lambda: dist.all_reduce(x, group=g), 4.0 * n),
+            "all_to_all": (lambda: dist.all_to_all_single(parts[0], x, group=g), 4.0 * n * (tp - 1) / tp),
+            "all_gather": (lambda: dist.all_gather(parts, x, group=g), 4.0 * n * (tp - 1)),
+        }[kind]
+        run()  # warm up this size
         t0 = time.perf_counter()
         for _ in range(repeats):
-            dist.all_reduce(x, group=comm.tp_group)
-        xs.append(4.0 * n)
+            run()
+        xs.append(nbytes)
         ts.append((time.perf_counter() - t0) / repeats)
     return fit_alpha_beta(sizes, xs, ts)
 

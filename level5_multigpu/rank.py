@@ -70,6 +70,7 @@ class ParallelSpec:
     timeout_s: float
     extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
     ranks_started_by: str = "mp"  # "mp" | "torchrun"
+    expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (moe.py)
 
     @classmethod
     def from_config(
@@ -102,6 +103,7 @@ class ParallelSpec:
             timeout_s=config.distributed_timeout_s,
             extra_bytes_rank0=extra_bytes_rank0,
             ranks_started_by=config.distributed_executor_backend or "mp",
+            expert_parallel=config.enable_expert_parallel,
         )
 
 
@@ -140,11 +142,12 @@ class RankWorker(Worker):
         return self.comm.stats, list(self.timeline.events)
 
     def calibrate(self) -> dict:
-        """Every rank's part of measuring alpha and beta: stage 0 all-reduces together (TP), rank 0
+        """Every rank's part of measuring alpha and beta: stage 0's collectives (TP, and EP's), rank 0
         and stage 1's first rank do round trips (PP). Rank 0's answer holds the numbers."""
         topo, out = self.comm.topo, {}
         if topo.tp > 1 and topo.is_first_stage:
-            out["all_reduce"] = alpha_beta(self.comm)
+            for kind in ("all_reduce", "all_to_all", "all_gather"):  # the last two: expert parallelism's
+                out[kind] = alpha_beta(self.comm, kind=kind)
         if topo.pp > 1 and topo.rank == 0:
             out["p2p"] = p2p_alpha_beta(self.comm, topo.rank_of(1, 0))
         elif topo.pp_rank == 1 and topo.tp_rank == 0:
@@ -160,7 +163,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
     ops = invariant_ops(device, spec.dtype) if spec.batch_invariant else resolve_ops(spec.ops, device)
-    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops)
+    stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,

@@ -167,6 +167,11 @@ class Preset:
     weight_decay: float
     eval_every: int
     distill_alpha: float = 0.0  # weight of KL-to-target when --distill-from
+    # a mixture of experts (Mixtral's architecture) when num_experts > 0: each layer's MLP is
+    # `num_experts` SwiGLU experts of width intermediate_size, `experts_per_token` per token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    router_aux_loss_coef: float = 0.0  # Switch's load-balancing loss: keeps every expert in use
 
 
 PRESETS = {
@@ -215,12 +220,46 @@ PRESETS = {
         eval_every=200,
         distill_alpha=0.8,
     ),
+    # ~3.2 M parameters, ~1.1 M of them active per token: Mixtral's layout (8 experts, 2 per
+    # token) at the target's depth budget. Untied embeddings like Mixtral's. The load-balancing
+    # loss keeps all eight experts busy, so the routing picture and expert parallelism have
+    # something to show.
+    "moe": Preset(
+        hidden_size=192,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=160,
+        head_dim=48,
+        tie_word_embeddings=False,
+        steps=800,
+        batch_size=32,
+        block_size=256,
+        lr=2e-3,
+        min_lr=1e-4,
+        warmup=80,
+        weight_decay=0.1,
+        eval_every=200,
+        num_experts=8,
+        experts_per_token=2,
+        router_aux_loss_coef=0.02,
+    ),
 }
 
 
 def make_config(p: Preset, max_positions: int):
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig, MixtralConfig
 
+    if p.num_experts:
+        return MixtralConfig(
+            vocab_size=VOCAB_SIZE, hidden_size=p.hidden_size, num_hidden_layers=p.num_hidden_layers,
+            num_attention_heads=p.num_attention_heads, num_key_value_heads=p.num_key_value_heads,
+            intermediate_size=p.intermediate_size, head_dim=p.head_dim, tie_word_embeddings=p.tie_word_embeddings,
+            max_position_embeddings=max_positions, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=None,
+            num_local_experts=p.num_experts, num_experts_per_tok=p.experts_per_token,
+            router_aux_loss_coef=p.router_aux_loss_coef, output_router_logits=True,
+            bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID,
+        )  # fmt: skip
     return LlamaConfig(
         vocab_size=VOCAB_SIZE,
         hidden_size=p.hidden_size,
@@ -250,7 +289,9 @@ def matmul_flops_per_token(cfg, context: int) -> dict[str, int]:
     d, L, f = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     hq = cfg.num_attention_heads * cfg.head_dim
     hkv = cfg.num_key_value_heads * cfg.head_dim
-    per_layer = d * hq + 2 * d * hkv + hq * d + 3 * d * f  # MACs
+    active = getattr(cfg, "num_experts_per_tok", 1) or 1  # a mixture: only the chosen experts run
+    router = getattr(cfg, "num_local_experts", 0) * d
+    per_layer = d * hq + 2 * d * hkv + hq * d + 3 * d * f * active + router  # MACs
     weights = 2 * (L * per_layer + d * cfg.vocab_size)
     attention = 2 * 2 * context * hq * L
     return {"weights": weights, "attention": attention, "total": weights + attention}
@@ -312,7 +353,8 @@ def lr_at(step: int, p: Preset) -> float:
 def load_hf(path: str | Path, dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    # "eager" experts: a loop any dtype runs (transformers' grouped matmul has no float64 kernel)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, experts_implementation="eager")
     model.eval()
     return model
 
@@ -332,7 +374,7 @@ def train(args) -> None:
         TimeElapsedColumn,
         TimeRemainingColumn,
     )
-    from transformers import GenerationConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, GenerationConfig
 
     console = Console()
     p = PRESETS[args.preset]
@@ -347,7 +389,7 @@ def train(args) -> None:
 
     train_ids, val_ids = load_corpus(args.corpus)
     cfg = make_config(p, args.max_positions)
-    model = LlamaForCausalLM(cfg)  # float32 master weights
+    model = AutoModelForCausalLM.from_config(cfg, experts_implementation="eager")  # float32 master weights
     model.train()
     n_params = sum(t.numel() for t in model.parameters())
     teacher = load_hf(args.distill_from) if args.distill_from else None
@@ -390,9 +432,12 @@ def train(args) -> None:
                 group["lr"] = lr_at(step, p)
             x, y = random_batch(train_ids, p.batch_size, p.block_size, gen)  # [B, T] each
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                logits = model(input_ids=x, use_cache=False).logits.float()  # [B, T, V]
+                out = model(input_ids=x, use_cache=False)
+                logits = out.logits.float()  # [B, T, V]
                 ce = F.cross_entropy(logits.flatten(0, 1), y.flatten())
                 loss = ce
+                if p.num_experts:  # the router's load-balancing loss (transformers computes it with the logits)
+                    loss = loss + p.router_aux_loss_coef * out.aux_loss
                 if teacher is not None:
                     with torch.no_grad():
                         t_logits = teacher(input_ids=x, use_cache=False).logits.float()  # [B, T, V]

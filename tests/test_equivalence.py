@@ -224,6 +224,11 @@ LAYOUTS = {  # name: (tensor_parallel_size, pipeline_parallel_size, speculate wi
     "tp2-spec": (2, 1, True),
     "pp2-spec": (1, 2, True),  # the drafts of each micro-batch in flight are kept apart
 }
+MOE_LAYOUTS = {  # mixtures of experts (level5_multigpu/moe.py): every expert sliced, or whole experts per rank
+    "moe-tp2": (2, 1, False),
+    "moe-ep2": (2, 1, False),  # enable_expert_parallel: tokens go to their experts' ranks (all-to-all)
+    "moe-ep2-pp2": (2, 2, False),
+}
 _level5_engine: dict = {}  # at most one multi-rank engine per process: (key, engine)
 
 
@@ -236,12 +241,13 @@ def level5_engine(path, layout: str):
             _level5_engine.pop("engine").shutdown()
         import level5_multigpu
 
-        tp, pp, spec = LAYOUTS[layout]
+        tp, pp, spec = {**LAYOUTS, **MOE_LAYOUTS}[layout]
         draft = draft_checkpoint() if spec else None
         kv = kv_bytes(path, 4 * 12) * 2 + (kv_bytes(draft, 4 * 12) if draft else 0)  # per rank: the heads are split
         _level5_engine["engine"] = level5_multigpu.LLMEngine(
             path, dtype="float64", block_size=4, kv_cache_memory=kv, max_num_batched_tokens=8, max_num_seqs=4,
             tensor_parallel_size=tp, pipeline_parallel_size=pp, distributed_timeout_s=60,
+            enable_expert_parallel="-ep" in layout,
             speculative_config={"model": str(draft), "num_speculative_tokens": 3} if spec else None)  # fmt: skip
         _level5_engine["key"] = key
     return _level5_engine["engine"]
@@ -264,6 +270,10 @@ def test_level5_greedy_output_equals_the_oracle(
     layout, arch, workload, data, checkpoint_factory, oracle, level5_cleanup
 ):
     """The suite's vocabulary (97) does not divide by 2: the vocab-parallel layers pad it."""
+    check_level5(layout, arch, workload, data, checkpoint_factory, oracle)
+
+
+def check_level5(layout, arch, workload, data, checkpoint_factory, oracle):
     path = checkpoint_factory(arch)
     engine = level5_engine(path, layout)
     need = max(len(p) + n for p, n in workload)
@@ -273,3 +283,15 @@ def test_level5_greedy_output_equals_the_oracle(
     assert (
         not engine.in_flight and engine.kv.num_free_blocks == engine.num_blocks
     )  # every block back (cached ones count)
+
+
+@pytest.mark.level5
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])  # qwen2_moe: a shared expert, and a dense layer
+@settings(max_examples=4)
+@given(workload=workloads(), data=st.data())
+def test_level5_moe_greedy_output_equals_the_oracle(layout, arch, workload, data, checkpoint_factory, oracle,
+                                                     level5_cleanup):  # fmt: skip
+    """Expert parallelism (whole experts per rank, tokens dispatched and combined by all-to-all) and
+    tensor parallelism (every expert sliced, one all-reduce) give the oracle's tokens."""
+    check_level5(layout, arch, workload, data, checkpoint_factory, oracle)

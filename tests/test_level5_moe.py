@@ -1,0 +1,121 @@
+"""Level 5 with a mixture of experts (level5_multigpu/moe.py): where the experts live, what travels.
+
+What it is (the greedy equivalence against the oracle, TP=2, EP=2 and EP=2 x PP=2 on Mixtral and
+Qwen2-MoE checkpoints, is in test_equivalence.py):
+  - sharding: under TP every expert's gate/up rows and down columns, gathered over the ranks,
+    give back the checkpoint's tensors; under EP each rank holds whole experts, every expert
+    exactly once over the ranks (Mixtral's w1/w3/w2 read under their own names), and the
+    router and a shared expert on every rank;
+  - the messages: an EP run sends its MoE traffic as all-to-alls and an all-gather and no
+    all-reduce of the MoE block; a TP run the opposite; EP's all-to-all bytes equal the rows
+    its routing sends to the other rank (counted here from the router's own choices), both ways;
+  - EP with experts that do not divide by the ranks is refused, naming both numbers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_level5 import NoComm, full
+
+from level0_naive import SamplingParams
+from level0_naive.loader import checkpoint_name, load_metadata
+from level5_multigpu import LLM
+from level5_multigpu.layers import ShardReader
+from level5_multigpu.model import StageModel
+from level5_multigpu.moe import ExpertParallelMoE, TensorParallelMoE
+from level5_multigpu.parallel_state import Topology
+
+pytestmark = pytest.mark.level5
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def stage(path, tp: int, rank: int, ep: bool) -> StageModel:
+    cfg = load_metadata(path).config
+    return StageModel(cfg, ShardReader(path, torch.float64, "cpu"), NoComm(Topology(tp, 1, rank)),
+                      range(cfg.num_layers), expert_parallel=ep)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe"])
+def test_tp_slices_every_expert_and_ep_places_whole_ones(checkpoint_factory, arch):
+    path = checkpoint_factory(arch)
+    cfg = load_metadata(path).config
+    mtype = "mixtral" if arch == "mixtral" else "qwen2_moe"
+    ck = lambda name: full(path, checkpoint_name(name, mtype))  # noqa: E731
+    for ep in (False, True):
+        ranks = [stage(path, 2, r, ep) for r in range(2)]
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}.mlp"
+            blocks = [s.model.layers[i].mlp for s in ranks]
+            if not cfg.is_moe_layer(i):  # qwen2_moe's layer 1 is dense: level 5's ParallelMLP
+                assert not any(isinstance(b, (TensorParallelMoE, ExpertParallelMoE)) for b in blocks)
+                continue
+            assert all(isinstance(b, ExpertParallelMoE if ep else TensorParallelMoE) for b in blocks)
+            for b in blocks:
+                assert torch.equal(b.gate.weight, ck(f"{p}.gate.weight"))  # the router: on every rank
+            if ep:
+                held = {b.first + j: e for b in blocks for j, e in enumerate(b.experts)}
+                assert sorted(held) == list(range(cfg.num_experts))  # each expert once
+                for e, expert in held.items():
+                    gate, up = expert.gate_up.weight.chunk(2)
+                    assert torch.equal(gate, ck(f"{p}.experts.{e}.gate_proj.weight"))
+                    assert torch.equal(up, ck(f"{p}.experts.{e}.up_proj.weight"))
+                    assert torch.equal(expert.down_proj.weight, ck(f"{p}.experts.{e}.down_proj.weight"))
+            else:
+                for e in range(cfg.num_experts):
+                    gate, up = zip(*(b.experts[e].gate_up.weight.chunk(2) for b in blocks))
+                    assert torch.equal(torch.cat(gate), ck(f"{p}.experts.{e}.gate_proj.weight"))
+                    assert torch.equal(torch.cat(up), ck(f"{p}.experts.{e}.up_proj.weight"))
+                    down = torch.cat([b.experts[e].down_proj.weight for b in blocks], dim=1)
+                    assert torch.equal(down, ck(f"{p}.experts.{e}.down_proj.weight"))
+            if cfg.shared_expert_intermediate_size:
+                w = [b.shared_expert.down_proj.weight for b in blocks]
+                want = ck(f"{p}.shared_expert.down_proj.weight")
+                assert torch.equal(w[0], want) and torch.equal(w[1], want) if ep else torch.equal(torch.cat(w, 1), want)
+
+
+def moe_traffic(llm) -> dict:
+    out = {}
+    for _, (stats, _) in llm.comm_stats().items():
+        for kind, (calls, nbytes, _) in stats.by_kind.items():
+            c, b = out.get(kind, (0, 0))
+            out[kind] = (c + calls, b + nbytes)
+    return out
+
+
+def test_ep_sends_tokens_and_tp_sums_activations(checkpoint_factory):
+    path = checkpoint_factory("mixtral")
+    cfg = load_metadata(path).config
+    prompt = [5, 9, 13, 17, 21, 25, 29]  # one prefill of 7 tokens: rank 0 routes 4 of them, rank 1 three
+    with LLM(path, dtype="float64", tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=64) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), progress=False)
+        ep = moe_traffic(llm)
+    with LLM(path, dtype="float64", tensor_parallel_size=2, max_model_len=64) as llm:
+        llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), progress=False)
+        tp = moe_traffic(llm)
+    assert "moe_all_reduce" not in ep and {"all_to_all", "all_gather"} <= set(ep)
+    assert "moe_all_reduce" in tp and "all_to_all" not in tp and "all_gather" not in tp
+    assert tp["moe_all_reduce"][0] == 2 * cfg.num_layers  # one per MoE layer, on each of the two ranks
+    assert ep["all_to_all"][0] == 3 * 2 * cfg.num_layers  # per layer and rank: the rows, their expert ids, back
+    # The rows that leave a rank, by the router's own choices (level 0 routes the same tokens the same way).
+    from level0_naive.kv_cache import Slab, SlabAttention
+    from level0_naive.loader import load_model
+
+    ref = load_model(path, torch.float64)
+    ids = torch.tensor(prompt)
+    ref.model(ids, torch.arange(len(prompt)), SlabAttention([Slab(ref.config, 7, torch.float64, "cpu")],
+                                                            torch.tensor([0, 7])))  # fmt: skip
+    off_rank = 0
+    for layer in ref.model.model.layers:
+        choices = layer.mlp.last_ids  # [7, k]
+        owner_of_token = torch.tensor([0] * 4 + [1] * 3)[:, None]  # rows 0-3 on rank 0, 4-6 on rank 1
+        off_rank += int((choices // (cfg.num_experts // 2) != owner_of_token).sum())
+    row, eid = cfg.hidden_size * 8, 8  # a float64 row, an int64 expert id
+    assert ep["all_to_all"][1] == off_rank * (row + eid) + off_rank * row  # dispatch (rows + ids), combine (rows)
+
+
+def test_experts_that_do_not_divide_are_refused(checkpoint_factory, tmp_path):
+    path = checkpoint_factory("qwen3_moe", num_experts=3, num_experts_per_tok=2)
+    with pytest.raises(Exception, match="3 experts do not divide by tensor_parallel_size=2"):
+        stage(path, 2, 0, ep=True)
