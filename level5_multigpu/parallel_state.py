@@ -216,9 +216,9 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 2
         x = torch.ones(n, dtype=torch.float32)
         parts = [torch.empty(n, dtype=torch.float32) for _ in range(tp)]
         run, nbytes = {  # what one call does, and the bytes Comm counts for it
-            "all_reduce": (lambda: dist.all_reduce(x, group=g), 4.0 * n),
-            "all_to_all": (lambda: dist.all_to_all_single(parts[0], x, group=g), 4.0 * n * (tp - 1) / tp),
-            "all_gather": (lambda: dist.all_gather(parts, x, group=g), 4.0 * n * (tp - 1)),
+            "all_reduce": (lambda x=x: dist.all_reduce(x, group=g), 4.0 * n),
+            "all_to_all": (lambda x=x, o=parts[0]: dist.all_to_all_single(o, x, group=g), 4.0 * n * (tp - 1) / tp),
+            "all_gather": (lambda x=x, o=parts: dist.all_gather(o, x, group=g), 4.0 * n * (tp - 1)),
         }[kind]
         run()  # warm up this size
         t0 = time.perf_counter()
