@@ -34,6 +34,7 @@ FIGURES = {  # name: (module, picture, its other flags); each takes `--plot PATH
     "level3": ("level3_prefix.demo", "level3_ttft.png", ["--no-progress"]),
     "level4": ("level4_speculative.demo", "level4_speedup.png", ["--no-progress"]),
     "level5": ("level5_multigpu.demo", "level5_pipeline.png", ["--no-progress"]),
+    "moe": ("level5_multigpu.moe_demo", "moe_routing.png", ["--no-progress"]),
     "invariance": ("level1_paged.invariance", "batch_invariance_layers.png", ["--no-progress"]),
     "parallel": ("benchmarks.parallel", "bench_parallel.png", []),
     "profile": ("benchmarks.profile", "profile_level3_prefix.png", []),

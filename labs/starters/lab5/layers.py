@@ -44,6 +44,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from level0_naive.loader import checkpoint_name
 from level0_naive.ops import DEFAULT_OPS
 
 from .parallel_state import Comm
@@ -63,10 +64,15 @@ class ShardReader:
                 self.files = dict.fromkeys(f.keys(), single)
         self.dtype, self.device = dtype, device
 
+        # Names are the model's (level 0's); a checkpoint that names some tensors its own way (Mixtral's
+        # experts) is read under its names.
+        self.model_type = json.loads((path / "config.json").read_text()).get("model_type", "")
+
     def has(self, name: str) -> bool:
-        return name in self.files
+        return checkpoint_name(name, self.model_type) in self.files
 
     def read(self, name: str, rows: tuple[int, int] | None = None, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        name = checkpoint_name(name, self.model_type)
         with safe_open(self.files[name], "pt") as f:
             s = f.get_slice(name)
             if rows is not None:
