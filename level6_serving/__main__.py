@@ -10,7 +10,12 @@ Every flag is checked before any weight loads, and a bad one is one line that na
 passed only to an engine whose configuration has them; serving an engine without them
 (switch `base.py` to level 4's), a size other than 1 is refused with a one-line error.
 
-What it is not: a process manager. One process, one engine thread, one event loop.
+`--data-parallel-size N` starts N such servers as replicas, each in a process of its own, and
+serves one endpoint in front of them with a router (`router.py`: round-robin, least-loaded or
+prefix-aware).
+
+What it is not: a process manager. One process, one engine thread, one event loop (with data
+parallelism, one router process and N replica processes, none restarted if it dies).
 
 Reference: vLLM `entrypoints/openai/cli_args.py` (flag names).
 """
@@ -109,6 +114,10 @@ def parser() -> argparse.ArgumentParser:
     a("--dashboard", action=argparse.BooleanOptionalAction, default=True,
       help="serve the live dashboard at /dashboard: the KV blocks, the queues, the steps (default on; "
            "--no-dashboard turns it off; behind --api-key, the page asks for the key)")  # fmt: skip
+    a("--data-parallel-size", type=positive_int, default=1,
+      help="run this many engine replicas, each its own process, behind one endpoint (router.py; default 1)")  # fmt: skip
+    a("--router", default="prefix-aware", choices=["round-robin", "least-loaded", "prefix-aware"],
+      help="with --data-parallel-size > 1: which replica gets a request (default prefix-aware)")  # fmt: skip
     a("--seed", type=nonneg_int, default=0, help="seeds every request that gives no seed (default 0)")
     a("--threads", type=positive_int, default=1, help="torch CPU threads (default 1)")
     a("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="default info")
@@ -151,9 +160,56 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
+ROUTER_ONLY = ("--data-parallel-size", "--router", "--host", "--port")  # what the replicas are not given
+
+
+def replica_argv(argv: list[str]) -> list[str]:
+    """The command line each replica gets: everything but the router's own flags (and their values)."""
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in ROUTER_ONLY:
+            skip = True
+        elif not a.startswith(tuple(f + "=" for f in ROUTER_ONLY)):
+            out.append(a)
+    return out
+
+
+def serve_data_parallel(args, argv: list[str]) -> None:
+    """N replicas (each `python -m level6_serving` on a free local port), and the router in front."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    from .api_server import bind
+    from .process import ServerProcess
+    from .router import RouterServer, build_router_app
+
+    replicas = [ServerProcess(replica_argv(argv)) for _ in range(args.data_parallel_size)]
+    try:
+        with ThreadPoolExecutor(len(replicas)) as pool:  # they load their models at the same time
+            list(pool.map(lambda r: r.start(), replicas))
+        app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes)
+        sock = bind(args.host, args.port)
+        host, real_port = sock.getsockname()[:2]
+        print(f"serving {args.data_parallel_size} replicas ({', '.join(r.url for r in replicas)}) as one endpoint "
+              f"on http://{host}:{real_port} (router: {args.router})", file=sys.stderr, flush=True)  # fmt: skip
+        config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
+                                timeout_keep_alive=args.timeout_keep_alive,
+                                timeout_graceful_shutdown=int(args.drain_timeout) + 10)  # fmt: skip
+        RouterServer(config).run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish
+    finally:
+        for r in replicas:  # each drains its own requests (SIGTERM), then exits
+            r.stop(timeout=args.drain_timeout + 30)
+
+
 def main(argv=None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    if args.data_parallel_size > 1:
+        return serve_data_parallel(args, argv)
     import torch
 
     from ladder.models import default_model

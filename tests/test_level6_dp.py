@@ -1,0 +1,180 @@
+"""Data parallelism at level 6 (level6_serving/router.py): replicas behind one endpoint, and the router.
+
+What it is:
+  - the policies on recorded workloads, with no server: round-robin takes the live replicas in
+    turn; least-loaded the one with the fewest requests in flight; prefix-aware sends prompts that
+    share their first chunks to the replica that was sent them, balances prompts that share
+    nothing, and gives up a match when its holder is BALANCE_SLACK requests busier than the least
+    loaded; the chunk hashes chain (two prompts share hash i exactly when they share chunks 0..i);
+  - /metrics merged: each replica's series labelled, and their sum (a share's mean);
+  - `python -m level6_serving --data-parallel-size 2`: every request's greedy output equals the
+    offline engine's (DP=1), and both replicas served some;
+  - a replica killed mid-stream: that stream ends with an error event and [DONE], the replica leaves
+    rotation, /health stays 200 and every later request is answered by the live one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from level6_helpers import ENGINE, NAME, offline
+
+from level6_serving import router as router_module
+from level6_serving.api_server import bind
+from level6_serving.metrics import parse, value
+from level6_serving.process import ServerProcess
+from level6_serving.router import CHUNK_CHARS, Replica, Router, build_router_app, chunk_hashes, merge_metrics
+
+pytestmark = pytest.mark.level6
+
+
+def replicas(n: int) -> list[Replica]:
+    return [Replica(i, f"http://replica{i}") for i in range(n)]
+
+
+def test_round_robin_takes_the_live_replicas_in_turn():
+    rs = replicas(3)
+    r = Router(rs, "round-robin")
+    assert [r.choose("x").index for _ in range(6)] == [0, 1, 2, 0, 1, 2]
+    rs[1].alive = False
+    assert {r.choose("x").index for _ in range(4)} == {0, 2}
+    for x in rs:
+        x.alive = False
+    with pytest.raises(LookupError):
+        r.choose("x")
+
+
+def test_least_loaded_takes_the_fewest_in_flight():
+    rs = replicas(3)
+    r = Router(rs, "least-loaded")
+    rs[0].in_flight, rs[1].in_flight, rs[2].in_flight = 4, 1, 2
+    assert r.choose("x").index == 1
+    rs[1].in_flight = 2
+    rs[2].sent = 5  # a tie in flight: the one sent fewer
+    assert r.choose("x").index == 1
+
+
+def test_prefix_aware_keeps_a_prefix_on_one_replica_and_balances_the_rest(monkeypatch):
+    rs = replicas(2)
+    r = Router(rs, "prefix-aware")
+    system_a, system_b = "A" * (4 * CHUNK_CHARS), "B" * (4 * CHUNK_CHARS)
+
+    def send(text):
+        rep = r.choose(text)
+        rep.in_flight += 1
+        rep.sent += 1
+        return rep.index
+
+    first = send(system_a + "question 1")
+    assert [send(system_a + f"question {i}") for i in range(2, 6)] == [first] * 4  # the cache is there
+    other = send(system_b + "question 1")
+    assert other != first  # nothing to reuse: the least loaded
+    assert send(system_b + "question 2") == other
+    rs[first].in_flight = 100  # the prefix's holder is far busier: balance wins over the match
+    assert send(system_a + "question 9") == other
+    assert send("short") == min(rs, key=lambda x: (x.in_flight, x.sent)).index  # under a chunk: least loaded
+    monkeypatch.setattr(router_module, "MAX_CHUNKS_PER_REPLICA", 3)
+    Router.remember(rs[0], chunk_hashes("C" * (10 * CHUNK_CHARS)))
+    assert len(rs[0].chunks) == 3  # bounded: the least recently sent are forgotten
+
+
+def test_chunk_hashes_chain():
+    a, b = "x" * CHUNK_CHARS * 3, "x" * CHUNK_CHARS * 2 + "y" * CHUNK_CHARS
+    ha, hb = chunk_hashes(a), chunk_hashes(b)
+    assert len(ha) == 3 and ha[:2] == hb[:2] and ha[2] != hb[2]
+    assert chunk_hashes("z" + a)[0] != ha[0] and chunk_hashes(a[: CHUNK_CHARS - 1]) == []
+
+
+def test_metrics_are_labelled_per_replica_and_summed():
+    one = '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{model_name="m"} 3.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.5'
+    two = '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{model_name="m"} 4.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25'
+    samples = parse("\n".join(merge_metrics([one, None, two])))
+    assert samples['vllm:generation_tokens_total{replica="0",model_name="m"}'] == 3.0
+    assert samples['vllm:generation_tokens_total{replica="2",model_name="m"}'] == 4.0
+    assert samples['vllm:generation_tokens_total{replica="all",model_name="m"}'] == 7.0
+    assert samples['vllm:kv_cache_usage_perc{replica="all",model_name="m"}'] == 0.375  # a share: the mean
+    assert "\n".join(merge_metrics([one, two])).count("# TYPE vllm:generation_tokens_total") == 1
+
+
+def engine_flags(ckpt) -> list[str]:
+    return ["--model", str(ckpt), "--served-model-name", NAME, "--dtype", ENGINE["dtype"], "--max-model-len",
+            str(ENGINE["max_model_len"]), "--kv-cache-memory", str(ENGINE["kv_cache_memory"]), "--seed", "0"]  # fmt: skip
+
+
+PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:", "HAMLET: to be", "KING:", "QUEEN:\nMy lord", "a", "bb"]
+
+
+def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
+    with ServerProcess([*engine_flags(ckpt), "--data-parallel-size", "2", "--router", "round-robin"]) as s:
+        def ask(prompt):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            return httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, PROMPTS))
+        samples = parse(httpx.get(s.url + "/metrics").text)
+        assert httpx.get(s.url + "/health").status_code == 200
+    want = [offline(llm, p, max_tokens=12, temperature=0, ignore_eos=True).outputs[0].text for p in PROMPTS]
+    assert got == want
+    served = {r: value(samples, f'ladder:dp_requests_total{{replica="{r}",outcome="ok"}}') for r in ("0", "1")}
+    assert served == {"0": 4.0, "1": 4.0}  # round-robin: half each
+    assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
+
+
+class RouterThread:
+    """The router app on a background thread, over replicas the test started itself."""
+
+    def __init__(self, app):
+        self.sock = bind("127.0.0.1", 0)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        while not self.server.started:
+            assert self.thread.is_alive()
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
+    with ServerProcess(engine_flags(ckpt)) as r0, ServerProcess(engine_flags(ckpt)) as r1:
+        app = build_router_app([r0.url, r1.url], "round-robin")
+        with RouterThread(app) as url:
+            warm = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2}, timeout=60)
+            assert warm.status_code == 200  # replica 0; the next one goes to replica 1
+            body = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            events = []
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+                for line in stream.iter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append(line[len("data: "):])
+                    if len(events) == 3:
+                        os.killpg(r1.proc.pid, signal.SIGKILL)  # replica 1 dies mid-answer
+            assert events[-1] == "[DONE]"
+            err = json.loads(events[-2])["error"]
+            assert err["code"] == "replica_failed"
+            assert httpx.get(url + "/health").status_code == 200
+            after = [httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 3},
+                                timeout=60) for p in PROMPTS[:4]]  # fmt: skip
+            assert [a.status_code for a in after] == [200] * 4  # all to the live replica
+            samples = parse(httpx.get(url + "/metrics").text)
+            assert value(samples, "ladder:dp_replicas_alive") == 1
+            assert value(samples, 'ladder:dp_requests_total{replica="1",outcome="failed"}') == 1
+            assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 5
