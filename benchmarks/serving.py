@@ -11,6 +11,7 @@ throughput, and goodput under an SLO (`--goodput ttft:500 tpot:50`, milliseconds
         --workload shared-prefix --num-prompts 64 --request-rate 4     # one run, any server
     python -m benchmarks.serving                                       # the issue's figures (minutes)
     python -m benchmarks.serving --quick                               # the same, tiny (about a minute)
+    python -m benchmarks.serving --data-parallel-size 2                # replicas and their router (serving_dp.py)
 
 Without `--base-url` it runs the level-6 suite, every figure in one process run:
 
@@ -78,6 +79,7 @@ class Result:
     e2e: float = 0.0
     prompt_tokens: int = 0
     output_tokens: int = 0
+    text: str = ""  # the answer, when asked for (keep_text): a conversation's next turn is built on it
 
     @property
     def tpot(self) -> float | None:
@@ -124,8 +126,9 @@ EMPTY_TEXT = (b'"text": ""', b'"text":""')  # our server's JSON, and compact JSO
 NO_CHOICES = (b'"choices": []', b'"choices":[]')  # the usage chunk
 
 
-async def send(url: str, model: str | None, req: Request, exact: bool) -> Result:
-    """One streamed completion: TTFT at the first event with text, ITL between such events."""
+async def send(url: str, model: str | None, req: Request, exact: bool, keep_text: bool = False) -> Result:
+    """One streamed completion: TTFT at the first event with text, ITL between such events (and, with
+    `keep_text`, the text itself: parsing every event costs the client CPU, so only when asked)."""
     body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     if model:
@@ -155,6 +158,8 @@ async def send(url: str, model: str | None, req: Request, exact: bool) -> Result
                         usage.get("completion_tokens", 0),
                     )
                 elif not any(k in event for k in EMPTY_TEXT):  # text: parse nothing, just note the time
+                    if keep_text:
+                        res.text += json.loads(event[6:])["choices"][0]["text"]
                     if last is None:
                         res.ttft = now - t0
                     else:
@@ -168,7 +173,8 @@ async def send(url: str, model: str | None, req: Request, exact: bool) -> Result
 
 
 async def run_requests(base_url: str, model: str | None, requests: list[Request], rate: float, burstiness: float,
-                       seed: int, max_concurrency: int | None, exact: bool, timeout: float) -> tuple[list[Result], float]:  # fmt: skip
+                       seed: int, max_concurrency: int | None, exact: bool, timeout: float,
+                       keep_text: bool = False) -> tuple[list[Result], float]:  # fmt: skip
     """Send every request at its arrival time (at most `max_concurrency` in flight); wait for all."""
     gate = asyncio.Semaphore(max_concurrency or len(requests))
     url = base_url.rstrip("/") + "/v1/completions"
@@ -177,7 +183,7 @@ async def run_requests(base_url: str, model: str | None, requests: list[Request]
         await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
         async with gate:
             try:
-                return await asyncio.wait_for(send(url, model, req, exact), timeout)
+                return await asyncio.wait_for(send(url, model, req, exact, keep_text), timeout)
             except asyncio.TimeoutError:
                 return Result(error=f"no answer within --timeout {timeout:g} s")
 
@@ -260,10 +266,7 @@ def suite(args, console) -> dict:
     rates = [m * capacity for m in args.rate_multiples]
     data["level2_capacity_rps"], data["rates"] = capacity, rates
 
-    flags = ["--model", model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-memory", str(kv),
-             "--max-num-seqs", str(args.max_num_seqs), "--threads", str(args.threads), "--seed", str(args.seed),
-             "--max-model-len", "-1",  # as offline: every position (the workloads pass the 256-token window)
-             "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
+    flags = server_flags(args, model) + ["--threads", str(args.threads)]
     for cfg in args.configs:
         extra = (["--no-enable-prefix-caching"] if cfg.startswith("nocache") else []) + (
             ["--speculative-config", json.dumps(spec)] if cfg.endswith("+spec") else [])  # fmt: skip
@@ -301,6 +304,14 @@ def suite(args, console) -> dict:
         console.print(f"  server exit status {server.returncode}")
     data["goals"] = goals(data)
     return data
+
+
+def server_flags(args, model: str) -> list[str]:
+    """The flags every suite server gets (the offline references use the same settings)."""
+    return ["--model", model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-memory",
+            str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
+            "--max-model-len", "-1",  # as offline: every position (the workloads pass the 256-token window)
+            "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
 
 
 def reference(wl, seconds: float, output_tokens: int) -> dict:
@@ -471,6 +482,11 @@ def parser() -> argparse.ArgumentParser:
     a("--repeats", type=positive_int, default=None,
       help="offline-vs-HTTP pairs for the overhead ratio, fastest kept (default 3; --quick 1)")  # fmt: skip
     a("--timeout", type=positive_float, default=600.0, help="seconds one request may take (default 600)")
+    a("--data-parallel-size", type=positive_int, default=1,
+      help="above 1: the data-parallel comparison instead of the suite (serving_dp.py): DP=1 against this many "
+           "replicas on uniform, and round-robin against --router on chat")  # fmt: skip
+    a("--router", default="prefix-aware", choices=["round-robin", "least-loaded", "prefix-aware"],
+      help="with --data-parallel-size: the policy compared with round-robin (default prefix-aware)")  # fmt: skip
     a("--out", type=Path, default=None, help="results JSON (default: serving.json outside the repository)")
     a("--plot", type=Path, default=None, help="the suite's plot (default: serving_latency.png beside the JSON)")
     return p
@@ -503,6 +519,13 @@ def main(argv=None) -> dict:
         data = {"base_url": args.base_url, "workload": wl.name, "command": " ".join(["python -m benchmarks.serving", *argv]),
                 "run": bench(args.base_url, args.model, wl.first, args.request_rate, args)}  # fmt: skip
         print_run(console, data["run"], args.percentiles)
+    elif args.data_parallel_size > 1:
+        from ladder.models import default_model
+
+        from .serving_dp import run as run_dp
+
+        data = {"command": " ".join(["python -m benchmarks.serving", *argv]),
+                **run_dp(args, console, server_flags(args, str(args.model or default_model())))}  # fmt: skip
     else:
         data = suite(args, console)
         t = Table(
@@ -517,7 +540,7 @@ def main(argv=None) -> dict:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(data, indent=1))
     console.print(f"wrote {out}")
-    if not args.base_url:
+    if not args.base_url and args.data_parallel_size == 1:
         path = Path(args.plot or out.with_name("serving_latency.png"))
         plot(data, path)
         console.print(f"wrote {path}")

@@ -128,9 +128,11 @@ def prompt_text(body: dict) -> str:
     if "messages" in body and isinstance(body["messages"], list):
         return "".join(f"{m.get('role', '')}:{m.get('content', '')}\n" for m in body["messages"] if isinstance(m, dict))
     p = body.get("prompt", "")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        p = p[0]  # several prompts: the first decides
     if isinstance(p, list):
-        p = p[0] if p else ""
-    return p if isinstance(p, str) else ",".join(map(str, p))  # token ids hash as text too
+        return ",".join(map(str, p))  # token ids hash as text too
+    return p if isinstance(p, str) else ""
 
 
 def error(status: int, message: str, code: str | None = None) -> JSONResponse:

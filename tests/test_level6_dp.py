@@ -85,6 +85,17 @@ def test_prefix_aware_keeps_a_prefix_on_one_replica_and_balances_the_rest(monkey
     assert len(rs[0].chunks) == 3  # bounded: the least recently sent are forgotten
 
 
+def test_the_prompt_read_for_routing():
+    from level6_serving.router import prompt_text
+
+    assert prompt_text({"prompt": "abc"}) == "abc"
+    assert prompt_text({"prompt": ["first", "second"]}) == "first"
+    assert prompt_text({"prompt": [5, 6, 7]}) == "5,6,7"  # token ids
+    assert prompt_text({"prompt": [[5, 6], [7]]}) == "5,6"
+    assert prompt_text({"messages": [{"role": "user", "content": "hi"}]}) == "user:hi\n"
+    assert prompt_text({"prompt": 3}) == "" and prompt_text({}) == ""  # the replica refuses it in its own words
+
+
 def test_chunk_hashes_chain():
     a, b = "x" * CHUNK_CHARS * 3, "x" * CHUNK_CHARS * 2 + "y" * CHUNK_CHARS
     ha, hb = chunk_hashes(a), chunk_hashes(b)
