@@ -61,7 +61,7 @@ class ParallelEngineConfig(SpeculativeEngineConfig):
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = (
-        None  # "mp" (spawn the ranks here) | "torchrun" (they are started for us)
+        None  # "mp" (spawn the ranks here) | "torchrun" (they are started for us) | "ray" (Ray actors: ray_executor.py)
     )
     distributed_backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU | "gloo" | "nccl"
     pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
@@ -74,9 +74,9 @@ class ParallelEngineConfig(SpeculativeEngineConfig):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"{name}={v!r} must be an integer >= 1")
-        if self.distributed_executor_backend not in (None, "mp", "torchrun"):
+        if self.distributed_executor_backend not in (None, "mp", "torchrun", "ray"):
             raise ValueError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r} must be 'mp' or 'torchrun'"
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be 'mp', 'torchrun' or 'ray'"
             )
         if self.distributed_backend not in ("auto", "gloo", "nccl"):
             raise ValueError(f"distributed_backend={self.distributed_backend!r} must be 'auto', 'gloo' or 'nccl'")

@@ -35,8 +35,12 @@ dies before it starts (spawn runs the user's main module again in every new proc
 a script without `if __name__ == "__main__":` builds its engine there) is caught by a
 start-up handshake instead, and the error names the guard.
 
-What it is not: Ray, or a multi-node launcher of its own: across machines every rank is
-started by `torchrun` (see docs/level5_multigpu.md for the commands).
+With `distributed_executor_backend="ray"` the ranks are Ray actors instead of processes
+(`ray_executor.py`: placed with a placement group on a running cluster, or a local one); the
+rest of this file does not change.
+
+What it is not: a multi-node launcher of its own: across machines every rank is started by
+`torchrun` or by Ray (see docs/level5_multigpu.md for the commands).
 
 Reference: vLLM `v1/executor/multiproc_executor.py` and `v1/worker/gpu_worker.py`.
 """
@@ -66,6 +70,9 @@ def _kill(procs: list) -> None:
         if p.is_alive():
             p.kill()
         p.join(timeout=5)
+    close = getattr(procs, "close", None)  # Ray's ranks: their placement group goes too
+    if close is not None:
+        close()
 
 
 class WorkerDiedError(RuntimeError):
@@ -153,6 +160,12 @@ class MultiprocExecutor:
                 torch.set_num_threads(1)
                 if spec.ranks_started_by == "torchrun":
                     init_method = "env://"  # torchrun started every rank: they are waiting in rank_main
+                elif spec.ranks_started_by == "ray":  # actors on the cluster's nodes: the driver's node address
+                    from . import ray_executor
+
+                    ray_executor.connect(num_cpus=self.topo.world)
+                    init_method = f"tcp://{ray_executor.node_address()}:{free_port()}"
+                    self.procs = ray_executor.spawn_ranks(spec, init_method)
                 else:
                     init_method = f"tcp://127.0.0.1:{free_port()}"
                     self.procs = spawn_ranks(spec, init_method)
@@ -273,9 +286,12 @@ class MultiprocExecutor:
         try:
             return fn()
         except Exception as e:
-            lost = "closed" in str(e).lower() or "timed out" in str(e).lower()
+            lost = any(word in str(e).lower() for word in ("closed", "timed out", "reset by peer", "broken pipe"))
             if lost and not self._dead():  # gloo saw the socket close before the kernel let us reap the rank
-                wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
+                if hasattr(self.procs, "wait_for_exit"):  # Ray's actors: Ray hears of the death a little later
+                    self.procs.wait_for_exit(timeout=5.0)
+                else:
+                    wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
             for p in self.procs:  # reap whoever exited, so its exit code is known
                 if not p.is_alive():
                     p.join(timeout=0.5)

@@ -165,12 +165,16 @@ def plot(path: Path, routing: dict) -> None:
 
     chars, choices, E = routing["chars"], routing["choices"], routing["num_experts"]
     grid = [[tok[0] for tok in layer] for layer in choices]  # [layers, tokens]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 2.8), gridspec_kw={"width_ratios": [4, 1]})
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 3.2), gridspec_kw={"width_ratios": [4, 1]})
     cmap = plt.get_cmap("tab10", E)
     a.imshow(grid, cmap=cmap, vmin=-0.5, vmax=E - 0.5, aspect="auto")
     a.set_xticks(range(len(chars)), [c if c.strip() else "·" for c in chars], fontsize=7, family="monospace")
     a.set_yticks(range(len(grid)), [f"layer {i}" for i in range(len(grid))], fontsize=8)
-    a.set_title("the expert each byte went to first (colour = expert)", fontsize=9)
+    a.set_title("the expert each byte went to first", fontsize=9)
+    from matplotlib.patches import Patch
+
+    a.legend(handles=[Patch(color=cmap(e), label=f"expert {e}") for e in range(E)], loc="upper center",
+             bbox_to_anchor=(0.5, -0.22), ncols=E, fontsize=7, frameon=False)  # fmt: skip
     im = b.imshow([[100 * x for x in row] for row in routing["load"]], cmap="Blues", aspect="auto", vmin=0)
     b.set_xticks(range(E), [str(e) for e in range(E)], fontsize=8)
     b.set_yticks([])

@@ -69,7 +69,7 @@ class ParallelSpec:
     backend: str  # "gloo" | "nccl"
     timeout_s: float
     extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
-    ranks_started_by: str = "mp"  # "mp" | "torchrun"
+    ranks_started_by: str = "mp"  # "mp" | "torchrun" | "ray"
     expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (moe.py)
 
     @classmethod

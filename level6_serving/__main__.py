@@ -98,6 +98,11 @@ def parser() -> argparse.ArgumentParser:
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
     a("--tensor-parallel-size", type=positive_int, default=1, help="ranks that split each layer (default 1)")
     a("--pipeline-parallel-size", type=positive_int, default=1, help="ranks that split the layers (default 1)")
+    a("--distributed-executor-backend", default=None, choices=["mp", "ray"],
+      help="how the other ranks start: mp (processes here, the default) or ray (actors on a Ray cluster: "
+           "`ray start --head` first, or a local one is started)")  # fmt: skip
+    a("--enable-expert-parallel", action="store_true",
+      help="a mixture of experts: whole experts per TP rank, tokens sent to them (default: every expert sliced)")
     a("--max-num-waiting", type=positive_int, default=1024,
       help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
     a("--drain-timeout", type=positive_float, default=30.0,
@@ -154,7 +159,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=args.speculative_config, seed=args.seed)  # fmt: skip
     known = {f.name for f in fields(LLMEngine.config_class)}
-    for flag in ("tensor_parallel_size", "pipeline_parallel_size"):  # passed through once the engine has them
+    for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
+                 "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip
         if flag in known:
             kw[flag] = getattr(args, flag)
     return kw
