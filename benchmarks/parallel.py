@@ -61,6 +61,8 @@ def parser() -> argparse.ArgumentParser:
         "--out", type=Path, default=None, help="results JSON (default: parallel.json outside the repository)"
     )
     p.add_argument("--plot", type=Path, default=None, help="also draw tokens/s by layout and batch here")
+    p.add_argument("--ray", action="store_true", help="also run every TP=2 layout with its ranks as Ray actors "
+                   "(distributed_executor_backend='ray': a local Ray cluster is started if none runs)")  # fmt: skip
     p.add_argument("--moe", action="store_true", help="expert against tensor parallelism on tiny-shakespeare-moe "
                    "(benchmarks/parallel_moe.py; --model, --tp-batches, --max-tokens and --dtype apply)")  # fmt: skip
     return p
@@ -78,7 +80,7 @@ def model_path(args) -> str:
     return str(path)
 
 
-def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
+def run_layout(model: str, tp: int, pp: int, batch: int, args, backend: str = "mp") -> dict:
     from level0_naive import SamplingParams
     from level5_multigpu import LLM
     from level5_multigpu.parallel_state import predicted_seconds
@@ -87,7 +89,8 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
     params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0)
     per_mb = -(-batch // pp)  # the requests of one micro-batch
     with LLM(model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192) as llm:  # fmt: skip
+             max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192,
+             distributed_executor_backend=backend if tp * pp > 1 else None) as llm:  # fmt: skip
         fit = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
         before = all_reduce_per_rank(llm)
@@ -96,7 +99,7 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args) -> dict:
         seconds = time.perf_counter() - t0
         after = all_reduce_per_rank(llm)
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    res = {"tp": tp, "pp": pp, "batch": batch, "tokens_per_s": tokens / seconds, "seconds": seconds}
+    res = {"tp": tp, "pp": pp, "batch": batch, "backend": backend, "tokens_per_s": tokens / seconds, "seconds": seconds}
     if tp > 1:
         per_rank = {r: [a - b for a, b in zip(after[r], before[r])] for r in after}
         calls, nbytes, _ = per_rank[0]
@@ -134,15 +137,17 @@ def main(argv=None) -> dict:
         print(f"wrote {out}")
         return data
     model = model_path(args)
-    layouts = [(1, 1, args.pp_batch), (1, 2, args.pp_batch), *[(t, 1, b) for b in tp_batches for t in (1, 2)]]
+    layouts = [(1, 1, args.pp_batch, "mp"), (1, 2, args.pp_batch, "mp"),
+               *[(t, 1, b, "mp") for b in tp_batches for t in (1, 2)],
+               *[(2, 1, b, "ray") for b in tp_batches if args.ray]]  # fmt: skip
     best: dict[tuple, dict] = {}
     for rep in range(args.repeats):  # every layout once per round, rounds in turn: drift hits all alike
-        for tp, pp, batch in layouts:
-            print(f"round {rep + 1}/{args.repeats}: TP={tp} PP={pp} batch {batch} ...", flush=True)
+        for tp, pp, batch, backend in layouts:
+            print(f"round {rep + 1}/{args.repeats}: TP={tp} PP={pp} batch {batch} ({backend}) ...", flush=True)
             with torch_threads(1):  # the one-process baseline too: one thread per rank, everywhere
-                r = run_layout(model, tp, pp, batch, args)
+                r = run_layout(model, tp, pp, batch, args, backend)
             print(f"  {r['tokens_per_s']:.0f} tokens/s", flush=True)
-            key = (tp, pp, batch)
+            key = (tp, pp, batch, backend)
             r["rounds_tokens_per_s"] = best.get(key, {}).get("rounds_tokens_per_s", []) + [r["tokens_per_s"]]
             if key not in best or r["tokens_per_s"] > best[key]["tokens_per_s"]:
                 best[key] = r
@@ -152,6 +157,10 @@ def main(argv=None) -> dict:
     base = {r["batch"]: r["tokens_per_s"] for r in runs if r["tp"] == 1 and r["pp"] == 1}
     for r in runs:
         r["vs_one_process"] = r["tokens_per_s"] / base[r["batch"]]
+    for r in runs:
+        if r["backend"] == "ray":  # Ray against mp, the same layout and batch
+            r["vs_mp"] = r["tokens_per_s"] / best[(r["tp"], r["pp"], r["batch"], "mp")]["tokens_per_s"]
+            print(f"TP={r['tp']} batch {r['batch']}: Ray actors {r['vs_mp']:.3f}x the mp processes' tokens/s")
     show(runs)
     data = {"model": model, "max_tokens": args.max_tokens, "runs": runs}
     out = args.out or output_dir() / "parallel.json"
@@ -182,7 +191,7 @@ def show(runs: list[dict]) -> None:
     for r in runs:
         meas, pred = r.get("all_reduce_s"), r.get("predicted_all_reduce_s")
         err = "-" if meas is None else f"{100 * (meas / pred - 1):+.0f} %"
-        t.add_row(f"TP={r['tp']} PP={r['pp']}", str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['vs_one_process']:.2f}x",
+        t.add_row(f"TP={r['tp']} PP={r['pp']}" + (" (Ray)" if r.get("backend") == "ray" else ""), str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['vs_one_process']:.2f}x",
                   "-" if meas is None else f"{meas:.2f} s", "-" if pred is None else f"{pred:.2f} s", err)  # fmt: skip
     Console(width=120).print(t)
 
@@ -197,7 +206,8 @@ def plot(runs: list[dict], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for (tp, pp), color in (((1, 1), "tab:gray"), ((2, 1), "tab:blue"), ((1, 2), "tab:orange")):
-        pts = sorted((r["batch"], r["tokens_per_s"]) for r in runs if (r["tp"], r["pp"]) == (tp, pp))
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in runs
+                     if (r["tp"], r["pp"]) == (tp, pp) and r.get("backend", "mp") == "mp")  # fmt: skip
         if pts:
             ax.plot(*zip(*pts), "o-", color=color, label=f"TP={tp} PP={pp}")
     ax.set_xscale("log", base=2)

@@ -7,7 +7,8 @@ every server a `python -m level6_serving` child with one torch thread per replic
      tokens/s, in alternating order over `--repeats` (each layout's fastest kept);
   2. the `chat` workload replayed turn by turn (each conversation's next prompt is its last prompt,
      the answer the server gave, and the next user turn: so its history is in some replica's
-     prefix cache), DP=N with round-robin routing against `--router` (default prefix-aware):
+     prefix cache; a turn's requests sent at once, in a seeded shuffled order), DP=N with
+     round-robin routing against `--router` (default prefix-aware):
      prefill tokens the replicas computed (`vllm:prompt_tokens_total`, summed; a prefix hit is
      not computed), prefix-cache hits, and p50 TTFT over every turn.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 
 import httpx
 
@@ -48,9 +50,15 @@ def play_chat(url: str, wl, args) -> tuple[list, float]:
             answers = [httpx.post(url + "/tokenize", json={"prompt": r.text, "add_special_tokens": False},
                                   timeout=60).json()["tokens"] for r in results[-len(reqs):]]  # fmt: skip
             reqs = [Request(q.prompt + a + user, n) for q, a, (user, n) in zip(reqs, answers, turn)]
-        got, secs = asyncio.run(run_requests(url, None, reqs, math.inf, 1.0, args.seed + t, None, args.exact,
-                                             args.timeout, keep_text=True))  # fmt: skip
-        results += got
+        # Conversations do not take turns in the same order every time: a seeded shuffle per turn (in a
+        # fixed order, round-robin would send each conversation to the same replica by accident, or never).
+        order = random.Random(args.seed * 1000 + t).sample(range(len(reqs)), len(reqs))
+        got, secs = asyncio.run(run_requests(url, None, [reqs[i] for i in order], math.inf, 1.0, args.seed + t, None,
+                                             args.exact, args.timeout, keep_text=True))  # fmt: skip
+        back = [None] * len(reqs)
+        for i, res in zip(order, got):
+            back[i] = res
+        results += back
         seconds += secs
     return results, seconds
 
