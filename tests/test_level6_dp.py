@@ -101,6 +101,8 @@ def test_chunk_hashes_chain():
     ha, hb = chunk_hashes(a), chunk_hashes(b)
     assert len(ha) == 3 and ha[:2] == hb[:2] and ha[2] != hb[2]
     assert chunk_hashes("z" + a)[0] != ha[0] and chunk_hashes(a[: CHUNK_CHARS - 1]) == []
+    other_start = "w" * CHUNK_CHARS + "x" * CHUNK_CHARS  # chunk 1 equals a's chunk 1, chunk 0 does not
+    assert chunk_hashes(other_start)[1] != ha[1]  # a name covers everything before it
 
 
 def test_metrics_are_labelled_per_replica_and_summed():

@@ -1,0 +1,384 @@
+# Lab 6c: your copy of level6_serving/router.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 6c THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+"""Data parallelism: several engine replicas behind one OpenAI endpoint, and the router that picks one.
+
+What it is: `--data-parallel-size N` (`python -m level6_serving`) starts N replicas, each the
+ordinary level-6 server in a process of its own (its own engine, possibly TP/PP, its own port
+on localhost), and serves the same API in front of them:
+
+    client ──> this process: the router                      replica 0 (its own process, engine, KV cache)
+               read the body, pick a replica by policy ────> replica 1 ...
+               stream its answer back as it comes
+               /metrics: each replica's, labelled replica="i", and their sum (replica="all"; a share's mean)
+
+    round-robin     the next live replica in turn
+    least-loaded    the live replica with the fewest requests in flight from this router (its
+                    running + waiting, as far as this router has put them there)
+    prefix-aware    the replica most likely to hold the prompt's first blocks in its prefix cache:
+                    each replica remembers the chained hashes of the 64-character chunks of the
+                    prompts it was sent (bounded, least recently used forgotten first); a request
+                    goes to the replica that matches most leading chunks, unless that replica has
+                    BALANCE_SLACK more requests in flight than the least loaded (then the least
+                    loaded, as SGLang's cache-aware router balances); no match: least loaded
+
+A replica that stops answering (its process gone, a refused connection) is taken out of rotation
+at once and reported (/health stays 200 while one replica lives; `ladder:dp_replicas_alive`); a
+request it was serving fails cleanly: a 502 in OpenAI's error shape, or, when its stream has
+started, an error event and `data: [DONE]`.
+
+What it is not: vLLM's in-process data parallelism (its API server talks to N engine cores over
+ZMQ and balances on their own queue lengths), a router across machines, or a supervisor: a dead
+replica is not restarted.
+
+Reference: SGLang's router (`sgl-router`: cache-aware routing with an approximate radix tree per
+worker, load-balance thresholds); vLLM `v1/engine/core_client.py` (DPLBAsyncMPClient).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib  # noqa: F401 (your code will need it)
+import itertools
+import json
+import logging
+import signal
+import threading
+from collections import OrderedDict, defaultdict
+
+import httpx
+import uvicorn
+from fastapi import FastAPI
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from .metrics import CONTENT_TYPE
+
+log = logging.getLogger("level6_serving")
+
+POLICIES = ("round-robin", "least-loaded", "prefix-aware")
+CHUNK_CHARS = 64  # the prefix-aware router's unit: a prompt's first characters, in chunks of this many
+MAX_CHUNKS_PER_REPLICA = 100_000  # remembered chunk hashes per replica (LRU)
+BALANCE_SLACK = 8  # prefix-aware: more in flight than the least loaded by this many, and the match is ignored
+HEALTH_S = 0.5  # how often the router checks that its replicas are up
+
+
+class Replica:
+    def __init__(self, index: int, url: str):
+        self.index, self.url = index, url
+        self.alive = True
+        self.in_flight = 0  # requests this router has sent and not yet seen end
+        self.sent = 0  # requests this router has sent it, in all
+        self.chunks: OrderedDict[bytes, None] = OrderedDict()  # prefix-aware: chunk hashes it was sent, LRU
+
+
+def chunk_hashes(text: str) -> list[bytes]:
+    """The chained hashes of `text`'s whole 64-character chunks (chunk i's hash covers chunks 0..i, as
+    level 3 names its blocks: two prompts share hash i exactly when they share their first i+1 chunks)."""
+    # TODO (lab 6c): chunk_hashes
+    # The names of text's whole CHUNK_CHARS-character chunks, in order (a last partial chunk has none). Chain them
+    # as level 3 names its blocks: chunk i's name is hashlib.blake2b(previous name + the chunk's bytes,
+    # digest_size=16).digest(), the previous name of chunk 0 being b"". Two prompts then share name i exactly when
+    # they share chunks 0..i.
+    raise NotImplementedError("lab 6c: write chunk_hashes")
+
+
+class Router:
+    """The policy: which live replica gets the next request. Pure bookkeeping (no I/O), so the tests
+    can replay a recorded workload through it."""
+
+    def __init__(self, replicas: list[Replica], policy: str = "prefix-aware"):
+        if policy not in POLICIES:
+            raise ValueError(f"router policy {policy!r} must be one of {', '.join(POLICIES)}")
+        self.replicas, self.policy = replicas, policy
+        self._turn = itertools.count()
+
+    def live(self) -> list[Replica]:
+        return [r for r in self.replicas if r.alive]
+
+    def choose(self, prompt_text: str) -> Replica:
+        """The replica for a request whose prompt reads `prompt_text`; raises LookupError if none is alive."""
+        # TODO (lab 6c): Router.choose
+        # Only live replicas (self.live()); none: raise LookupError. round-robin: the live replicas in turn
+        # (next(self._turn) counts the calls). least-loaded: the live replica with the fewest in_flight, ties broken by
+        # fewer sent. prefix-aware: for each live replica, how many of the prompt's leading chunk hashes it holds
+        # (stop at the first it does not: r.chunks); take the longest match (ties: fewer in flight). Use the least
+        # loaded instead when nothing matches, or when the best has more than BALANCE_SLACK requests in flight beyond
+        # the least loaded. Remember the prompt's hashes for the chosen replica (self.remember), then return it.
+        raise NotImplementedError("lab 6c: write Router.choose")
+
+    @staticmethod
+    def remember(replica: Replica, hashes: list[bytes]) -> None:
+        for h in hashes:
+            replica.chunks[h] = None
+            replica.chunks.move_to_end(h)
+        while len(replica.chunks) > MAX_CHUNKS_PER_REPLICA:
+            replica.chunks.popitem(last=False)
+
+
+def prompt_text(body: dict) -> str:
+    """What the prefix-aware router hashes: the prompt (its first one), or the chat messages in order."""
+    if "messages" in body and isinstance(body["messages"], list):
+        return "".join(f"{m.get('role', '')}:{m.get('content', '')}\n" for m in body["messages"] if isinstance(m, dict))
+    p = body.get("prompt", "")
+    if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+        p = p[0]  # several prompts: the first decides
+    if isinstance(p, list):
+        return ",".join(map(str, p))  # token ids hash as text too
+    return p if isinstance(p, str) else ""
+
+
+def error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "replica_error" if status >= 500 else "invalid_request_error",
+                                   "param": None, "code": code}}, status_code=status)  # fmt: skip
+
+
+async def upstream(url: str, path: str, body: bytes, headers: dict):
+    """POST `body` to a replica; yields its status, its headers, then its body's pieces as they come.
+
+    A bare HTTP/1.1 client on asyncio's streams (one connection per request): the relay is the
+    router's hot path, one piece per streamed token, and httpx spends about ten times the CPU per
+    piece, CPU that the replicas on the same machine need. Raises OSError when the replica cannot
+    be reached, and asyncio.IncompleteReadError (or OSError) when it goes away mid-answer."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}Content-Length: {len(body)}\r\n"
+                     f"Connection: close\r\n\r\n".encode() + body)  # fmt: skip
+        status_line = await reader.readline()
+        if not status_line:
+            raise ConnectionResetError("the replica closed the connection without answering")
+        yield int(status_line.split()[1])
+        got = {}
+        while (line := await reader.readline()) not in (b"\r\n", b""):
+            k, _, v = line.decode("latin-1").partition(":")
+            got[k.strip().lower()] = v.strip()
+        yield got
+        if got.get("transfer-encoding", "").lower() == "chunked":
+            # Whatever has arrived, de-chunked at once: a relay that falls behind sends fewer, larger pieces.
+            buf = b""
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise asyncio.IncompleteReadError(buf, None)  # the replica went away mid-answer
+                buf += data
+                pieces, done = [], False
+                while (eol := buf.find(b"\r\n")) >= 0:
+                    size = int(buf[:eol].split(b";")[0], 16)
+                    if size == 0:
+                        done = True
+                        break
+                    if len(buf) < eol + 2 + size + 2:
+                        break  # the rest of this chunk has not arrived yet
+                    pieces.append(buf[eol + 2 : eol + 2 + size])
+                    buf = buf[eol + 2 + size + 2 :]
+                if pieces:
+                    yield b"".join(pieces)
+                if done:
+                    return
+        elif "content-length" in got:
+            yield await reader.readexactly(int(got["content-length"]))
+        else:
+            while data := await reader.read(1 << 16):
+                yield data
+    finally:
+        writer.close()
+
+
+def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
+                     max_request_body_bytes: int = 8 << 20) -> FastAPI:  # fmt: skip
+    """The front end over replicas at `urls` (already up). Requests go through as they are (the API key too:
+    each replica checks it); only what the router itself answers (/health, /metrics) is open."""
+    replicas = [Replica(i, u) for i, u in enumerate(urls)]
+    router = Router(replicas, policy)
+    client: httpx.AsyncClient | None = None
+    counts: dict[tuple[int, str], int] = defaultdict(int)  # (replica, outcome) -> requests
+
+    async def watch():
+        """Take a replica out of rotation as soon as it stops answering /health."""
+        while True:
+            for r in replicas:
+                if r.alive and not await healthy(r):
+                    mark_dead(r, "its /health stopped answering")
+            await asyncio.sleep(HEALTH_S)
+
+    async def healthy(r: Replica) -> bool:
+        try:
+            return (await client.get(r.url + "/health", timeout=5.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def mark_dead(r: Replica, why: str) -> None:
+        if r.alive:
+            r.alive = False
+            log.error("replica %d (%s) is out of rotation: %s; %d live", r.index, r.url, why, len(router.live()))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        nonlocal client
+        client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0), limits=httpx.Limits(max_connections=None))
+        task = asyncio.ensure_future(watch())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await client.aclose()
+
+    app = FastAPI(title="inference-ladder data-parallel router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.router, app.state.replicas = router, replicas
+
+    async def forward(raw: Request, path: str) -> Response:
+        body = await raw.body()
+        if len(body) > max_request_body_bytes:
+            return error(413, f"the request body is larger than this server accepts ({max_request_body_bytes} bytes)")
+        try:
+            parsed = json.loads(body) if body else {}
+        except ValueError:
+            parsed = {}  # the replica answers the 400 in its own words
+        try:
+            r = router.choose(prompt_text(parsed if isinstance(parsed, dict) else {}))
+        except LookupError:
+            return error(503, "no replica is alive", "no_replica")
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
+        r.in_flight += 1
+        r.sent += 1
+        answer = upstream(r.url, path, body, headers)
+        try:
+            status, got = await anext(answer), await anext(answer)
+        except (OSError, asyncio.IncompleteReadError, ValueError, StopAsyncIteration) as e:
+            r.in_flight -= 1
+            await answer.aclose()
+            mark_dead(r, f"a request could not reach it ({e!r})")
+            counts[r.index, "failed"] += 1
+            return error(502, f"replica {r.index} failed before answering: {e!r}", "replica_failed")
+        streaming = got.get("content-type", "").startswith("text/event-stream")
+
+        async def relay():
+            outcome = "ok"
+            try:
+                async for piece in answer:
+                    yield piece
+            except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # the replica went away mid-answer
+                outcome = "failed"
+                mark_dead(r, f"it dropped a response ({e!r})")
+                if streaming:
+                    err = {"error": {"message": f"replica {r.index} failed mid-stream: {e!r}", "type": "replica_error",
+                                     "param": None, "code": "replica_failed"}}  # fmt: skip
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+            finally:
+                r.in_flight -= 1
+                counts[r.index, outcome] += 1
+                await answer.aclose()
+
+        keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
+        return StreamingResponse(relay(), status_code=status, headers=keep)
+
+    @app.post("/v1/completions")
+    async def completions(raw: Request) -> Response:
+        return await forward(raw, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(raw: Request) -> Response:
+        return await forward(raw, "/v1/chat/completions")
+
+    def passthrough(path: str, method: str):
+        """A route any live replica answers the same (the model list, the tokenizer)."""
+
+        async def route(raw: Request) -> Response:
+            live = router.live()
+            if not live:
+                return error(503, "no replica is alive", "no_replica")
+            headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
+            try:
+                resp = await client.request(method, live[0].url + path, content=await raw.body(), headers=headers)
+            except httpx.HTTPError as e:
+                mark_dead(live[0], f"a request could not reach it ({e!r})")
+                return error(502, f"replica {live[0].index} failed: {e!r}", "replica_failed")
+            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+
+        app.add_api_route(path, route, methods=[method])
+
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
+        passthrough(path, method)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if router.live() else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        texts = await asyncio.gather(*(replica_metrics(r) for r in replicas))
+        lines = merge_metrics(texts)
+        lines.append("# TYPE ladder:dp_replicas_alive gauge")
+        lines.append(f"ladder:dp_replicas_alive {len(router.live())}")
+        lines.append("# TYPE ladder:dp_requests_total counter")
+        for (i, outcome), n in sorted(counts.items()):
+            lines.append(f'ladder:dp_requests_total{{replica="{i}",outcome="{outcome}"}} {n}')
+        return Response("\n".join(lines) + "\n", media_type=CONTENT_TYPE)
+
+    async def replica_metrics(r: Replica) -> str | None:
+        if not r.alive:
+            return None
+        try:
+            return (await client.get(r.url + "/metrics", timeout=10.0)).text
+        except httpx.HTTPError:
+            return None
+
+    return app
+
+
+class RouterServer(uvicorn.Server):
+    """uvicorn, except that SIGTERM or Ctrl-C stop it without re-raising the signal afterwards (uvicorn's
+    own handler does, which would end the process before it stops its replicas)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def on_signal(sig, frame):
+            self.force_exit |= self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: stop waiting
+            self.should_exit = True
+
+        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def merge_metrics(texts: list[str | None]) -> list[str]:
+    """Each replica's samples with a `replica="i"` label, then their sum per series (`replica="all"`; the
+    mean for a share, `*_perc`); a replica that did not answer is left out. The `# HELP`/`# TYPE` lines
+    come once per metric."""
+    out, seen, sums, n = [], set(), defaultdict(float), defaultdict(int)
+    order: list[tuple[str, str]] = []
+    for i, text in enumerate(texts):
+        if text is None:
+            continue
+        for line in text.splitlines():
+            if not line:
+                continue
+            if line.startswith("#"):
+                if line not in seen:
+                    seen.add(line)
+                    out.append(line)
+                continue
+            series, _, value = line.rpartition(" ")
+            name, brace, labels = series.partition("{")
+            labels = labels.rstrip("}")
+            out.append(f'{name}{{replica="{i}"{"," + labels if labels else ""}}} {value}')
+            key = (name, labels)
+            if key not in sums:
+                order.append(key)
+            sums[key] += float(value)
+            n[key] += 1
+    for name, labels in order:
+        total = sums[name, labels] / (n[name, labels] if name.endswith("_perc") else 1)
+        out.append(f'{name}{{replica="all"{"," + labels if labels else ""}}} {total}')
+    return out
