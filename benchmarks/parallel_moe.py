@@ -11,8 +11,9 @@ batch it reports, for the MoE block's messages only (attention's all-reduces are
     per number, N ranks, k experts per token,
 
         TP   L * N * T * d * b                                        (each rank all-reduces [T, d])
-        EP   L * (2 * k * T * d * b * (N-1)/N                         (rows to other ranks' experts, and back,
-                  + N * ceil(T/N) * (N-1) * d * b                      if routing were uniform; the gather, padded;
+        EP   L * ((2 * d * b + 8) * k * T * (N-1)/N                   (rows to other ranks' experts and back, with
+                                                                       an 8-byte expert id each, if routing were uniform;
+                  + N * ceil(T/N) * (N-1) * d * b                      the gather, padded;
                   + N * (N-1) * 8)                                     the row counts)
 
   - seconds inside those messages (the rank that waited least) against the latency-bandwidth
@@ -65,8 +66,8 @@ def run_layout(model: str, ep: bool, batch: int, max_tokens: int, dtype: str) ->
     processed = sum(step_tokens)
     L, d, k, N = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.hidden_size, cfg.num_experts_per_tok, 2
     if ep:
-        model_bytes = sum(L * (2 * k * T * d * b * (N - 1) / N + N * math.ceil(T / N) * (N - 1) * d * b + N * (N - 1) * 8)
-                          for T in step_tokens)  # fmt: skip
+        model_bytes = sum(L * ((2 * d * b + 8) * k * T * (N - 1) / N + N * math.ceil(T / N) * (N - 1) * d * b
+                               + N * (N - 1) * 8) for T in step_tokens)  # fmt: skip
     else:
         model_bytes = sum(L * N * T * d * b for T in step_tokens)
     calls = nbytes = secs = predicted = 0.0

@@ -289,7 +289,7 @@ class MultiprocExecutor:
             lost = any(word in str(e).lower() for word in ("closed", "timed out", "reset by peer", "broken pipe"))
             if lost and not self._dead():  # gloo saw the socket close before the kernel let us reap the rank
                 if hasattr(self.procs, "wait_for_exit"):  # Ray's actors: Ray hears of the death a little later
-                    self.procs.wait_for_exit(timeout=5.0)
+                    self.procs.wait_for_exit(timeout=min(10.0, self.spec.timeout_s))
                 else:
                     wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
             for p in self.procs:  # reap whoever exited, so its exit code is known

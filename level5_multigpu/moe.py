@@ -13,7 +13,7 @@ enters the MoE block with the same hidden states x [T, d] and must leave it with
      parallel=True)     expert (all-to-all: dispatch); that rank runs its experts and sends the rows
                         back (all-to-all: combine); the slices are gathered so that every rank has
                         every token again (all-gather) for the next layer's attention. Moves tokens:
-                        about 2*k*d per token to other ranks, plus the gather.
+                        about 2*k*d numbers per token to other ranks (and k expert ids), plus the gather.
 
         rank 0 (experts 0-1)                         rank 1 (experts 2-3)
         tokens 0..T/2: route ──┐                 ┌── tokens T/2..T: route
@@ -30,7 +30,8 @@ to other ranks; all_gather: this rank's slice, padded, once per other rank), as 
 
 What it is not: DeepSeek's DP-attention + EP layout (attention here stays TP, so the tokens
 are split only inside the MoE block), expert load balancing or redundant experts (EPLB), or a
-fused all-to-all kernel (DeepEP, pplx): two plain `all_to_all` calls and an `all_gather`.
+fused all-to-all kernel (DeepEP, pplx): per layer, one small all-to-all of row counts, three
+plain ones (the rows, their expert ids, the answers back) and an `all_gather`.
 
 Reference: vLLM `model_executor/layers/fused_moe/layer.py` (FusedMoE: expert_map, EP vs TP),
 `distributed/device_communicators/all2all.py`; Lepikhin et al. 2020, "GShard" (dispatch and

@@ -7,7 +7,8 @@ layout) greedy on the same prompts in three layouts,
     one process       level 0's SparseMoE
     TP=2              every expert sliced over 2 ranks; one all-reduce per MoE layer
     TP=2 + EP         4 whole experts per rank; tokens dispatched to their experts' ranks and
-                      combined back (two all-to-alls), then gathered (one all-gather)
+                      combined back (all-to-alls: the row counts, the rows, their expert ids, the
+                      answers), then gathered (one all-gather)
 
 and prints whether the three wrote the same text (float64), the messages and bytes per
 generated token of each kind (the MoE block's against attention's), each kind's time against

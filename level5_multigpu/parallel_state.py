@@ -210,9 +210,10 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 2
     all_gather), by least squares over a few sizes (every rank of the TP group must call it
     together), its bytes counted as `Comm.stats` counts them. Returns seconds and seconds per byte."""
     tp, g = comm.topo.tp, comm.tp_group
-    xs, ts = [], []
+    xs, ts, measured = [], [], []
     for n in sizes:
-        n = max(n // tp, 1) * tp  # all_to_all: equal parts
+        n = max(n // tp, 1) * tp if kind == "all_to_all" else n  # all_to_all: equal parts
+        measured.append(n)
         x = torch.ones(n, dtype=torch.float32)
         parts = [torch.empty(n, dtype=torch.float32) for _ in range(tp)]
         run, nbytes = {  # what one call does, and the bytes Comm counts for it
@@ -226,7 +227,7 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 2
             run()
         xs.append(nbytes)
         ts.append((time.perf_counter() - t0) / repeats)
-    return fit_alpha_beta(sizes, xs, ts)
+    return fit_alpha_beta(measured, xs, ts)
 
 
 def fit_alpha_beta(sizes, xs: list[float], ts: list[float]) -> dict:

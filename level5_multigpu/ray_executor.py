@@ -18,6 +18,10 @@ rank process (alive? its exit code? kill it, wait for it), so a dead actor is re
 a dead `mp` process is: `WorkerDiedError` naming it, the engine marked dead, `/health` 503; and
 shutting down kills every actor and removes the placement group, so nothing is left behind.
 
+On CUDA (written, not run: no GPU was at hand) the driver uses its machine's first GPU, outside
+Ray's accounting, so Ray must not hand that GPU to an actor: start that node with one GPU fewer
+(`ray start --head --num-gpus N-1`), as vLLM reserves a bundle for its driver.
+
 What it is not: Ray's own collective library or compiled graphs (vLLM's Ray backend uses Ray for
 placement and its own NCCL groups for tensors, as this does with gloo/NCCL), or autoscaling.
 

@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import re
+import signal
 import sys
 from dataclasses import fields
 
@@ -74,7 +75,9 @@ def json_object(text: str) -> dict:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = LadderParser(prog=prog("level6_serving"), description=__doc__,
+    # No abbreviations: the router hands its command line to the replicas minus its own flags, and
+    # `--data 2` would reach them as a data-parallel size of their own.
+    p = LadderParser(prog=prog("level6_serving"), description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     a = p.add_argument
     a("--model", default=None, help="checkpoint directory, built-in name or cached hub id (default: the built-in "
@@ -193,9 +196,15 @@ def serve_data_parallel(args, argv: list[str]) -> None:
     from .router import RouterServer, build_router_app
 
     replicas = [ServerProcess(replica_argv(argv)) for _ in range(args.data_parallel_size)]
+
+    def stop_starting(sig, frame):  # SIGTERM while the replicas load: still stop them (the finally below)
+        raise SystemExit(143)
+
+    previous = signal.signal(signal.SIGTERM, stop_starting)
     try:
         with ThreadPoolExecutor(len(replicas)) as pool:  # they load their models at the same time
             list(pool.map(lambda r: r.start(), replicas))
+        signal.signal(signal.SIGTERM, previous)  # from here uvicorn's handler (RouterServer) takes it
         app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes)
         sock = bind(args.host, args.port)
         host, real_port = sock.getsockname()[:2]
@@ -205,9 +214,10 @@ def serve_data_parallel(args, argv: list[str]) -> None:
                                 timeout_keep_alive=args.timeout_keep_alive,
                                 timeout_graceful_shutdown=int(args.drain_timeout) + 10)  # fmt: skip
         RouterServer(config).run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish
-    finally:
-        for r in replicas:  # each drains its own requests (SIGTERM), then exits
-            r.stop(timeout=args.drain_timeout + 30)
+    finally:  # each drains its own requests (SIGTERM), then exits: all at once
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
+        with ThreadPoolExecutor(len(replicas)) as pool:
+            list(pool.map(lambda r: r.stop(timeout=args.drain_timeout + 30), replicas))
 
 
 def main(argv=None) -> None:

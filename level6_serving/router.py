@@ -19,10 +19,13 @@ on localhost), and serves the same API in front of them:
                     BALANCE_SLACK more requests in flight than the least loaded (then the least
                     loaded, as SGLang's cache-aware router balances); no match: least loaded
 
-A replica that stops answering (its process gone, a refused connection) is taken out of rotation
-at once and reported (/health stays 200 while one replica lives; `ladder:dp_replicas_alive`); a
-request it was serving fails cleanly: a 502 in OpenAI's error shape, or, when its stream has
-started, an error event and `data: [DONE]`.
+A replica that stops answering is taken out of rotation and reported (/health stays 200 while one
+replica lives; `ladder:dp_replicas_alive`): at once when a request cannot reach it or it breaks off
+an answer, after HEALTH_FAILURES failed /health checks in a row otherwise, and it comes back if it
+answers again. A request it was serving fails cleanly: a 502 in OpenAI's error shape (a whole
+answer is read before it is sent on, so a truncated one is a 502 too), or, when its stream has
+started, an error event and `data: [DONE]`. A request's place in its replica's count is given back
+once, however it ends (a client that leaves included).
 
 What it is not: vLLM's in-process data parallelism (its API server talks to N engine cores over
 ZMQ and balances on their own queue lengths), a router across machines, or a supervisor: a dead
@@ -57,8 +60,9 @@ log = logging.getLogger("level6_serving")
 POLICIES = ("round-robin", "least-loaded", "prefix-aware")
 CHUNK_CHARS = 64  # the prefix-aware router's unit: a prompt's first characters, in chunks of this many
 MAX_CHUNKS_PER_REPLICA = 100_000  # remembered chunk hashes per replica (LRU)
-BALANCE_SLACK = 8  # prefix-aware: more in flight than the least loaded by this many, and the match is ignored
+BALANCE_SLACK = 8  # prefix-aware: this many more in flight than the least loaded, and the match is ignored
 HEALTH_S = 0.5  # how often the router checks that its replicas are up
+HEALTH_FAILURES = 3  # checks in a row that must fail before a replica leaves rotation
 
 
 class Replica:
@@ -109,7 +113,7 @@ class Router:
             match = next((i for i, h in enumerate(hashes) if h not in r.chunks), len(hashes))
             if match > best_match or (match == best_match and match and r.in_flight < best.in_flight):
                 best, best_match = r, match
-        if best_match == 0 or best.in_flight - least.in_flight > BALANCE_SLACK:
+        if best_match == 0 or best.in_flight - least.in_flight >= BALANCE_SLACK:
             best = least  # nothing to reuse, or the holder of the prefix is too busy
         self.remember(best, hashes)
         return best
@@ -193,6 +197,39 @@ async def upstream(url: str, path: str, body: bytes, headers: dict):
         writer.close()
 
 
+class Release:
+    """A replica's in-flight count, given back once, with the request's outcome counted (a request can
+    end in its relay, before its relay ever runs, or in the handler: whichever comes first counts)."""
+
+    def __init__(self, replica: Replica, counts: dict):
+        self.replica, self.counts, self.released = replica, counts, False
+        replica.in_flight += 1
+        replica.sent += 1
+
+    def __call__(self, outcome: str) -> None:
+        if not self.released:
+            self.released = True
+            self.replica.in_flight -= 1
+            self.counts[self.replica.index, outcome] += 1
+
+
+class Relayed(StreamingResponse):
+    """A streamed answer that releases its replica however the response ends: Starlette cancels a
+    StreamingResponse whose client has gone, sometimes before its body generator has started (whose
+    own `finally` then never runs)."""
+
+    def __init__(self, content, status_code: int, headers: dict, done: Release, answer):
+        super().__init__(content, status_code=status_code, headers=headers)
+        self.done, self.answer = done, answer
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.done("ok")  # a no-op if the relay already counted a failure
+            await self.answer.aclose()
+
+
 def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
                      max_request_body_bytes: int = 8 << 20) -> FastAPI:  # fmt: skip
     """The front end over replicas at `urls` (already up). Requests go through as they are (the API key too:
@@ -203,11 +240,20 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
     counts: dict[tuple[int, str], int] = defaultdict(int)  # (replica, outcome) -> requests
 
     async def watch():
-        """Take a replica out of rotation as soon as it stops answering /health."""
+        """Take a replica out of rotation after HEALTH_FAILURES /health checks in a row fail, and put it
+        back once it answers again (a slow moment is not a death; a dead process never answers)."""
+        failures = defaultdict(int)
         while True:
             for r in replicas:
-                if r.alive and not await healthy(r):
-                    mark_dead(r, "its /health stopped answering")
+                if await healthy(r):
+                    failures[r.index] = 0
+                    if not r.alive:
+                        r.alive = True
+                        log.warning("replica %d (%s) answers again: back in rotation", r.index, r.url)
+                else:
+                    failures[r.index] += 1
+                    if failures[r.index] >= HEALTH_FAILURES:
+                        mark_dead(r, f"{HEALTH_FAILURES} /health checks in a row failed")
             await asyncio.sleep(HEALTH_S)
 
     async def healthy(r: Replica) -> bool:
@@ -248,38 +294,40 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
         except LookupError:
             return error(503, "no replica is alive", "no_replica")
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
-        r.in_flight += 1
-        r.sent += 1
+        done = Release(r, counts)  # the in-flight count comes back exactly once, however this request ends
         answer = upstream(r.url, path, body, headers)
         try:
             status, got = await anext(answer), await anext(answer)
+            streaming = got.get("content-type", "").startswith("text/event-stream")
+            keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
+            if not streaming:  # a whole answer: read it all first, so a replica that breaks off is a 502
+                whole = b"".join([piece async for piece in answer])
+                done("ok")
+                return Response(whole, status_code=status, headers=keep)
         except (OSError, asyncio.IncompleteReadError, ValueError, StopAsyncIteration) as e:
-            r.in_flight -= 1
+            done("failed")
             await answer.aclose()
-            mark_dead(r, f"a request could not reach it ({e!r})")
-            counts[r.index, "failed"] += 1
-            return error(502, f"replica {r.index} failed before answering: {e!r}", "replica_failed")
-        streaming = got.get("content-type", "").startswith("text/event-stream")
+            mark_dead(r, f"it failed a request ({e!r})")
+            return error(502, f"replica {r.index} failed before answering in full: {e!r}", "replica_failed")
+        except BaseException:  # the client left while we waited (a cancelled handler): nothing to send
+            done("abandoned")
+            await answer.aclose()
+            raise
 
         async def relay():
-            outcome = "ok"
             try:
                 async for piece in answer:
                     yield piece
             except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # the replica went away mid-answer
-                outcome = "failed"
+                done("failed")
                 mark_dead(r, f"it dropped a response ({e!r})")
-                if streaming:
-                    err = {"error": {"message": f"replica {r.index} failed mid-stream: {e!r}", "type": "replica_error",
-                                     "param": None, "code": "replica_failed"}}  # fmt: skip
-                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                err = {"error": {"message": f"replica {r.index} failed mid-stream: {e!r}", "type": "replica_error",
+                                 "param": None, "code": "replica_failed"}}  # fmt: skip
+                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
             finally:
-                r.in_flight -= 1
-                counts[r.index, outcome] += 1
                 await answer.aclose()
 
-        keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
-        return StreamingResponse(relay(), status_code=status, headers=keep)
+        return Relayed(relay(), status, keep, done, answer)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -359,31 +407,39 @@ class RouterServer(uvicorn.Server):
 
 def merge_metrics(texts: list[str | None]) -> list[str]:
     """Each replica's samples with a `replica="i"` label, then their sum per series (`replica="all"`; the
-    mean for a share, `*_perc`); a replica that did not answer is left out. The `# HELP`/`# TYPE` lines
-    come once per metric."""
-    out, seen, sums, n = [], set(), defaultdict(float), defaultdict(int)
-    order: list[tuple[str, str]] = []
+    mean for a share, `*_perc`), family by family: a family's `# HELP`/`# TYPE` lines once, then all its
+    samples together (the text format wants a family's lines in one group). A replica that did not
+    answer is left out."""
+    families: dict[str, dict] = {}  # family -> {"head": [lines], "samples": [lines], "sums": {series: [sum, n]}}
     for i, text in enumerate(texts):
         if text is None:
             continue
+        family = None
         for line in text.splitlines():
             if not line:
                 continue
+            if line.startswith("# HELP ") or line.startswith("# TYPE "):
+                family = line.split()[2]
+                f = families.setdefault(family, {"head": [], "samples": [], "sums": {}})
+                if line not in f["head"]:
+                    f["head"].append(line)
+                continue
             if line.startswith("#"):
-                if line not in seen:
-                    seen.add(line)
-                    out.append(line)
                 continue
             series, _, value = line.rpartition(" ")
-            name, brace, labels = series.partition("{")
+            name, _, labels = series.partition("{")
             labels = labels.rstrip("}")
-            out.append(f'{name}{{replica="{i}"{"," + labels if labels else ""}}} {value}')
-            key = (name, labels)
-            if key not in sums:
-                order.append(key)
-            sums[key] += float(value)
-            n[key] += 1
-    for name, labels in order:
-        total = sums[name, labels] / (n[name, labels] if name.endswith("_perc") else 1)
-        out.append(f'{name}{{replica="all"{"," + labels if labels else ""}}} {total}')
+            if family is None or not name.startswith(family):  # a sample with no header of its own
+                family = name
+            f = families.setdefault(family, {"head": [], "samples": [], "sums": {}})
+            f["samples"].append(f'{name}{{replica="{i}"{"," + labels if labels else ""}}} {value}')
+            total = f["sums"].setdefault((name, labels), [0.0, 0])
+            total[0] += float(value)
+            total[1] += 1
+    out = []
+    for f in families.values():
+        out += f["head"] + f["samples"]
+        for (name, labels), (total, n) in f["sums"].items():
+            value = total / n if name.endswith("_perc") else total
+            out.append(f'{name}{{replica="all"{"," + labels if labels else ""}}} {value}')
     return out

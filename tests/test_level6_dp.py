@@ -105,15 +105,32 @@ def test_chunk_hashes_chain():
     assert chunk_hashes(other_start)[1] != ha[1]  # a name covers everything before it
 
 
+def test_the_router_flags_are_never_abbreviated(capsys):
+    from level6_serving.__main__ import parse_args, replica_argv
+
+    with pytest.raises(SystemExit):
+        parse_args(["--data", "2"])  # else the replicas would get it as a data-parallel size of their own
+    assert replica_argv(["--data-parallel-size", "2", "--router=round-robin", "--port", "9", "--seed", "1"]) == [
+        "--seed", "1"]  # fmt: skip
+
+
 def test_metrics_are_labelled_per_replica_and_summed():
-    one = '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{model_name="m"} 3.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.5'
-    two = '# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{model_name="m"} 4.0\nvllm:kv_cache_usage_perc{model_name="m"} 0.25'
+    def replica(tokens, kv):  # what a replica's /metrics says, two families with their headers
+        return (f'# TYPE vllm:generation_tokens_total counter\nvllm:generation_tokens_total{{model_name="m"}} {tokens}\n'
+                f'# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{model_name="m"}} {kv}')  # fmt: skip
+
+    one, two = replica(3.0, 0.5), replica(4.0, 0.25)
     samples = parse("\n".join(merge_metrics([one, None, two])))
     assert samples['vllm:generation_tokens_total{replica="0",model_name="m"}'] == 3.0
     assert samples['vllm:generation_tokens_total{replica="2",model_name="m"}'] == 4.0
     assert samples['vllm:generation_tokens_total{replica="all",model_name="m"}'] == 7.0
     assert samples['vllm:kv_cache_usage_perc{replica="all",model_name="m"}'] == 0.375  # a share: the mean
-    assert "\n".join(merge_metrics([one, two])).count("# TYPE vllm:generation_tokens_total") == 1
+    merged = "\n".join(merge_metrics([one, two]))
+    assert merged.count("# TYPE vllm:generation_tokens_total") == 1
+    from prometheus_client.parser import text_string_to_metric_families
+
+    names = [f.name for f in text_string_to_metric_families(merged + "\n")]
+    assert len(names) == len(set(names)), names  # each family's lines in one group
 
 
 def engine_flags(ckpt) -> list[str]:
@@ -169,9 +186,18 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
     with ServerProcess(engine_flags(ckpt)) as r0, ServerProcess(engine_flags(ckpt)) as r1:
         app = build_router_app([r0.url, r1.url], "round-robin")
         with RouterThread(app) as url:
+            reps = app.state.replicas
             warm = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2}, timeout=60)
             assert warm.status_code == 200  # replica 0; the next one goes to replica 1
             body = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 400, "stream": True, "ignore_eos": True}
+            with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
+                next(line for line in stream.iter_lines() if line.startswith("data: "))  # then the client leaves
+            deadline = time.monotonic() + 10
+            while reps[1].in_flight and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert reps[1].in_flight == 0  # an abandoned stream gives its place back
+            whole = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "b", "max_tokens": 2}, timeout=60)
+            assert whole.status_code == 200 and whole.json()["choices"]  # replica 0, read whole, sent on
             events = []
             with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as stream:
                 for line in stream.iter_lines():
@@ -190,4 +216,5 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
             samples = parse(httpx.get(url + "/metrics").text)
             assert value(samples, "ladder:dp_replicas_alive") == 1
             assert value(samples, 'ladder:dp_requests_total{replica="1",outcome="failed"}') == 1
-            assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 5
+            assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 6
+            assert reps[0].in_flight == reps[1].in_flight == 0  # every request gave its place back
