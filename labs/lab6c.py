@@ -35,7 +35,7 @@ Only live replicas (self.live()); none: raise LookupError. round-robin: the live
 (next(self._turn) counts the calls). least-loaded: the live replica with the fewest in_flight, ties broken by
 fewer sent. prefix-aware: for each live replica, how many of the prompt's leading chunk hashes it holds
 (stop at the first it does not: r.chunks); take the longest match (ties: fewer in flight). Use the least
-loaded instead when nothing matches, or when the best has more than BALANCE_SLACK requests in flight beyond
+loaded instead when nothing matches, or when the best has BALANCE_SLACK or more requests in flight beyond
 the least loaded. Remember the prompt's hashes for the chosen replica (self.remember), then return it.""",
     ),
 )
@@ -64,7 +64,7 @@ BUGS = (
         "            return live[next(self._turn) % len(live)]\n",
         "            return self.replicas[next(self._turn) % len(self.replicas)]\n", ("policies", "served")),
     Bug("never-balance", "level6_serving.router",
-        "        if best_match == 0 or best.in_flight - least.in_flight > BALANCE_SLACK:\n",
+        "        if best_match == 0 or best.in_flight - least.in_flight >= BALANCE_SLACK:\n",
         "        if best_match == 0:\n", ("policies",)),
     Bug("unchained", "level6_serving.router",
         "        prev = hashlib.blake2b(prev + text[i : i + CHUNK_CHARS].encode(), digest_size=16).digest()\n",

@@ -109,7 +109,7 @@ class Router:
         # (next(self._turn) counts the calls). least-loaded: the live replica with the fewest in_flight, ties broken by
         # fewer sent. prefix-aware: for each live replica, how many of the prompt's leading chunk hashes it holds
         # (stop at the first it does not: r.chunks); take the longest match (ties: fewer in flight). Use the least
-        # loaded instead when nothing matches, or when the best has more than BALANCE_SLACK requests in flight beyond
+        # loaded instead when nothing matches, or when the best has BALANCE_SLACK or more requests in flight beyond
         # the least loaded. Remember the prompt's hashes for the chosen replica (self.remember), then return it.
         raise NotImplementedError("lab 6c: write Router.choose")
 
