@@ -114,8 +114,10 @@ def run_layout(model: str, tp: int, pp: int, batch: int, args, backend: str = "m
 
 
 def all_reduce_per_rank(llm) -> dict[int, list]:
-    """Every rank's all-reduce counters (calls, bytes, seconds), copied: rank 0's are live objects."""
-    return {rank: list(stats.by_kind.get("all_reduce", [0, 0, 0.0])) for rank, (stats, _) in llm.comm_stats().items()}
+    """Every rank's all-reduce counters (calls, bytes, seconds)."""
+    from level5_multigpu.parallel_state import counters
+
+    return counters(llm.comm_stats(), ("all_reduce",))["all_reduce"]
 
 
 def main(argv=None) -> dict:

@@ -46,7 +46,7 @@ def run_layout(model: str, ep: bool, batch: int, max_tokens: int, dtype: str) ->
     from level0_naive import SamplingParams
     from level0_naive.loader import load_metadata
     from level5_multigpu import LLM
-    from level5_multigpu.parallel_state import predicted_seconds
+    from level5_multigpu.parallel_state import counters, predicted_seconds
 
     cfg = load_metadata(model).config
     prompts = [[40 + (i % 50)] * 8 for i in range(batch)]
@@ -55,11 +55,11 @@ def run_layout(model: str, ep: bool, batch: int, max_tokens: int, dtype: str) ->
              max_num_batched_tokens=8192, kv_cache_memory=1 << 28, max_model_len=512) as llm:  # fmt: skip
         fits = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
-        before, steps0 = kinds(llm), len(llm.llm_engine.step_log)
+        before, steps0 = counters(llm.comm_stats(), MOE_KINDS), len(llm.llm_engine.step_log)
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, progress=False)
         seconds = time.perf_counter() - t0
-        after = kinds(llm)
+        after = counters(llm.comm_stats(), MOE_KINDS)
         step_tokens = [s.num_batched_tokens for s in list(llm.llm_engine.step_log)[steps0:]]
         b = llm.llm_engine.dtype.itemsize
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
@@ -84,10 +84,6 @@ def run_layout(model: str, ep: bool, batch: int, max_tokens: int, dtype: str) ->
             "bytes_per_token": nbytes / processed, "model_bytes_per_token": model_bytes / processed,
             "calls_per_token": calls / processed, "seconds": secs, "predicted_seconds": predicted,
             "processed_tokens": processed}  # fmt: skip
-
-
-def kinds(llm) -> dict:
-    return {k: {r: list(s.by_kind.get(k, [0, 0, 0.0])) for r, (s, _) in llm.comm_stats().items()} for k in MOE_KINDS}
 
 
 @torch.inference_mode()

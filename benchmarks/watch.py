@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 
 from ladder.cli import LadderParser, nonneg_float, positive_float, positive_int, prog
@@ -159,45 +158,36 @@ def run_simulated(engine, args) -> int:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    import uvicorn
-
-    from level6_serving.api_server import bind
+    from level6_serving.api_server import ServerThread
     from level6_serving.dashboard import dashboard_app
 
     engine, name = sim_engine(args) if args.simulate else offline_engine(args)
     step_seconds = (lambda record: engine.worker.trace[-1].cost.total) if args.simulate else None
     app, feed = dashboard_app(engine, name, "simulator" if args.simulate else "offline", step_seconds=step_seconds)
-    sock = bind(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
-    app.state.hub.closing = lambda: server.should_exit  # open event streams end, so the server can stop
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dashboard", daemon=True)
-    thread.start()
-    while not server.started and thread.is_alive():
-        time.sleep(0.02)
-    host, real_port = sock.getsockname()[:2]
-    print(f"dashboard: http://{host}:{real_port}/dashboard", file=sys.stderr, flush=True)
+    srv = ServerThread(app, args.host, args.port)
     hub = app.state.hub
-    deadline = time.monotonic() + args.wait
-    while not hub.watched and time.monotonic() < deadline:  # start when someone is looking
-        time.sleep(0.05)
-    what = f"{args.system} on a simulated {args.gpu}, {args.model}" if args.simulate else f"level {args.level}"
-    print(f"running {args.requests} {args.workload} requests on {what}", file=sys.stderr, flush=True)
+    hub.closing = lambda: srv.server.should_exit  # open event streams end, so the server can stop
     try:
-        if args.simulate:
-            done = run_simulated(engine, args)
-        else:
-            done = run_offline(engine, args, lambda: time.sleep(args.pace) if args.pace else None)
-        if hub.watched:
-            feed.capture(engine)  # the idle engine's last state (no more steps: the rate-limited feed may have skipped it)
-        print(f"done: {done} requests finished{'; Ctrl-C to stop' if args.hold else ''}", file=sys.stderr, flush=True)
-        while args.hold and thread.is_alive():
-            time.sleep(0.5)
+        with srv as url:
+            print(f"dashboard: {url}/dashboard", file=sys.stderr, flush=True)
+            deadline = time.monotonic() + args.wait
+            while not hub.watched and time.monotonic() < deadline:  # start when someone is looking
+                time.sleep(0.05)
+            what = f"{args.system} on a simulated {args.gpu}, {args.model}" if args.simulate else f"level {args.level}"
+            print(f"running {args.requests} {args.workload} requests on {what}", file=sys.stderr, flush=True)
+            if args.simulate:
+                done = run_simulated(engine, args)
+            else:
+                done = run_offline(engine, args, lambda: time.sleep(args.pace) if args.pace else None)
+            if hub.watched:
+                feed.capture(engine)  # the idle engine's last state (no more steps: the capped feed may have skipped it)
+            print(f"done: {done} requests finished{'; Ctrl-C to stop' if args.hold else ''}", file=sys.stderr,
+                  flush=True)  # fmt: skip
+            while args.hold and srv.thread.is_alive():
+                time.sleep(0.5)
     except KeyboardInterrupt:
         pass
     finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
         close = getattr(engine, "shutdown", None)
         if close is not None:
             close()

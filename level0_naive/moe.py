@@ -63,17 +63,23 @@ def combine(rows: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, num_
     return out.index_add_(0, order // k, scaled)
 
 
+def run_sorted(rows: torch.Tensor, counts: list[int], experts: nn.ModuleList) -> torch.Tensor:
+    """rows [n, d] sorted by expert (counts[e] of them for expert e, in order) -> each through its expert:
+    one matmul per expert over contiguous rows (level 5's expert parallelism runs its own experts so too)."""
+    out = torch.empty_like(rows)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:  # an expert no token chose costs nothing
+            out[start : start + n] = experts[e](rows[start : start + n])
+            start += n
+    return out
+
+
 def moe_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:
     """x [T, d], weights/ids [T, k] -> [T, d]: one matmul per expert over its rows."""
     order, counts = dispatch(ids, len(experts))
     rows = x[order // ids.shape[1]]  # [T*k, d], sorted by expert
-    out_rows = torch.empty_like(rows)
-    start = 0
-    for e, n in enumerate(counts):
-        if n:  # an expert no token chose costs nothing
-            out_rows[start : start + n] = experts[e](rows[start : start + n])
-            start += n
-    return combine(out_rows, order, weights, x.shape[0])
+    return combine(run_sorted(rows, counts, experts), order, weights, x.shape[0])
 
 
 def moe_naive(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: nn.ModuleList) -> torch.Tensor:

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from level0_naive.model import MLP
-from level0_naive.moe import combine, dispatch, moe_grouped, route
+from level0_naive.moe import combine, dispatch, moe_grouped, route, run_sorted
 
 from .layers import ColumnParallelLinear, MergedColumnParallelLinear, ShardReader, _split
 from .parallel_state import Comm
@@ -134,12 +134,7 @@ class ExpertParallelMoE(nn.Module):
         # this rank's experts, one matmul each, over the rows sorted by (local) expert
         local_order, local_counts = dispatch(got_experts[:, None], self.per_rank)
         out = torch.empty_like(got)  # [n, d], back in arrival order
-        start = 0
-        for e, n in enumerate(local_counts):
-            if n:
-                idx = local_order[start : start + n]
-                out[idx] = self.experts[e](got[idx])
-                start += n
+        out[local_order] = run_sorted(got[local_order], local_counts, self.experts)
         # combine: every row back to the rank it came from, in the order it was sent
         back = comm.all_to_all(list(out.split(incoming)), per_rank)  # [t*k, d], in `order`
         ys = combine(back, order, weights, xs.shape[0])  # [t, d]

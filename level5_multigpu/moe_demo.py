@@ -39,7 +39,7 @@ from ladder.models import BUILTIN_MOE
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM
-from .parallel_state import predicted_seconds
+from .parallel_state import counters, predicted_seconds
 
 LAYOUTS = {"one process": dict(tensor_parallel_size=1), "TP=2": dict(tensor_parallel_size=2),
            "TP=2 + EP": dict(tensor_parallel_size=2, enable_expert_parallel=True)}  # fmt: skip
@@ -74,11 +74,11 @@ def run(args, console: Console) -> dict:
                  **layout) as llm:  # fmt: skip
             fits = llm.llm_engine.calibrate()
             llm.generate(prompts[:1], SamplingParams(max_tokens=2), progress=False)  # warm up
-            before = kinds_of(llm.comm_stats())
+            before = counters(llm.comm_stats(), KINDS)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, progress=not args.no_progress)
             seconds = time.perf_counter() - t0
-            after = kinds_of(llm.comm_stats())
+            after = counters(llm.comm_stats(), KINDS)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         texts[name] = [o.outputs[0].text for o in outs]
         rows[name] = {"tps": tokens / seconds, "kinds": {}}
@@ -99,11 +99,6 @@ def run(args, console: Console) -> dict:
     plot(args.plot, routing)
     console.print(f"routing picture: {args.plot}")
     return {"identical": same, "rows": rows, "routing": routing, "plot": args.plot}
-
-
-def kinds_of(stats: dict) -> dict[str, dict[int, list]]:
-    """kind -> rank -> [calls, bytes, seconds], copied (rank 0's are live objects)."""
-    return {k: {r: list(s.by_kind.get(k, [0, 0, 0.0])) for r, (s, _) in stats.items()} for k in KINDS}
 
 
 def show_table(console: Console, rows: dict) -> None:

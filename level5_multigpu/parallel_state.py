@@ -89,6 +89,12 @@ class CommStats:
         return sum(v[2] for v in self.by_kind.values())
 
 
+def counters(stats: dict, kinds) -> dict[str, dict[int, list]]:
+    """`comm_stats()`'s answer -> kind -> rank -> [calls, bytes, seconds], copied (rank 0's are live
+    objects, so a reading taken before a run would otherwise move with it)."""
+    return {k: {r: list(s.by_kind.get(k, [0, 0, 0.0])) for r, (s, _) in stats.items()} for k in kinds}
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 

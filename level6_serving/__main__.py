@@ -189,11 +189,9 @@ def serve_data_parallel(args, argv: list[str]) -> None:
     """N replicas (each `python -m level6_serving` on a free local port), and the router in front."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import uvicorn
-
-    from .api_server import bind
+    from .api_server import bind, make_server
     from .process import ServerProcess
-    from .router import RouterServer, build_router_app
+    from .router import build_router_app
 
     replicas = [ServerProcess(replica_argv(argv)) for _ in range(args.data_parallel_size)]
 
@@ -204,16 +202,15 @@ def serve_data_parallel(args, argv: list[str]) -> None:
     try:
         with ThreadPoolExecutor(len(replicas)) as pool:  # they load their models at the same time
             list(pool.map(lambda r: r.start(), replicas))
-        signal.signal(signal.SIGTERM, previous)  # from here uvicorn's handler (RouterServer) takes it
+        signal.signal(signal.SIGTERM, previous)  # from here the Server's handler takes it
         app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes)
         sock = bind(args.host, args.port)
         host, real_port = sock.getsockname()[:2]
         print(f"serving {args.data_parallel_size} replicas ({', '.join(r.url for r in replicas)}) as one endpoint "
               f"on http://{host}:{real_port} (router: {args.router})", file=sys.stderr, flush=True)  # fmt: skip
-        config = uvicorn.Config(app, log_level=args.log_level, access_log=not args.disable_uvicorn_access_log,
-                                timeout_keep_alive=args.timeout_keep_alive,
-                                timeout_graceful_shutdown=int(args.drain_timeout) + 10)  # fmt: skip
-        RouterServer(config).run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish
+        server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log,
+                             timeout_keep_alive=args.timeout_keep_alive)  # fmt: skip
+        server.run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish (no signal re-raised after)
     finally:  # each drains its own requests (SIGTERM), then exits: all at once
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
         with ThreadPoolExecutor(len(replicas)) as pool:

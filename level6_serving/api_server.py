@@ -35,7 +35,9 @@ code); with `exit_on_engine_death` the server then drains and the process exits 
 supervisor restarts it.
 
 `ServerThread` runs the same server on a background thread, on a port the OS picks:
-what the tests, the docs and `benchmarks.serving` use.
+what the tests, the docs and `benchmarks.serving` use. Both serve an app with no engine of its
+own too (the data-parallel router, `benchmarks.watch`'s dashboard): their drain is then plain
+uvicorn's graceful shutdown.
 
 What it is not: a production gateway (no TLS, no rate limits per key, no CORS).
 
@@ -349,7 +351,10 @@ class Server(uvicorn.Server):
         """Stop accepting, let requests finish (up to drain_timeout), abort the rest, exit."""
         if self.drain_task is not None:
             return
-        serving: OpenAIServing = self.app.state.serving
+        serving: OpenAIServing | None = getattr(self.app.state, "serving", None)
+        if serving is None:  # an app with no engine of its own (the data-parallel router, a dashboard alone)
+            self.should_exit = True  # uvicorn stops accepting and waits for open responses
+            return
         serving.draining = True
         self.should_exit = True  # uvicorn closes the listening socket and waits for open responses
         log.info("draining: %d requests in flight, up to %.1f s", serving.engine.num_unfinished, self.drain_timeout)

@@ -18,16 +18,14 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from level6_helpers import ENGINE, NAME, offline
 
 from level6_serving import router as router_module
-from level6_serving.api_server import bind
+from level6_serving.api_server import ServerThread
 from level6_serving.metrics import parse, value
 from level6_serving.process import ServerProcess
 from level6_serving.router import CHUNK_CHARS, Replica, Router, build_router_app, chunk_hashes, merge_metrics
@@ -160,32 +158,10 @@ def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
     assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
 
 
-class RouterThread:
-    """The router app on a background thread, over replicas the test started itself."""
-
-    def __init__(self, app):
-        self.sock = bind("127.0.0.1", 0)
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
-
-    def __enter__(self):
-        self.thread.start()
-        while not self.server.started:
-            assert self.thread.is_alive()
-            time.sleep(0.02)
-        return self.url
-
-    def __exit__(self, *exc):
-        self.server.should_exit = True
-        self.thread.join(30)
-        self.sock.close()
-
-
 def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
     with ServerProcess(engine_flags(ckpt)) as r0, ServerProcess(engine_flags(ckpt)) as r1:
         app = build_router_app([r0.url, r1.url], "round-robin")
-        with RouterThread(app) as url:
+        with ServerThread(app) as url:
             reps = app.state.replicas
             warm = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "a", "max_tokens": 2}, timeout=60)
             assert warm.status_code == 200  # replica 0; the next one goes to replica 1

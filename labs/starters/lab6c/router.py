@@ -47,12 +47,9 @@ import hashlib  # noqa: F401 (your code will need it)
 import itertools
 import json
 import logging
-import signal
-import threading
 from collections import OrderedDict, defaultdict
 
 import httpx
-import uvicorn
 from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -376,28 +373,6 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             return None
 
     return app
-
-
-class RouterServer(uvicorn.Server):
-    """uvicorn, except that SIGTERM or Ctrl-C stop it without re-raising the signal afterwards (uvicorn's
-    own handler does, which would end the process before it stops its replicas)."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        def on_signal(sig, frame):
-            self.force_exit |= self.should_exit and sig == signal.SIGINT  # a second Ctrl-C: stop waiting
-            self.should_exit = True
-
-        previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def merge_metrics(texts: list[str | None]) -> list[str]:
