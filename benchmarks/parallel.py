@@ -45,7 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", default=None, help="a checkpoint (default: a ~100M random Llama, built once into a cache folder)"
     )
-    p.add_argument("--max-tokens", type=positive_int, default=24, help="output tokens per request (default 24)")
+    p.add_argument("--max-tokens", type=positive_int, default=None,
+                   help="output tokens per request (default 24; 96 with --moe, so each run holds enough messages)")
     p.add_argument(
         "--pp-batch", type=positive_int, default=64, help="requests for the pipeline comparison (default 64)"
     )
@@ -132,6 +133,7 @@ def main(argv=None) -> dict:
     if args.moe:
         from .parallel_moe import main as moe_main
 
+        args.max_tokens = args.max_tokens or 96
         data = moe_main(args)
         out = args.out or output_dir() / "parallel_moe.json"
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -139,6 +141,7 @@ def main(argv=None) -> dict:
         print(f"wrote {out}")
         return data
     model = model_path(args)
+    args.max_tokens = args.max_tokens or 24
     layouts = [(1, 1, args.pp_batch, "mp"), (1, 2, args.pp_batch, "mp"),
                *[(t, 1, b, "mp") for b in tp_batches for t in (1, 2)],
                *[(2, 1, b, "ray") for b in tp_batches if args.ray]]  # fmt: skip

@@ -85,7 +85,7 @@ def run(args, console: Console) -> dict:
         for kind in KINDS:
             calls, nbytes = (sum(after[kind][r][i] - before[kind][r][i] for r in after[kind]) for i in (0, 1))
             secs = min((after[kind][r][2] - before[kind][r][2] for r in after[kind]), default=0.0)  # least wait
-            fit = fits.get({"moe_all_reduce": "all_reduce", "all_to_all_counts": "all_to_all"}.get(kind, kind))
+            fit = fits.get({"moe_all_reduce": "all_reduce"}.get(kind, kind))
             per_rank_calls = calls / max(len(after[kind]), 1)
             pred = predicted_seconds(fit, per_rank_calls, nbytes / max(len(after[kind]), 1)) if fit and calls else None
             rows[name]["kinds"][kind] = dict(calls=calls / tokens, bytes=nbytes / tokens, seconds=secs if calls else None,

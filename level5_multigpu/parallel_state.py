@@ -66,15 +66,20 @@ class Topology:
 
 @dataclass
 class CommStats:
-    """kind -> [calls, bytes, seconds], a handful of keys whatever the run length."""
+    """kind -> [calls, bytes, seconds], a handful of keys whatever the run length; and, only while
+    `record` is a list (a benchmark sets it, `RankWorker.record_calls`), every call's (kind, seconds)
+    in order, so that ranks can be compared call by call."""
 
     by_kind: dict[str, list[float]] = field(default_factory=dict)
+    record: list[tuple[str, float]] | None = None
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         entry = self.by_kind.setdefault(kind, [0, 0, 0.0])
         entry[0] += 1
         entry[1] += nbytes
         entry[2] += seconds
+        if self.record is not None:
+            self.record.append((kind, seconds))
 
     @property
     def calls(self) -> int:
@@ -93,6 +98,19 @@ def counters(stats: dict, kinds) -> dict[str, dict[int, list]]:
     """`comm_stats()`'s answer -> kind -> rank -> [calls, bytes, seconds], copied (rank 0's are live
     objects, so a reading taken before a run would otherwise move with it)."""
     return {k: {r: list(s.by_kind.get(k, [0, 0, 0.0])) for r, (s, _) in stats.items()} for k in kinds}
+
+
+def waited(records: list[list[tuple[str, float]]], kind: str) -> tuple[float, float]:
+    """Every rank's record of one group's calls (the same calls, in the same order on each rank) ->
+    (seconds of `kind` the ranks spent on the wire, seconds they spent waiting for a peer), per rank.
+
+    A collective ends for everyone together, so the rank that arrives last spends only the transfer
+    inside it; the others also wait for it (load imbalance: one rank's experts got more rows). Per
+    call, the least time any rank spent in it is the transfer; the mean less that is the waiting."""
+    per_call = list(zip(*[[s for k, s in r if k == kind] for r in records]))
+    wire = sum(min(c) for c in per_call)
+    mean = sum(sum(c) / len(c) for c in per_call)
+    return wire, mean - wire
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -210,38 +228,58 @@ def init_process_group(backend: str, init_method: str, topo: Topology, timeout_s
                             timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
 
 
-def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 20,
+def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 50,
                kind: str = "all_reduce") -> dict[str, float]:  # fmt: skip
-    """Fit t = alpha + beta * bytes to this group's `kind` of message (all_reduce, all_to_all or
-    all_gather), by least squares over a few sizes (every rank of the TP group must call it
-    together), its bytes counted as `Comm.stats` counts them. Returns seconds and seconds per byte."""
+    """Fit t = alpha + beta * bytes to this group's `kind` of message (all_reduce, all_to_all, its
+    list form all_to_all_counts, or all_gather) over a few sizes (every rank of the TP group must call
+    it together), its bytes counted as `Comm.stats` counts them. Returns seconds and seconds per byte.
+
+    Each call is timed alone and, as `waited` reads a real run, its time is the least any rank spent
+    in it (the last to arrive waited for no one); per size, the mean over `repeats` calls, since a
+    run's total is a sum of calls, their slow ones included (on a shared 2-core machine a gloo
+    call's median is a third of its mean). The sizes take turns, so a slow minute spreads over all."""
     tp, g = comm.topo.tp, comm.tp_group
-    xs, ts, measured = [], [], []
+    calls, xs, measured = [], [], []
     for n in sizes:
-        n = max(n // tp, 1) * tp if kind == "all_to_all" else n  # all_to_all: equal parts
+        n = max(n // tp, 1) * tp if kind.startswith("all_to_all") else n  # all_to_all: equal parts
         measured.append(n)
         x = torch.ones(n, dtype=torch.float32)
         parts = [torch.empty(n, dtype=torch.float32) for _ in range(tp)]
+        ins, outs = list(x.chunk(tp)), [torch.empty(n // tp) for _ in range(tp)]
         run, nbytes = {  # what one call does, and the bytes Comm counts for it
             "all_reduce": (lambda x=x: dist.all_reduce(x, group=g), 4.0 * n),
             "all_to_all": (lambda x=x, o=parts[0]: dist.all_to_all_single(o, x, group=g), 4.0 * n * (tp - 1) / tp),
+            "all_to_all_counts": (lambda i=ins, o=outs: dist.all_to_all(o, i, group=g), 4.0 * n * (tp - 1) / tp),
             "all_gather": (lambda x=x, o=parts: dist.all_gather(o, x, group=g), 4.0 * n * (tp - 1)),
         }[kind]
         run()  # warm up this size
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            run()
+        calls.append(run)
         xs.append(nbytes)
-        ts.append((time.perf_counter() - t0) / repeats)
+    mine = torch.empty(repeats, len(sizes), dtype=torch.float64)
+    for i in range(repeats):
+        for j, run in enumerate(calls):
+            t0 = time.perf_counter()
+            run()
+            mine[i, j] = time.perf_counter() - t0
+    everyone = [torch.empty_like(mine) for _ in range(tp)]
+    dist.all_gather(everyone, mine, group=g)
+    ts = torch.stack(everyone).amin(0).mean(0).tolist()  # [sizes]: per call the least, then the mean
     return fit_alpha_beta(measured, xs, ts)
 
 
 def fit_alpha_beta(sizes, xs: list[float], ts: list[float]) -> dict:
-    """Least squares of t = alpha + beta * bytes over the measured (bytes, seconds) pairs."""
-    n = len(xs)
-    mx, mt = sum(xs) / n, sum(ts) / n
-    beta = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sum((x - mx) ** 2 for x in xs)
-    return {"alpha_s": max(mt - beta * mx, 0.0), "beta_s_per_byte": max(beta, 0.0), "sizes": list(sizes), "times_s": ts}
+    """t = alpha + beta * bytes through the measured (bytes, seconds) pairs, by least squares on the
+    *relative* error: plain least squares would fit the largest message and leave a one-number
+    message, whose cost is all alpha, wrong by a factor. Neither may be negative."""
+    w = [1.0 / t**2 for t in ts]  # minimise sum w (alpha + beta x - t)^2
+    s1, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, xs)), sum(wi * x * x for wi, x in zip(w, xs))
+    st, sxt = sum(wi * t for wi, t in zip(w, ts)), sum(wi * x * t for wi, x, t in zip(w, xs, ts))
+    spread = s1 * sxx - sx * sx  # 0 when every message had one size (the row counts): no slope to fit
+    beta = max((s1 * sxt - sx * st) / spread, 0.0) if spread > 1e-12 * s1 * sxx else 0.0
+    alpha = (st - beta * sx) / s1
+    if alpha < 0:  # refit the slope alone through the origin
+        alpha, beta = 0.0, sxt / sxx
+    return {"alpha_s": alpha, "beta_s_per_byte": beta, "sizes": list(sizes), "times_s": ts}
 
 
 def predicted_seconds(fit: dict, calls: int, nbytes: int) -> float:

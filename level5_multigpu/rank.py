@@ -141,12 +141,17 @@ class RankWorker(Worker):
         """This rank's message counters and forward timeline."""
         return self.comm.stats, list(self.timeline.events)
 
+    def record_calls(self, on: bool) -> list[tuple[str, float]]:
+        """Start (on) or stop recording every message's (kind, seconds); returns what was recorded."""
+        done, self.comm.stats.record = self.comm.stats.record or [], [] if on else None
+        return done
+
     def calibrate(self) -> dict:
         """Every rank's part of measuring alpha and beta: stage 0's collectives (TP, and EP's), rank 0
         and stage 1's first rank do round trips (PP). Rank 0's answer holds the numbers."""
         topo, out = self.comm.topo, {}
         if topo.tp > 1 and topo.is_first_stage:
-            for kind in ("all_reduce", "all_to_all", "all_gather"):  # the last two: expert parallelism's
+            for kind in ("all_reduce", "all_to_all", "all_to_all_counts", "all_gather"):  # the last three: EP's
                 out[kind] = alpha_beta(self.comm, kind=kind)
         if topo.pp > 1 and topo.rank == 0:
             out["p2p"] = p2p_alpha_beta(self.comm, topo.rank_of(1, 0))

@@ -9,6 +9,9 @@ Qwen2-MoE checkpoints, is in test_equivalence.py):
   - the messages: an EP run sends its MoE traffic as all-to-alls and an all-gather and no
     all-reduce of the MoE block; a TP run the opposite; EP's all-to-all bytes equal the rows
     its routing sends to the other rank (counted here from the router's own choices), both ways;
+    every call recorded on both ranks in the same order, and `waited` splitting their time into
+    the transfer (per call, the least any rank spent) and the wait; `fit_alpha_beta` recovers a
+    known alpha and beta, and a constant-size message's alpha alone;
   - EP with experts that do not divide by the ranks is refused, naming both numbers.
 """
 
@@ -24,7 +27,7 @@ from level5_multigpu import LLM
 from level5_multigpu.layers import ShardReader
 from level5_multigpu.model import StageModel
 from level5_multigpu.moe import ExpertParallelMoE, TensorParallelMoE
-from level5_multigpu.parallel_state import Topology
+from level5_multigpu.parallel_state import Topology, fit_alpha_beta, waited
 
 pytestmark = pytest.mark.level5
 
@@ -89,8 +92,17 @@ def test_ep_sends_tokens_and_tp_sums_activations(checkpoint_factory):
     cfg = load_metadata(path).config
     prompt = [5, 9, 13, 17, 21, 25, 29]  # one prefill of 7 tokens: rank 0 routes 4 of them, rank 1 three
     with LLM(path, dtype="float64", tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=64) as llm:
+        llm.llm_engine.executor.collective_rpc("record_calls", True)
         llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), progress=False)
+        records = llm.llm_engine.executor.collective_rpc("record_calls", False)
         ep = moe_traffic(llm)
+        assert llm.llm_engine.executor.collective_rpc("record_calls", False) == [[], []]  # recording stopped
+    # Both ranks made the same MoE calls in the same order, as many as the counters say.
+    moe_kinds = {"all_to_all_counts", "all_to_all", "all_gather"}
+    sequences = [[k for k, _ in r if k in moe_kinds] for r in records]
+    assert sequences[0] == sequences[1] and sequences[0].count("all_to_all") * 2 == ep["all_to_all"][0]
+    wire, wait = waited(records, "all_to_all")
+    assert 0 < wire <= sum(s for k, s in records[0] if k == "all_to_all") and wait >= 0
     with LLM(path, dtype="float64", tensor_parallel_size=2, max_model_len=64) as llm:
         llm.generate([prompt], SamplingParams(max_tokens=1, **GREEDY), progress=False)
         tp = moe_traffic(llm)
@@ -119,3 +131,24 @@ def test_experts_that_do_not_divide_are_refused(checkpoint_factory, tmp_path):
     path = checkpoint_factory("qwen3_moe", num_experts=3, num_experts_per_tok=2)
     with pytest.raises(Exception, match="3 experts do not divide by tensor_parallel_size=2"):
         stage(path, 2, 0, ep=True)
+
+
+def test_wire_time_is_the_least_any_rank_spent_per_call():
+    # Two ranks, three calls of one kind (and another kind between, ignored): rank 0 came last to
+    # the first two calls, rank 1 to the third.
+    rank0 = [("all_to_all", 1.0), ("all_gather", 9.0), ("all_to_all", 2.0), ("all_to_all", 5.0)]
+    rank1 = [("all_to_all", 3.0), ("all_gather", 9.0), ("all_to_all", 6.0), ("all_to_all", 1.0)]
+    wire, wait = waited([rank0, rank1], "all_to_all")
+    assert wire == 1.0 + 2.0 + 1.0
+    assert wait == (2.0 + 4.0 + 3.0) - wire  # the ranks' mean time in the calls, less the transfer
+
+
+def test_alpha_beta_fit():
+    sizes, xs = [1, 2, 3, 4], [4.0, 1e3, 1e5, 1e6]
+    fit = fit_alpha_beta(sizes, xs, [1e-3 + 2e-9 * x for x in xs])  # exactly linear: recovered exactly
+    assert fit["alpha_s"] == pytest.approx(1e-3) and fit["beta_s_per_byte"] == pytest.approx(2e-9)
+    # On relative errors the one-number message keeps its cost even when a large one is off by 20 %.
+    noisy = [1e-3 + 2e-9 * x for x in xs[:-1]] + [1.2 * (1e-3 + 2e-9 * xs[-1])]
+    assert fit_alpha_beta(sizes, xs, noisy)["alpha_s"] == pytest.approx(1e-3, rel=0.05)
+    same = fit_alpha_beta([1, 1], [8.0, 8.0], [1e-3, 3e-3])  # one size (the row counts): alpha alone
+    assert same["beta_s_per_byte"] == 0 and 1e-3 < same["alpha_s"] < 3e-3
