@@ -135,7 +135,7 @@ def summarise(row: dict, fits: dict[str, dict]) -> dict:
 
 
 @torch.inference_mode()
-def grouped_vs_naive(model: str, batch: int = 64, repeats: int = 5) -> dict:
+def grouped_vs_naive(model: str, batch: int = 64, repeats: int = 20) -> dict:
     """One MoE layer of `model` on `batch` tokens: the grouped path's time against the naive loop's."""
     from level0_naive.loader import load_model
 
