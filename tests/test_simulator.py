@@ -4,6 +4,8 @@ What it is:
   - levels 0, 2 and 3 on a random checkpoint, real and simulated, on one workload whose outputs
     are forced to the same lengths: the same requests in every step with the same token counts,
     the same preemptions, the same prefix hits (the simulator replaces the time, nothing else);
+  - a shared prefix: the context tokens a step reads again (blocks another request read first)
+    are counted, and cost what the hardware says (a CPU's cache: no bytes, the calibrated rate);
   - cost-model properties: a step grows with its tokens and its context, tensor parallelism
     shortens a large step and adds its all-reduces, pipeline parallelism adds its sends (and
     splits the weights: OPT-66B runs on four A100-40GBs), and a memory-bound batch-1 decode costs
@@ -28,7 +30,7 @@ from test_equivalence import kv_bytes
 import level0_naive
 import level2_continuous
 import level3_prefix
-from benchmarks.sim.cost import Hardware, gpu, kv_budget, model_shape, step_cost, step_time
+from benchmarks.sim.cost import Hardware, gpu, kv_budget, model_shape, repeated_context, step_cost, step_time
 from benchmarks.sim.engines import (
     ReservingKVCacheManager,
     SimClock,
@@ -139,6 +141,26 @@ def test_a_step_costs_more_with_tokens_and_context_and_less_with_tp():
     opt66 = model_shape("opt-66b")  # too big for one A100-40GB, fine over four as TP 2 x PP 2
     assert simulate("vllm", trace("alpaca", 30, rate=math.inf), model="opt-66b", tp=2, pp=2).requests == 30
     assert kv_budget(gpu("a100-40gb"), opt66, 4) > 0
+
+
+def test_a_shared_prefix_is_read_once_where_the_cache_holds_it():
+    # Blocks 0 and 1 (a 32-token prefix) in both tables: the second request reads them again; a
+    # third request's last block is shared but only 3 of its tokens are context.
+    assert repeated_context([[0, 1, 2], [0, 1, 5], [7]], [40, 36, 3], 16) == 32
+    assert repeated_context([[0, 1, 2], [0, 1, 5], [0]], [40, 36, 3], 16) == 32 + 3
+    assert repeated_context([[0, 1], [2, 3]], [20, 20], 16) == 0  # nothing shared
+    assert repeated_context([[0, 1, 2, 3]], [20], 16) == 0  # blocks past the context are not read
+    shape = model_shape("llama-2-7b")
+    decodes = [(400, 1)] * 64
+    gpu_hw, cpu_like = gpu("a100-80gb"), Hardware("cpu", 1e11, 2e10, 1 << 40, kv_reuse=True, context_overhead_s=1e-6,
+                                                  shared_context_overhead_s=2e-7)  # fmt: skip
+    for hw in (gpu_hw, cpu_like):
+        alone, shared = step_cost(hw, shape, decodes, 64), step_cost(hw, shape, decodes, 64, shared=63 * 384)
+        if hw.kv_reuse:  # the 63 later readers of a 384-token prefix find it in the cache ...
+            assert shared.attention < alone.attention and shared.overhead < alone.overhead
+            assert alone.overhead - shared.overhead == pytest.approx(63 * 384 * (1e-6 - 2e-7))
+        else:  # ... a GPU's paged attention reads it from HBM per request: the same cost
+            assert shared.total == alone.total
 
 
 def test_a_batch_one_decode_reads_the_weights():

@@ -15,14 +15,17 @@ memory traffic, plus a fixed per-step overhead:
     linears    FLOPs 2 * T * P (T new tokens in the step, P weights per rank)
                bytes  P * b (the weights, read once per step, whatever T) + activations
     attention  FLOPs 4 * Hq * D * L * sum_i n_i * (c_i + (n_i + 1) / 2)  (QK^T and PV, causal)
-               bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV)
+               bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV; on a
+                      machine with `kv_reuse`, a block another request of the step already read
+                      comes from the cache: its bytes are not counted again)
     lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
     PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; the
                stages run one after another (one step in flight: level 5 overlaps micro-batches,
                this model does not, so PP buys memory here, never speed)
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
-               token and per context token in it (only the first on a GPU unless calibrated)
+               token and per context token in it, a context token whose block was already read in
+               the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated)
 
     t_step = sum over classes of max(FLOPs / (peak * eff_c), bytes / (bandwidth * eff_m)) + comm + overhead
 
@@ -60,6 +63,9 @@ class Hardware:
     seq_overhead_s: float = 0.0  # per request in the step (a CPU engine's per-row Python and dispatch)
     token_overhead_s: float = 0.0  # per new token (a CPU's elementwise ops, slower than its bandwidth says)
     context_overhead_s: float = 0.0  # per token of context attended over (a CPU's attention, below its roofline)
+    shared_context_overhead_s: float | None = None  # per context token read again in a step (None: as above)
+    kv_reuse: bool = False  # a KV block read again in one step comes from the cache (a CPU: a tiny model's
+    # shared prefix fits in it); GPUs: False, every request's KV from HBM (paged attention reads per request)
     # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
     # tenfold from 1 row to 1,024 (benchmarks/roofline.py); None: `flops` at any size
     flops_curve: tuple[tuple[int, float], ...] | None = None
@@ -186,8 +192,10 @@ class StepCost:
 
 
 def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int,
-              tp: int = 1, pp: int = 1) -> StepCost:  # fmt: skip
-    """chunks: (tokens already cached, new tokens) per scheduled request; num_sampled: logits rows."""
+              tp: int = 1, pp: int = 1, shared: int = 0) -> StepCost:  # fmt: skip
+    """chunks: (tokens already cached, new tokens) per scheduled request; num_sampled: logits rows;
+    shared: of the context tokens, those in blocks another request of the step read first
+    (`repeated_context`)."""
     b, L, h = shape.dtype_bytes, shape.num_layers, shape.hidden
     T = sum(n for _, n in chunks)
     flops, bw = hw.flops_at(T) * hw.compute_efficiency, hw.bytes_per_s * hw.memory_efficiency
@@ -198,7 +206,7 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     # attention: QK^T and PV over each request's context (causal inside its new tokens), its KV read once
     per_token = 4 * shape.num_heads * shape.head_dim * L / tp
     attn_flops = sum(per_token * n * (c + (n + 1) / 2) for c, n in chunks)
-    kv_read = sum(c + n for c, n in chunks) * shape.kv_bytes_per_token / tp
+    kv_read = (sum(c + n for c, n in chunks) - (shared if hw.kv_reuse else 0)) * shape.kv_bytes_per_token / tp
     attention = max(attn_flops / flops, kv_read / bw) if chunks else 0.0
     head_w = shape.vocab * h / tp
     lm_head = max(2 * num_sampled * head_w / flops, head_w * b / bw) if num_sampled else 0.0
@@ -210,10 +218,23 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
         comm += (pp - 1) * (hw.link_latency_s + T * h * b / hw.link_bytes_per_s)
     context = sum(c + n for c, n in chunks)
     overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
-    overhead += hw.context_overhead_s * context
+    again = hw.context_overhead_s if hw.shared_context_overhead_s is None else hw.shared_context_overhead_s
+    overhead += hw.context_overhead_s * (context - shared) + again * shared
     return StepCost(linear, attention, lm_head, comm, overhead)
 
 
 def step_time(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int, tp: int = 1,
               pp: int = 1) -> float:  # fmt: skip
     return step_cost(hw, shape, chunks, num_sampled, tp, pp).total
+
+
+def repeated_context(tables: list[list[int]], contexts: list[int], block_size: int) -> int:
+    """Of a step's context tokens (contexts[i] for the request with block table tables[i]), those whose
+    block an earlier request of the step also reads: a shared prefix counts once, then as repeats."""
+    seen, again = set(), 0
+    for table, ctx in zip(tables, contexts):
+        for i, block in enumerate(table[: -(-ctx // block_size)]):
+            if block in seen:
+                again += min(block_size, ctx - i * block_size)
+            seen.add(block)
+    return again

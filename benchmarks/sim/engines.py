@@ -50,7 +50,7 @@ from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import PrefixCachingEngine
 from level4_speculative.engine import SpeculativeEngine
 
-from .cost import Hardware, ModelShape, StepCost, model_dir, step_cost, step_time
+from .cost import Hardware, ModelShape, StepCost, model_dir, repeated_context, step_cost, step_time
 
 
 class SimClock:
@@ -73,6 +73,7 @@ class SimStep:
 
     chunks: list[tuple[int, int]]
     num_sampled: int
+    shared: int = 0  # context tokens in blocks another request of the step read first (a shared prefix)
 
 
 @dataclass
@@ -98,7 +99,7 @@ class SimulatedExecutor:
         self.steps = 0
 
     def execute(self, step: SimStep) -> None:
-        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp)
+        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp, step.shared)
         if self.trace is not None:
             tokens = sum(n for _, n in step.chunks)
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
@@ -181,8 +182,12 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
         take = getattr(self.kv, "take_block_copies", None)
         if take is not None:
             take()  # (copy-on-write pairs: a copy is a memory move the model does not count)
+        shared = 0
+        if self.hardware.kv_reuse or self.hardware.shared_context_overhead_s is not None:  # (else it costs nothing)
+            shared = repeated_context([self.kv.block_table(r) for r, _ in sched.scheduled],
+                                      [r.num_computed_tokens + n for r, n in sched.scheduled], self.kv.block_size)  # fmt: skip
         return SimStep([(r.num_computed_tokens, n) for r, n in sched.scheduled],
-                       sum(r.num_logits(n) for r, n in sched.scheduled))  # logits rows (k + 1 when verifying)
+                       sum(r.num_logits(n) for r, n in sched.scheduled), shared)  # logits rows (k + 1 when verifying)
 
     def sample(self, sched: SchedulerOutput, logits) -> ModelRunnerOutput:
         reqs = [r for r, n in sched.scheduled if r.num_logits(n)]

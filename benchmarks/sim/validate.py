@@ -9,11 +9,13 @@ CPU and the model the built-in one:
   1. the hardware: the matmul rates at each batch size and the memory bandwidth that the
      committed benchmark measured (`benchmarks/results/latest.json`, its "roofline" section);
   2. the overhead: each simulated level's real engine runs a calibration workload (its own
-     seeded requests, not the benchmark's: a crowd, then two requests alone); for every step
-     the roofline time of what it scheduled is subtracted from the step's wall time, and the
-     rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context tokens in the step
-     (nonnegative least squares, relative errors): the Python and dispatch cost a CPU pays per step, per
-     row and per token, and what its attention costs beyond the roofline's bytes;
+     seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, then two requests
+     alone); for every step the roofline time of what it scheduled is subtracted from the step's
+     wall time, and the rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context
+     tokens + c4 * context tokens read again in the step (in blocks another request read first:
+     a shared prefix, which this CPU reads from its cache; zero at levels 0 and 2, which share no
+     blocks) (nonnegative least squares, relative errors): the Python and dispatch cost a CPU
+     pays per step, per row and per token, and what its attention costs beyond the roofline's bytes;
   3. the prediction: levels 0, 2, 3 and 4, simulated with that hardware, play each committed
      workload (uniform, spread, shared-prefix, chat, latency; poisson at its reference rate)
      with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths; level
@@ -39,7 +41,7 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
-from .cost import Hardware, ModelShape, step_cost
+from .cost import Hardware, ModelShape, repeated_context, step_cost
 from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic, dtype_bytes
 from .serve import SimRequest, play
 
@@ -71,10 +73,11 @@ def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
     """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
     `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token)."""
     curve = tuple((p["batch"], p["flops_per_s"]) for p in roofline["sweep"])
-    o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0, "c3_s": 0.0}
+    o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0, "c3_s": 0.0, "c4_s": 0.0}
     return Hardware("this CPU", curve[-1][1], roofline["bandwidth"], 1 << 40, compute_efficiency=1.0,
                     memory_efficiency=1.0, step_overhead_s=o["c0_s"], seq_overhead_s=o["c1_s"],
-                    token_overhead_s=o["c2_s"], context_overhead_s=o["c3_s"], flops_curve=curve)  # fmt: skip
+                    token_overhead_s=o["c2_s"], context_overhead_s=o["c3_s"],
+                    shared_context_overhead_s=o.get("c4_s", o["c3_s"]), kv_reuse=True, flops_curve=curve)  # fmt: skip
 
 
 def exact(n: int) -> SamplingParams:
@@ -86,16 +89,22 @@ def exact(n: int) -> SamplingParams:
 def calibration_mix(seed: int = 123) -> list[list[tuple[list[int], int]]]:
     """The calibration's own requests (none of the benchmark's), in rounds run one after the other: 96
     prompts of 8-384 tokens with outputs of 8-200 at once (batches from 1 to about 90, contexts up to
-    580), then two alone (batch 1, a long decode each): the fit sees the batch sizes and contexts the
+    580); a prefix of 256 tokens alone, then 64 requests that start with it (8-64 tokens of their
+    own, outputs of 8-120: with prefix caching their decodes read one copy of it); then two alone
+    (batch 1, a long decode each): the fit sees the batch sizes, contexts and sharing the
     benchmark's workloads run at, without their requests."""
     rng = random.Random(seed)
     crowd = [([rng.randrange(32, 127) for _ in range(rng.randint(8, 384))], rng.randint(8, 200)) for _ in range(96)]
+    prefix = [rng.randrange(32, 127) for _ in range(256)]
+    sharing = [(prefix + [rng.randrange(32, 127) for _ in range(rng.randint(8, 64))], rng.randint(8, 120))
+               for _ in range(64)]  # fmt: skip
     alone = [[([rng.randrange(32, 127) for _ in range(rng.randint(8, 48))], 96)] for _ in range(2)]
-    return [crowd, *alone]
+    return [crowd, [(prefix, 1)], sharing, *alone]
 
 
-def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[list[tuple[int, int]], int, float]]:
-    """Run the calibration mix on the real engine of `level`: per step (chunks, sampled rows, wall seconds).
+def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[list[tuple[int, int]], int, int, float]]:
+    """Run the calibration mix on the real engine of `level`: per step (chunks, sampled rows, context
+    tokens read again, wall seconds).
     Level 4's step includes its draft's guesses (the fit's overhead absorbs their cost)."""
     import importlib
 
@@ -112,7 +121,7 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
         shapes = []
 
         def execute(running, chunks):
-            shapes.append(([(start, len(toks)) for toks, start in chunks], len(running)))
+            shapes.append(([(start, len(toks)) for toks, start in chunks], len(running), 0))  # slabs share nothing
             return inner_exec(running, chunks)
 
         def record(running, reserved, used, seconds):
@@ -128,8 +137,10 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
 
     def schedule(*args, **kwargs):
         out = inner(*args, **kwargs)
+        again = repeated_context([engine.kv.block_table(r) for r, _ in out.scheduled],
+                                 [r.num_computed_tokens + n for r, n in out.scheduled], engine.kv.block_size)  # fmt: skip
         shapes.append(([(r.num_computed_tokens, n) for r, n in out.scheduled],
-                       sum(1 for r, n in out.scheduled if r.num_logits(n))))  # fmt: skip
+                       sum(1 for r, n in out.scheduled if r.num_logits(n)), again))  # fmt: skip
         return out
 
     engine.schedule = schedule
@@ -162,19 +173,24 @@ def nonnegative_lstsq(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg: dict | None = None) -> dict:
     """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * new tokens + c3 *
-    context tokens, by least
+    context tokens + c4 * context tokens read again, by least
     squares over the real engine's steps on the calibration mix (see the module docstring), each step's
-    error relative to its time: a 3 ms decode alone counts as much as a 200 ms prefill."""
+    error relative to its time: a 3 ms decode alone counts as much as a 200 ms prefill. A level that
+    shares no blocks has no c4 to fit: its shared tokens cost as others (c4 = c3)."""
     shape = replace(ModelShape.from_hf(json.loads((Path(model) / "config.json").read_text())),
                     dtype_bytes=dtype_bytes(dtype))  # fmt: skip
     steps = measured_steps(level, model, dtype, cfg or {})
-    X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c)] for c, _, _ in steps],
+    X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c) - r, r] for c, _, r, _ in steps],
                      dtype=torch.float64)  # fmt: skip
-    roof = torch.tensor([step_cost(hw, shape, c, k).total for c, k, _ in steps], dtype=torch.float64)
-    wall = torch.tensor([w for _, _, w in steps], dtype=torch.float64)
-    coef = nonnegative_lstsq(X / wall[:, None], (wall - roof) / wall)
+    roof = torch.tensor([step_cost(hw, shape, c, k, shared=r).total for c, k, r, _ in steps], dtype=torch.float64)
+    wall = torch.tensor([w for _, _, _, w in steps], dtype=torch.float64)
+    cols = [0, 1, 2, 3, 4] if X[:, 4].any() else [0, 1, 2, 3]  # no block read twice: no c4 to fit
+    coef = torch.zeros(5, dtype=torch.float64)
+    coef[cols] = nonnegative_lstsq(X[:, cols] / wall[:, None], (wall - roof) / wall)
     fit = roof + X @ coef
+    c4 = coef[4].item() if 4 in cols else coef[3].item()
     return {"level": level, "c0_s": coef[0].item(), "c1_s": coef[1].item(), "c2_s": coef[2].item(), "c3_s": coef[3].item(),
+            "c4_s": c4,
             "steps": len(steps), "wall_s": wall.sum().item(), "roofline_share": (roof.sum() / wall.sum()).item(),
             "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
 
@@ -263,12 +279,12 @@ def main(argv=None) -> dict:
     bare = cpu_hardware(committed["roofline"])
     cals, hws = {}, {}
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
-          " + c3 * context tokens, per step)")  # fmt: skip
+          " + c3 * context tokens + c4 * context tokens read again, per step)")  # fmt: skip
     for level in LEVELS:
         cals[level] = cal = calibrate(level, model, bare, dtype, cfg)
         hws[level] = cpu_hardware(committed["roofline"], cal)
         print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:5.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us"
-              f"  c3 {cal['c3_s'] * 1e9:5.0f} ns;"
+              f"  c3 {cal['c3_s'] * 1e9:5.0f} ns  c4 {cal['c4_s'] * 1e9:5.0f} ns;"
               f" {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
               f" the fit's error {100 * cal['fit_error']:.1f} %")  # fmt: skip
     rows = []
