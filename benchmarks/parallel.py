@@ -52,7 +52,8 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tp-batches", default="1,32,128", help="batch sizes for the TP comparison (default 1,32,128)")
     p.add_argument(
-        "--repeats", type=positive_int, default=2, help="rounds over all layouts; the best of each is kept (default 2)"
+        "--repeats", type=positive_int, default=2, help="rounds over all layouts; the best of each is kept (default 2; with --moe the "
+        "messages are summed over the rounds, tok/s the best)"
     )
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="default auto")
     p.add_argument(
@@ -65,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ray", action="store_true", help="also run every TP=2 layout with its ranks as Ray actors "
                    "(distributed_executor_backend='ray': a local Ray cluster is started if none runs)")  # fmt: skip
     p.add_argument("--moe", action="store_true", help="expert against tensor parallelism on tiny-shakespeare-moe "
-                   "(benchmarks/parallel_moe.py; --model, --tp-batches, --max-tokens and --dtype apply)")  # fmt: skip
+                   "(benchmarks/parallel_moe.py; --model, --tp-batches, --max-tokens, --repeats and --dtype apply)")  # fmt: skip
     return p
 
 

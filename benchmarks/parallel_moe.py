@@ -20,7 +20,7 @@ rounds with the batches in turn. Per layout and batch it reports, over the round
     bytes * beta per kind. Every call is recorded on both ranks: a collective ends for both
     together, so the rank that came last spent only the transfer in it (the wire time, summed
     over calls) and the other also waited for its peer (reported apart: under EP a rank whose
-    experts got more rows keeps the other waiting). alpha and beta are fitted on two other
+    experts got more rows keeps the other waiting). alpha and beta are fitted on three other
     batches (CALIBRATION) of the same engine and predict the table's: the check is that a
     run's messages cost what their count and size say. Beside them, alpha and beta of calls
     in a tight loop (`alpha_beta`), which on a shared 2-core machine come out lower: a call
@@ -162,6 +162,9 @@ def main(args) -> dict:
 
     model = args.model or str(BUILTIN_MOE)
     batches = [int(b) for b in args.tp_batches.split(",")]
+    if set(batches) & set(CALIBRATION):  # a batch both fitted on and predicted would prove nothing
+        raise SystemExit(f"--tp-batches {args.tp_batches}: {sorted(set(batches) & set(CALIBRATION))} "
+                         f"is a calibration batch {CALIBRATION}; pick others")  # fmt: skip
     runs, fits = [], {}
     for ep in (False, True):
         print(f"{'EP' if ep else 'TP'}=2: calibration batches {CALIBRATION}, then {batches} ...", flush=True)

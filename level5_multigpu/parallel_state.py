@@ -106,8 +106,9 @@ def waited(records: list[list[tuple[str, float]]], kind: str) -> tuple[float, fl
 
     A collective ends for everyone together, so the rank that arrives last spends only the transfer
     inside it; the others also wait for it (load imbalance: one rank's experts got more rows). Per
-    call, the least time any rank spent in it is the transfer; the mean less that is the waiting."""
-    per_call = list(zip(*[[s for k, s in r if k == kind] for r in records]))
+    call, the least time any rank spent in it is the transfer; the mean less that is the waiting.
+    The records must be of one group (one pipeline stage's TP ranks); unequal counts raise."""
+    per_call = list(zip(*[[s for k, s in r if k == kind] for r in records], strict=True))
     wire = sum(min(c) for c in per_call)
     mean = sum(sum(c) / len(c) for c in per_call)
     return wire, mean - wire

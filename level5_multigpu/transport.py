@@ -108,7 +108,8 @@ def receive(comm: Comm) -> Message:
 
 # --- what a link costs ----------------------------------------------------------------------------
 def p2p_alpha_beta(comm: Comm, peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> dict:
-    """Round trips of a float32 tensor to `peer` and back (it echoes): t(one way) = alpha + beta * bytes."""
+    """Round trips of a float32 tensor to `peer` and back (it echoes): t(one way) = alpha + beta * bytes
+    (a loop's mean per size, fitted on relative errors by `fit_alpha_beta`)."""
     xs, ts = [], []
     for n in sizes:
         x, y = torch.ones(n), torch.empty(n)

@@ -71,7 +71,8 @@ def conditional_alphas(per_position: list[float]) -> list[float]:
 
 def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
     """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
-    `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token)."""
+    `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token),
+    c4 (per context token read again in the step); `kv_reuse`: a block read again comes from the cache."""
     curve = tuple((p["batch"], p["flops_per_s"]) for p in roofline["sweep"])
     o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0, "c3_s": 0.0, "c4_s": 0.0}
     return Hardware("this CPU", curve[-1][1], roofline["bandwidth"], 1 << 40, compute_efficiency=1.0,
