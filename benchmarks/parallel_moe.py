@@ -23,8 +23,8 @@ rounds with the batches in turn. Per layout and batch it reports, over the round
     experts got more rows keeps the other waiting). alpha and beta are fitted on three other
     batches (CALIBRATION) of the same engine and predict the table's: the check is that a
     run's messages cost what their count and size say. Beside them, alpha and beta of calls
-    in a tight loop (`alpha_beta`), which on a shared 2-core machine come out lower: a call
-    amid a run finds its peer asleep and its caches cold;
+    in a tight loop (`alpha_beta`), whose alpha on a shared 2-core machine comes out lower: a
+    call amid a run finds its peer asleep and its caches cold;
   - output tokens/s.
 
 And, in one process, the grouped expert path (one matmul per expert) against the naive loop (a

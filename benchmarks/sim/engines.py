@@ -53,6 +53,13 @@ from level4_speculative.engine import SpeculativeEngine
 from .cost import Hardware, ModelShape, StepCost, model_dir, repeated_context, step_cost, step_time
 
 
+def read_again(kv, scheduled) -> int:
+    """`repeated_context` of one scheduled step: each (request, new tokens)'s block table in `kv` and
+    its context once the step has run (the real engines' steps too: benchmarks/sim/validate.py)."""
+    return repeated_context([kv.block_table(r) for r, _ in scheduled],
+                            [r.num_computed_tokens + n for r, n in scheduled], kv.block_size)  # fmt: skip
+
+
 class SimClock:
     """The engine's clock: seconds that only the cost model (and the arrivals) move."""
 
@@ -184,8 +191,7 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
             take()  # (copy-on-write pairs: a copy is a memory move the model does not count)
         shared = 0
         if self.hardware.kv_reuse or self.hardware.shared_context_overhead_s is not None:  # (else it costs nothing)
-            shared = repeated_context([self.kv.block_table(r) for r, _ in sched.scheduled],
-                                      [r.num_computed_tokens + n for r, n in sched.scheduled], self.kv.block_size)  # fmt: skip
+            shared = read_again(self.kv, sched.scheduled)
         return SimStep([(r.num_computed_tokens, n) for r, n in sched.scheduled],
                        sum(r.num_logits(n) for r, n in sched.scheduled), shared)  # logits rows (k + 1 when verifying)
 

@@ -41,8 +41,16 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
-from .cost import Hardware, ModelShape, repeated_context, step_cost
-from .engines import SimClock, SimulatedContinuous, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic, dtype_bytes
+from .cost import Hardware, ModelShape, step_cost
+from .engines import (
+    SimClock,
+    SimulatedContinuous,
+    SimulatedPrefix,
+    SimulatedSpeculative,
+    SimulatedStatic,
+    dtype_bytes,
+    read_again,
+)
 from .serve import SimRequest, play
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -138,10 +146,8 @@ def measured_steps(level: str, model: str, dtype: str, cfg: dict) -> list[tuple[
 
     def schedule(*args, **kwargs):
         out = inner(*args, **kwargs)
-        again = repeated_context([engine.kv.block_table(r) for r, _ in out.scheduled],
-                                 [r.num_computed_tokens + n for r, n in out.scheduled], engine.kv.block_size)  # fmt: skip
         shapes.append(([(r.num_computed_tokens, n) for r, n in out.scheduled],
-                       sum(1 for r, n in out.scheduled if r.num_logits(n)), again))  # fmt: skip
+                       sum(1 for r, n in out.scheduled if r.num_logits(n)), read_again(engine.kv, out.scheduled)))  # fmt: skip
         return out
 
     engine.schedule = schedule
