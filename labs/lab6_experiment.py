@@ -3,7 +3,7 @@
     python -m labs experiment 6 YOUR_FILE [--rates 1 2 4 8 inf] [--num-prompts 32] [--workload shared-prefix]
 
 What it is: `python -m level6_serving` with *your* `serving.py`, in a server process of its
-own (started through the labs' runner, so the swap reaches it), and `benchmarks.serving`'s
+own (the swap reaches it: labs/site/sitecustomize.py), and `benchmarks.serving`'s
 client against it, once per request rate (Poisson arrivals; `inf` sends everything at
 once). One table row per rate: requests done and failed, time to first token (p50,
 p99), time per output token (p50), inter-token latency (p99), end-to-end latency (p50)
@@ -21,14 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from ladder.cli import LadderParser, positive_int
-from ladder.models import REPO, default_model
+from ladder.models import default_model
 
 
 def rate(text: str) -> float:
@@ -49,31 +46,14 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def server_class():
-    from level6_serving.process import ServerProcess
-
-    class SwappedServer(ServerProcess):
-        """`python -m level6_serving`, run by the labs' runner so that it imports the student's files."""
-
-        def start(self):
-            cmd = [sys.executable, "-m", "labs.runner", "module", "level6_serving", "--port", "0", *self.args]
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-            with open(self.log, "w") as out:  # LABS_SWAP is in os.environ: the runner installs it
-                self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                             start_new_session=True)  # fmt: skip
-            self.url = self._wait_until_up()
-            return self
-
-    return SwappedServer
-
-
 def main(argv=None) -> list[dict]:
     args = parser().parse_args(argv)
     from benchmarks import serving as bench
+    from level6_serving.process import ServerProcess  # under a lab's swap it starts your serving.py (labs/site)
 
     model = str(args.model or default_model())
     rows, flags = [], ["--model", model, "--disable-uvicorn-access-log", "--log-level", "warning"]
-    with tempfile.TemporaryDirectory(prefix="lab6-") as tmp, server_class()(flags, Path(tmp) / "server.log") as server:
+    with tempfile.TemporaryDirectory(prefix="lab6-") as tmp, ServerProcess(flags, Path(tmp) / "server.log") as server:
         print(f"server up at {server.url} (log, while it runs: {server.log})", flush=True)
         out = Path(tmp) / "run.json"
         for r in args.rates:

@@ -9,11 +9,14 @@ process that asked for it.
     has imported the reference one. The module keeps its dotted name, so the student's
     relative imports (`from .request import Request`) and everyone else's
     `from level2_continuous.scheduler import Scheduler` get the student's code.
-  - The swaps travel in the environment (`LABS_SWAP`, JSON `{module: path}`). This file
-    installs them when it is imported, and it is the `__main__` of every process the
-    labs start, so the ranks level 5 spawns with multiprocessing (which import the
-    parent's main module as `__mp_main__` before anything else) run the student's code
-    too, not only the driver.
+  - The swaps travel in the environment (`LABS_SWAP`, JSON `{module: path}`), with
+    `labs/site` first on PYTHONPATH: its `sitecustomize` installs them at the start of
+    every Python process a swapped run starts, so a server started with `subprocess` (a
+    DP test's replicas and router, a benchmark's server) runs the student's code too.
+    This file also installs them when it is imported, and it is the `__main__` of every
+    process the labs start, so the ranks level 5 spawns with multiprocessing (which
+    import the parent's main module as `__mp_main__` before anything else) have them
+    even where `site` is off.
   - `python -m labs.runner module NAME ARGS...` runs a demo or an experiment as
     `python -m NAME ARGS...` would, under the swaps of the environment.
   - `python -m labs.runner plan PLAN.json` runs the variants of a plan, each a pytest
@@ -47,6 +50,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = "LABS_SWAP"
+SITE = REPO / "labs" / "site"  # its sitecustomize installs the swaps in any Python process started under them
 
 
 class SwapFinder(importlib.abc.MetaPathFinder):
@@ -65,8 +69,8 @@ class SwapFinder(importlib.abc.MetaPathFinder):
 def install(swaps: dict[str, str]) -> None:
     """Put the swaps first on the import path; refuse if a swapped module is already imported
     (then the reference would be the one in use, silently)."""
-    if not swaps:
-        return
+    if not swaps or any(isinstance(f, SwapFinder) and f.swaps == swaps for f in sys.meta_path):
+        return  # nothing to swap, or already done (by labs/site/sitecustomize.py at start-up)
     late = sorted(m for m in swaps if m in sys.modules)
     if late:
         raise RuntimeError(f"labs: {', '.join(late)} was imported before the swap could replace it")
@@ -76,6 +80,12 @@ def install(swaps: dict[str, str]) -> None:
 
 def swaps_from_env() -> dict[str, str]:
     return json.loads(os.environ.get(ENV) or "{}")
+
+
+def swapped_env(swaps: dict[str, str], env: dict[str, str]) -> dict[str, str]:
+    """`env` for a process that runs under `swaps` and passes them on to every Python process it starts."""
+    path = [str(SITE), str(REPO), *filter(None, [env.get("PYTHONPATH")])]
+    return {**env, ENV: json.dumps(swaps), "PYTHONPATH": os.pathsep.join(path)}
 
 
 # Installed on import: in `python -m labs.runner` itself, and in every process multiprocessing
@@ -258,7 +268,7 @@ def _child(variant: dict) -> int:
     os.dup2(log, 2)
     os.chdir(REPO)
     swaps = variant.get("swaps", {})
-    os.environ[ENV] = json.dumps(swaps)  # for the processes it spawns
+    os.environ.update(swapped_env(swaps, os.environ))  # for the processes it starts
     install(swaps)
     for module in swaps:  # a student's file that does not even import: say so, once, clearly
         try:
@@ -360,13 +370,18 @@ def module_file(name: str) -> str:
 
 
 def probe(name: str) -> int:
-    """Print the file `name` comes from here and in a process spawned by multiprocessing (level 5's way)."""
+    """Print the file `name` comes from here, in a process spawned by multiprocessing (level 5's way),
+    and in a `python` started with subprocess (how a test or a benchmark starts a server)."""
     import multiprocessing
+    import subprocess
 
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         child = pool.apply(module_file, (name,))
+    code = f"import importlib; print(importlib.import_module({name!r}).__file__)"
+    started = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     print(f"this process: {module_file(name)}")
     print(f"a spawned process: {child}")
+    print(f"a started process: {started}")
     return 0
 
 

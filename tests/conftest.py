@@ -152,8 +152,11 @@ class Oracle:
 
         if path not in self.models:
             # The experts' "eager" loop: transformers' default grouped matmul has no float64 kernel.
-            self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
-                                                                     experts_implementation="eager").eval()  # fmt: skip
+            # Loaded outside inference mode whoever asks first (greedy runs in it): weights made there are
+            # inference tensors, which a later caller's forward under autograd refuses (Mixtral's experts).
+            with torch.inference_mode(False):
+                self.models[path] = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64,
+                                                                         experts_implementation="eager").eval()  # fmt: skip
         return self.models[path]
 
     @torch.inference_mode()

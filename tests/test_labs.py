@@ -15,7 +15,8 @@ What it is (marker `labs`):
     `start` copies the starters, `check` finds the files, and `experiment` runs (with the
     lab's small smoke arguments appended) on the reference;
   - the committed starters are what `python -m labs starters` makes from today's
-    reference, and a process spawned by multiprocessing imports the swapped file too.
+    reference, and a process spawned by multiprocessing or started by subprocess imports the
+    swapped file too.
 
 Almost everything runs in one `python -m labs.runner plan` process: it imports torch,
 transformers and pytest once and forks a child per variant (a starter, a bug, an
@@ -306,10 +307,12 @@ def test_starters_are_made_from_todays_reference():
 
 
 def test_a_spawned_process_imports_the_swapped_file(runs):
-    """Level 5's ranks are spawned by multiprocessing: they must run the student's layers too."""
+    """Level 5's ranks are spawned by multiprocessing, a DP test's replicas started by subprocess: both
+    must run the student's file too."""
     variant, summary = runs[0]["probe"]
     out, mine = Path(variant["log"]).read_text(), str(runs[1]["5"] / "layers.py")
     assert summary["exit_code"] == 0 and f"this process: {mine}" in out and f"a spawned process: {mine}" in out, out
+    assert f"a started process: {mine}" in out, out
 
 
 def test_bad_hand_ins_are_refused_in_one_line(tmp_path, capsys):

@@ -143,7 +143,9 @@ def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
     with ServerProcess([*engine_flags(ckpt), "--data-parallel-size", "2", "--router", "round-robin"]) as s:
         def ask(prompt):
             body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            return httpx.post(s.url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text  # a router that raises answers 500
+            return r.json()["choices"][0]["text"]
 
         from concurrent.futures import ThreadPoolExecutor
 
