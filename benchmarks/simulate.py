@@ -4,7 +4,8 @@ What it is: the GPU what-if. Each system of the paper's section 6 is built from 
 code on a modelled GPU clock (`benchmarks/sim/`): vLLM (level 2's scheduler and block manager;
 `vllm-prefix`: level 3's), Orca with contiguous reservations (Max, Pow2, Oracle: level 2's
 iteration scheduling, `ReservingKVCacheManager`) and FasterTransformer (level 0's static
-batches). For one GPU, model and trace it prints and plots
+batches). For one GPU, model and trace (sharegpt, alpaca, shared-prefix, chat: benchmarks/sim/serve.py;
+`ft` sits out chat, whose next turns a static engine cannot take) it prints and plots
 
   1. normalized latency (s/token) against request rate, per system: the paper's figure 12;
   2. the highest rate each system sustains (its saturated rate, lowered if needed to meet a
@@ -103,7 +104,7 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=int, default=1000, help="requests per simulated run")
     p.add_argument("--slo", type=float, default=0.1, help="normalized-latency SLO (s/token) for sustainable rates")
     p.add_argument("--at-rate", type=float, default=None, help="rate for batched requests and KV use (default: 2 "
-                   "for sharegpt, 30 for alpaca, as the paper's figure 13; 10 for shared-prefix)")  # fmt: skip
+                   "for sharegpt and chat, 30 for alpaca, as the paper's figure 13; 10 for shared-prefix)")  # fmt: skip
     p.add_argument("--target-rate", type=float, default=10.0, help="req/s the capacity table plans for")
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4, 8], help="TP sizes for the capacity table")
     p.add_argument("--points", type=int, default=10, help="rates on the latency curves")
@@ -115,7 +116,7 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=None, help="the JSON (default: outside the repository)")
     p.add_argument("--img-dir", type=Path, default=None, help="where the plot goes (default: outside the repository)")
     args = p.parse_args(argv)
-    args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0}[args.trace]
+    args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0, "chat": 2.0}[args.trace]
     t0 = time.perf_counter()
     shape, hw = model_shape(args.model), gpu(args.gpu)
     budget = kv_budget(hw, shape)
@@ -124,7 +125,9 @@ def main(argv=None) -> dict:
           f"{args.trace}-like trace, {args.requests} requests per run")  # fmt: skip
 
     # 2. sustainable rates (vLLM first: its rate sets the curves' range)
-    systems = PLOTTED + (("vllm-prefix",) if args.trace == "shared-prefix" else ()) + (("vllm-spec",) if args.spec_k else ())
+    plotted = tuple(s for s in PLOTTED if not (s == "ft" and args.trace == "chat"))  # (static: no next turns)
+    prefix = ("vllm-prefix",) if args.trace in ("shared-prefix", "chat") else ()
+    systems = plotted + prefix + (("vllm-spec",) if args.spec_k else ())
     sustain = {system: max_rate(system, args) for system in systems}
     # 1. the curves
     top = 1.25 * sustain["vllm"]
@@ -146,12 +149,12 @@ def main(argv=None) -> dict:
         there = latency_at(s, sustain[s], args).normalized_latency if sustain[s] else math.nan
         print(f"  {s:12s} {sustain[s]:8.3f} req/s  {there:6.3f} s/token   vLLM / it {ratio:6.2f}x   {paper}")
     print(f"\nat {args.at_rate} req/s: batched requests, KV memory holding tokens (of reserved / of the pool), "
-          "preemptions (paper: figure 13, figure 2)")  # fmt: skip
+          "preemptions, mean TTFT (paper: figure 13, figure 2)")  # fmt: skip
     for s in systems:
         r = at[s]
         paper = f"{PAPER['batched'].get(s, '-')} / {PAPER['kv'].get(s, '-')} %" if args.trace == "sharegpt" else ""
         print(f"  {s:12s} {r.mean_batch:7.2f}   {100 * r.kv_token_share:5.1f} % / {100 * r.kv_pool_share:5.1f} %   "
-              f"{r.preemptions:5d}   paper {paper}")  # fmt: skip
+              f"{r.preemptions:5d}   {1000 * r.mean_ttft:8.1f} ms   paper {paper}")  # fmt: skip
 
     # 4. capacity
     print(f"\ncapacity: vLLM per replica at the SLO, and the GPUs {args.target_rate} req/s would need")

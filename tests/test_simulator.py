@@ -39,7 +39,8 @@ from benchmarks.sim.engines import (
     SimulatedStatic,
     next_power_of_two,
 )
-from benchmarks.sim.serve import simulate, trace
+from benchmarks.sim.serve import TURNS, make_engine, simulate, trace
+from benchmarks.sim.serve import play as serve
 from level0_naive import SamplingParams
 from level2_continuous.request import Request
 
@@ -233,6 +234,34 @@ def test_traces_have_the_papers_means():
     assert arrivals == sorted(arrivals) and abs(arrivals[-1] / 2000 - 0.2) < 0.02  # Poisson at 5 req/s
     result = simulate("vllm", trace("alpaca", 50, rate=math.inf, vocab=32000), model="llama-2-7b")
     assert result.requests == 50 and result.kv_token_share > 0.5 and result.preemptions == 0
+
+
+def test_a_conversations_next_turn_follows_its_answer():
+    """chat, closed loop: each turn's prompt is the previous turn's prompt + its answer + the user's new
+    tokens, sent the user's pause after that answer ended; level 3 finds the previous exchange in its
+    cache; a static engine, which takes its workload up front, refuses."""
+    convs = trace("chat", 8 * TURNS, rate=4.0, vocab=32000)
+    assert len(convs) == 8
+    for system in ("vllm", "vllm-prefix"):
+        engine = make_engine(system, "llama-2-7b", gpu("a100-80gb"), SimClock())
+        seqs = serve(engine, convs, lambda r: SamplingParams(max_tokens=2048 - len(r.prompt), temperature=0.0))
+        assert len(seqs) == 8 * TURNS and all(len(s.output_token_ids) for s in seqs)
+        held = 0  # the previous exchanges' whole blocks, which level 3 should find in its cache
+        for first in convs:
+            turn, seq = first, next(s for s in seqs if s.prompt_token_ids == first.prompt)
+            while turn.then is not None:
+                turn = turn.then
+                exchange = seq.prompt_token_ids + seq.output_token_ids
+                nxt = next(s for s in seqs if s.prompt_token_ids == exchange + turn.prompt)
+                assert nxt.metrics.arrival_time == pytest.approx(seq.metrics.finished_time + turn.arrival)
+                assert len(nxt.output_token_ids) == turn.output_len
+                held += (len(exchange) - 1) // engine.config.block_size * engine.config.block_size  # (no K/V yet
+                # for the answer's last token: it was sampled, never fed back)
+                seq = nxt
+        if system == "vllm-prefix":  # (80 GB: room for every conversation, nothing evicted)
+            assert engine.kv.hits == held > 0
+    with pytest.raises(ValueError, match="static"):
+        serve(make_engine("ft", "llama-2-7b", gpu("a100-80gb"), SimClock()), convs, lambda r: exact(4))
 
 
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 1.0])

@@ -8,6 +8,12 @@ paper plots:
     alpaca          prompts mean 19, outputs mean 58
     shared-prefix   the project's (benchmarks/workloads.py): one 384-token system prompt and
                     8-32 tokens of each request's own, outputs 32-64: level 3's case
+    chat            conversations of 4 turns (a 32-token system prompt of their own; user turns
+                    mean 64 tokens, answers mean 200), each turn's prompt the whole exchange so
+                    far plus the user's new text, sent THINK_S seconds (mean, exponential) after
+                    the previous answer ended: closed loop, so a slow engine also slows its
+                    users' next turns; conversations start at rate / 4 per second, so that the
+                    offered load is about `rate` requests/s. Level 3's case across calls
 
     normalized latency   mean over requests of (finish - arrival) / output tokens (s/token)
     batched requests     the time-weighted mean number of requests in a step
@@ -16,6 +22,8 @@ paper plots:
 Lengths are log-normal (sigma 0.9 for prompts, 0.8 for outputs: the published traces' long
 tails), scaled so the sample means equal the published ones, and clipped so that prompt +
 output fits the model's 2048 positions; arrivals are a Poisson process at `rate` requests/s.
+A static engine (`ft`) does not play `chat`: it takes its whole workload up front, and a
+conversation's next turn exists only once the engine has answered the last.
 
 What it is not: the traces themselves (they are not shipped: nothing here downloads), or
 a latency model of the network and the server.
@@ -23,6 +31,7 @@ a latency model of the network and the server.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 from dataclasses import dataclass
@@ -40,7 +49,9 @@ from .engines import (
     SimulatedStatic,
 )
 
-TRACES = {"sharegpt": (161.0, 338.0), "alpaca": (19.0, 58.0), "shared-prefix": (404.0, 48.0)}  # mean prompt, output
+TRACES = {"sharegpt": (161.0, 338.0), "alpaca": (19.0, 58.0), "shared-prefix": (404.0, 48.0),  # mean prompt, output
+          "chat": (64.0, 200.0)}  # chat: a user turn's new tokens (the prompt adds up the exchange), an answer
+TURNS, SYSTEM_TOKENS, THINK_S = 4, 32, 5.0  # chat: turns per conversation, its system prompt, a user's pause (mean)
 SYSTEMS = ("vllm", "vllm-prefix", "vllm-spec", "orca-oracle", "orca-pow2", "orca-max", "ft")
 
 
@@ -49,6 +60,9 @@ class SimRequest:
     arrival: float
     prompt: list[int]
     output_len: int
+    # A conversation's next turn, sent once this one is answered: its `arrival` is the pause after the answer
+    # ends, its `prompt` the user's new tokens (play() puts the whole exchange before them).
+    then: SimRequest | None = None
 
 
 def lengths(rng: random.Random, n: int, mean: float, sigma: float, cap: int) -> list[int]:
@@ -74,6 +88,22 @@ def trace(name: str, num: int, rate: float, seed: int = 0, vocab: int = 50272, m
             reqs.append(SimRequest(t, prefix + own, rng.randint(32, 64)))
         return reqs
     mean_in, mean_out = TRACES[name]
+    if name == "chat":  # num requests: num / TURNS conversations; each fits max_len with all its turns
+        convs = max(1, num // TURNS)
+        cap = (max_len - SYSTEM_TOKENS) // TURNS // 2
+        users = lengths(rng, convs * TURNS, mean_in, 0.9, cap)
+        answers = lengths(rng, convs * TURNS, mean_out, 0.8, cap)
+        t, reqs = 0.0, []
+        for c in range(convs):
+            turn = None
+            for k in reversed(range(1, TURNS)):  # the last turn first: each points to the next
+                i = c * TURNS + k
+                turn = SimRequest(rng.expovariate(1 / THINK_S), [rng.randrange(3, vocab) for _ in range(users[i])],
+                                  answers[i], turn)  # fmt: skip
+            t += rng.expovariate(rate / TURNS) if rate != math.inf else 0.0
+            prompt = [rng.randrange(3, vocab) for _ in range(SYSTEM_TOKENS + users[c * TURNS])]
+            reqs.append(SimRequest(t, prompt, answers[c * TURNS], turn))
+        return reqs
     prompts = lengths(rng, num, mean_in, 0.9, max_len // 2)
     outputs = lengths(rng, num, mean_out, 0.8, max_len // 2)
     t, reqs = 0.0, []
@@ -119,11 +149,15 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
 def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
     """Feed `reqs` to a simulated engine as they arrive (each request's id `prefix` + its index, its
     SamplingParams `params_for(req)`, its output length the workload's), and run it until all are done:
-    their sequences. A static engine (level 0) forms its rounds from the arrivals itself."""
+    their sequences. A request's follow-up (`then`, a conversation's next turn) arrives its pause after the
+    request's answer, its prompt the request's prompt + answer + the follow-up's own tokens. A static
+    engine (level 0) forms its rounds from the arrivals itself, so it takes no follow-ups."""
     ids = [f"{prefix}{i}" for i in range(len(reqs))]
     for rid, r in zip(ids, reqs):
         engine.targets[rid] = r.output_len
     if isinstance(engine, SimulatedStatic):
+        if any(r.then for r in reqs):
+            raise ValueError("a static engine takes its whole workload up front: no conversation's next turn")
         seqs = []
         for rid, r in zip(ids, reqs):
             seq = engine.inputs.make_group(r.prompt, params_for(r), request_id=rid)[0]
@@ -131,16 +165,28 @@ def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
             seqs.append(seq)
         engine.run(seqs, GenerateProgress(len(seqs), enabled=False))
         return seqs
-    clock, seqs, i = engine.clock, [], 0
-    while i < len(reqs) or engine.has_unfinished_requests():
-        while i < len(reqs) and reqs[i].arrival <= clock.now:
-            engine.add_request(ids[i], reqs[i].prompt, params_for(reqs[i]), arrival_time=reqs[i].arrival)
-            seqs += engine.requests[ids[i]]
-            i += 1
+    clock, seqs, sent, answered = engine.clock, [], {}, {}  # sent: {id: request}; answered: {id: its sequence}
+    arriving = [(r.arrival, i, rid, r) for i, (rid, r) in enumerate(zip(ids, reqs))]  # (time, tie, id, request)
+    heapq.heapify(arriving)
+    while arriving or engine.has_unfinished_requests():
+        while arriving and arriving[0][0] <= clock.now:
+            at, _, rid, r = heapq.heappop(arriving)
+            engine.targets[rid] = r.output_len
+            engine.add_request(rid, r.prompt, params_for(r), arrival_time=at)
+            seqs += engine.requests[rid]
+            sent[rid], answered[rid] = r, engine.requests[rid][0]
         if engine.has_unfinished_requests():
-            engine.step()
+            for out in engine.step():
+                r = sent[out.request_id]
+                if out.finished and r.then is not None:  # the user reads, thinks, and sends the next turn
+                    nxt = r.then
+                    answer = list(answered[out.request_id].output_token_ids)
+                    follow = SimRequest(clock.now + nxt.arrival, r.prompt + answer + nxt.prompt, nxt.output_len,
+                                        nxt.then)  # fmt: skip
+                    fid = f"{prefix}{len(sent) + len(arriving)}"
+                    heapq.heappush(arriving, (follow.arrival, len(sent) + len(arriving), fid, follow))
         else:  # idle: on to the next arrival
-            clock.now = reqs[i].arrival
+            clock.now = arriving[0][0]
     return seqs
 
 
