@@ -15,10 +15,12 @@ What it is:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -147,8 +149,6 @@ def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
             assert r.status_code == 200, r.text  # a router that raises answers 500
             return r.json()["choices"][0]["text"]
 
-        from concurrent.futures import ThreadPoolExecutor
-
         with ThreadPoolExecutor(4) as pool:
             got = list(pool.map(ask, PROMPTS))
         samples = parse(httpx.get(s.url + "/metrics").text)
@@ -160,8 +160,21 @@ def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
     assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
 
 
+@contextlib.contextmanager
+def two_replicas(ckpt):
+    """Two `python -m level6_serving` processes loading at the same time (as --data-parallel-size does)."""
+    reps = [ServerProcess(engine_flags(ckpt)) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(ServerProcess.start, reps))
+        yield reps
+    finally:
+        for r in reps:
+            r.stop(timeout=30)
+
+
 def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
-    with ServerProcess(engine_flags(ckpt)) as r0, ServerProcess(engine_flags(ckpt)) as r1:
+    with two_replicas(ckpt) as (r0, r1):
         app = build_router_app([r0.url, r1.url], "round-robin")
         with ServerThread(app) as url:
             reps = app.state.replicas
