@@ -221,6 +221,9 @@ def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    from .process import exit_with_parent
+
+    exit_with_parent()  # started by a ServerProcess (a DP router's replica, a test's server): go with it
     if args.data_parallel_size > 1:
         return serve_data_parallel(args, argv)
     import torch

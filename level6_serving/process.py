@@ -8,7 +8,10 @@ if it has not gone after a timeout. The log goes to `log=PATH` if given (and sta
 otherwise to a temporary folder of this ServerProcess's own, removed when it stops (its
 last lines stay readable through `tail()`, and a server that fails to start puts them in
 the error). The server runs in a session of its own, so a kill
-(after a drain that did not end) reaches the ranks a parallel engine spawned as well.
+(after a drain that did not end) reaches the ranks a parallel engine spawned as well. And it
+goes with the process that started it: told that process's id (LADDER_PARENT_PID), the server
+watches it (`exit_with_parent`) and stops, draining, once it is gone, even after a SIGKILL
+that left no time to stop anything (a data-parallel router killed so leaves no replica).
 
     with ServerProcess(["--model", "tiny-shakespeare"]) as server:
         httpx.get(server.url + "/health")
@@ -26,10 +29,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 from ladder.models import REPO
+
+PARENT_ENV = "LADDER_PARENT_PID"  # set by ServerProcess for its server: the process it goes with
 
 
 class ServerProcess:
@@ -46,7 +52,8 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         cmd = [sys.executable, "-m", "level6_serving", "--port", "0", *self.args]
         # The repository on the path, so the package is found even when it is not installed.
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               PARENT_ENV: str(os.getpid())}  # fmt: skip
         with open(self.log, "w") as out:  # its own session: a kill reaches the ranks it spawns (level 5) too
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                          start_new_session=True)  # fmt: skip
@@ -108,3 +115,20 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def exit_with_parent(poll: float = 0.5) -> None:
+    """In a server ServerProcess started: SIGTERM to itself (a drain, then exit) once the process that
+    started it has gone (it was re-parented). Polling, because Linux's PR_SET_PDEATHSIG fires when the
+    *thread* that started a child ends, and a data-parallel router starts its replicas from a pool's
+    threads. No-op for a server a person started."""
+    parent = int(os.environ.pop(PARENT_ENV, 0))  # popped: what this server starts is told its own id
+    if not parent:
+        return
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()

@@ -15,13 +15,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from level6_helpers import NAME, offline
 
+from ladder.models import REPO
 from level6_serving.metrics import parse, value
 from level6_serving.process import ServerProcess
 
@@ -76,6 +82,39 @@ def test_tensor_parallel_server_gives_the_offline_text(ckpt, llm):
         assert "ladder:comm_calls_total" in httpx.get(server.url + "/metrics").text  # the ranks' messages
     assert text == offline(llm, "ROMEO:\n", max_tokens=24, temperature=0).outputs[0].text
     assert server.returncode == 0
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie, exited but not yet reaped by whoever adopted it, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_a_server_goes_with_the_process_that_started_it(ckpt, tmp_path):
+    """A ServerProcess's server watches the process that started it: SIGKILL that process (no time to
+    stop anything) and the server drains and exits by itself, as a data-parallel router's replicas do
+    when the router is killed."""
+    flags = ["--model", str(ckpt), "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory", "16MiB"]
+    code = ("import time; from pathlib import Path; from level6_serving.process import ServerProcess; "
+            f"s = ServerProcess({flags!r}, log=Path({str(tmp_path / 'server.log')!r})).start(); "
+            "print(s.proc.pid, flush=True); time.sleep(600)")  # fmt: skip
+    starter, pid = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO), 0
+    try:
+        pid = int(starter.stdout.readline())
+        assert alive(pid)
+        os.kill(starter.pid, signal.SIGKILL)
+        starter.wait()
+        deadline = time.monotonic() + 30  # its watch polls twice a second; then a drain with nothing to drain
+        while alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not alive(pid), (tmp_path / "server.log").read_text()[-2000:]
+        assert "drained" in (tmp_path / "server.log").read_text()
+    finally:
+        starter.kill()
+        if pid and alive(pid):  # (the check failed: leave nothing running)
+            os.killpg(pid, signal.SIGKILL)
 
 
 def test_server_process_api_key_backpressure_and_sigterm_drain(checkpoint_factory, tmp_path):
