@@ -13,8 +13,10 @@ layout) greedy on the same prompts in three layouts,
 and prints whether the three wrote the same text (float64), the messages and bytes per
 generated token of each kind (the MoE block's against attention's), each kind's time against
 the latency-bandwidth model's price t = calls * alpha + bytes * beta (alpha and beta measured
-here first, per kind), and the routing: for one line of text, which expert each byte went to
-in each layer, and each expert's share of the (token, choice) slots per layer. `--plot PATH`
+here first, per kind; a kind's time is its time on the wire: per call, the least any rank spent
+in it, the others having also waited for a peer), and the routing: for one line of text,
+which expert each byte went to in each layer, and each expert's share of the (token, choice)
+slots per layer. `--plot PATH`
 draws the routing (default: moe_routing.png outside the repository;
 `python -m ladder.figures --only moe` regenerates the committed `docs/img/moe_routing.png`).
 
@@ -39,7 +41,7 @@ from ladder.models import BUILTIN_MOE
 from level0_naive.sampling import SamplingParams
 
 from .engine import LLM
-from .parallel_state import counters, predicted_seconds
+from .parallel_state import counters, predicted_seconds, waited
 
 LAYOUTS = {"one process": dict(tensor_parallel_size=1), "TP=2": dict(tensor_parallel_size=2),
            "TP=2 + EP": dict(tensor_parallel_size=2, enable_expert_parallel=True)}  # fmt: skip
@@ -75,16 +77,20 @@ def run(args, console: Console) -> dict:
             fits = llm.llm_engine.calibrate()
             llm.generate(prompts[:1], SamplingParams(max_tokens=2), progress=False)  # warm up
             before = counters(llm.comm_stats(), KINDS)
+            ranked = layout["tensor_parallel_size"] > 1  # (one process sends nothing)
+            if ranked:
+                llm.llm_engine.executor.collective_rpc("record_calls", True)  # every message's time, per rank
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params, progress=not args.no_progress)
             seconds = time.perf_counter() - t0
+            records = llm.llm_engine.executor.collective_rpc("record_calls", False) if ranked else []
             after = counters(llm.comm_stats(), KINDS)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
         texts[name] = [o.outputs[0].text for o in outs]
         rows[name] = {"tps": tokens / seconds, "kinds": {}}
         for kind in KINDS:
             calls, nbytes = (sum(after[kind][r][i] - before[kind][r][i] for r in after[kind]) for i in (0, 1))
-            secs = min((after[kind][r][2] - before[kind][r][2] for r in after[kind]), default=0.0)  # least wait
+            secs = waited(records, kind)[0] if calls else 0.0  # per call, the least any rank spent in it: the wire
             fit = fits.get({"moe_all_reduce": "all_reduce"}.get(kind, kind))
             per_rank_calls = calls / max(len(after[kind]), 1)
             pred = predicted_seconds(fit, per_rank_calls, nbytes / max(len(after[kind]), 1)) if fit and calls else None
@@ -103,7 +109,7 @@ def run(args, console: Console) -> dict:
 
 def show_table(console: Console, rows: dict) -> None:
     t = Table(title="same prompts, same tokens: what each layout sends per generated token (all ranks)")
-    for col in ("layout", "tok/s", "message", "msgs/tok", "bytes/tok", "time (least wait)", "alpha-beta"):
+    for col in ("layout", "tok/s", "message", "msgs/tok", "bytes/tok", "on the wire", "alpha-beta"):
         t.add_column(col, justify="right")
     for name, r in rows.items():
         first = True
