@@ -12,7 +12,8 @@ batches). For one GPU, model and trace (sharegpt, alpaca, shared-prefix, chat: b
      normalized-latency SLO), and vLLM's ratio to each (paper, OPT-13B on ShareGPT: 1.7-2.7x
      Orca Oracle, 2.7-8x Orca Max, up to 22x FT);
   3. at one rate (`--at-rate`, 2 req/s: the paper's figure 13), the mean number of batched
-     requests and the share of KV memory holding tokens (figure 2: 20.4-38.2 % for Orca);
+     requests and the share of KV memory holding tokens (figure 2: 20.4-38.2 % for Orca), the
+     preemptions, the mean TTFT and the share of prompt tokens found in the prefix cache;
   4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 and the GPUs that
      `--target-rate` requests/s would need.
 
@@ -56,7 +57,9 @@ def max_rate(system: str, args, tp: int = 1) -> float:
     """The highest rate a system sustains: its saturated rate (requests finished per second while a queue
     waits, all requests arriving at once: at or above it the queue grows without bound, however few
     requests a run has to show it), lowered, if the SLO needs it, to the highest rate whose normalized
-    latency meets the SLO (bisection on a log scale, 4 %)."""
+    latency meets the SLO (bisection on a log scale, 4 %). On chat only the first turns arrive at once;
+    the later ones follow their answers, so near the end the queue can run dry while turns wait on
+    their users' pauses: a slight underestimate there."""
     cap = latency_at(system, math.inf, args, tp).drain_rate
     if latency_at(system, cap, args, tp).normalized_latency <= args.slo:
         return cap
@@ -149,12 +152,13 @@ def main(argv=None) -> dict:
         there = latency_at(s, sustain[s], args).normalized_latency if sustain[s] else math.nan
         print(f"  {s:12s} {sustain[s]:8.3f} req/s  {there:6.3f} s/token   vLLM / it {ratio:6.2f}x   {paper}")
     print(f"\nat {args.at_rate} req/s: batched requests, KV memory holding tokens (of reserved / of the pool), "
-          "preemptions, mean TTFT (paper: figure 13, figure 2)")  # fmt: skip
+          "preemptions, mean TTFT, prompt tokens found in the prefix cache (paper: figure 13, figure 2)")  # fmt: skip
     for s in systems:
         r = at[s]
         paper = f"{PAPER['batched'].get(s, '-')} / {PAPER['kv'].get(s, '-')} %" if args.trace == "sharegpt" else ""
         print(f"  {s:12s} {r.mean_batch:7.2f}   {100 * r.kv_token_share:5.1f} % / {100 * r.kv_pool_share:5.1f} %   "
-              f"{r.preemptions:5d}   {1000 * r.mean_ttft:8.1f} ms   paper {paper}")  # fmt: skip
+              f"{r.preemptions:5d}   {1000 * r.mean_ttft:8.1f} ms   {100 * r.prefix_hit_share:3.0f} %   "
+              f"paper {paper}")  # fmt: skip
 
     # 4. capacity
     print(f"\ncapacity: vLLM per replica at the SLO, and the GPUs {args.target_rate} req/s would need")

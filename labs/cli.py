@@ -32,7 +32,7 @@ import textwrap
 import traceback
 from pathlib import Path
 
-from . import grading, runner, spec
+from . import grading, spec, swap
 from .grading import LabsError
 from .spec import REPO
 
@@ -206,7 +206,7 @@ def cmd_run(args) -> int:
 
 def _run_module(lab: spec.Lab, path: str, module: str, argv: list[str]) -> int:
     swaps = grading.resolve(lab, [path])
-    env = runner.swapped_env(swaps, grading.subprocess_env())
+    env = swap.swapped_env(swaps, grading.subprocess_env())
     print(f"(lab {lab.id}: running python -m {module} with {', '.join(swaps.values())})", flush=True)
     return subprocess.run([sys.executable, "-m", "labs.runner", "module", module, *argv], env=env).returncode
 

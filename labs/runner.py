@@ -4,15 +4,16 @@ What it is: the machinery behind `python -m labs check` and `python -m labs run`
 started as `python -m labs.runner ...` in a subprocess, so a swap never leaks into the
 process that asked for it.
 
-  - `SwapFinder` is an import hook placed first on `sys.meta_path`. Asked for, say,
+  - `SwapFinder` (labs/swap.py) is an import hook placed first on `sys.meta_path`. Asked for, say,
     `level2_continuous.scheduler`, it answers with the student's file, before anything
     has imported the reference one. The module keeps its dotted name, so the student's
     relative imports (`from .request import Request`) and everyone else's
     `from level2_continuous.scheduler import Scheduler` get the student's code.
   - The swaps travel in the environment (`LABS_SWAP`, JSON `{module: path}`), with
-    `labs/site` first on PYTHONPATH: its `sitecustomize` installs them at the start of
-    every Python process a swapped run starts, so a server started with `subprocess` (a
-    DP test's replicas and router, a benchmark's server) runs the student's code too.
+    `labs/site` first on PYTHONPATH: its `sitecustomize` installs them at the start of a
+    Python process a swapped run starts with that environment, so a server started with
+    `subprocess` (a DP test's replicas and router, a benchmark's server) runs the
+    student's code too (not one started with `-I`, `-S` or a PYTHONPATH of its own).
     This file also installs them when it is imported, and it is the `__main__` of every
     process the labs start, so the ranks level 5 spawns with multiprocessing (which
     import the parent's main module as `__mp_main__` before anything else) have them
@@ -38,8 +39,7 @@ start method ("the parent's main module is imported in the child").
 from __future__ import annotations
 
 import gc
-import importlib.abc
-import importlib.util
+import importlib
 import json
 import os
 import runpy
@@ -48,45 +48,7 @@ import sys
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-ENV = "LABS_SWAP"
-SITE = REPO / "labs" / "site"  # its sitecustomize installs the swaps in any Python process started under them
-
-
-class SwapFinder(importlib.abc.MetaPathFinder):
-    """Finds the swapped modules at their students' paths; everything else is someone else's."""
-
-    def __init__(self, swaps: dict[str, str]):
-        self.swaps = dict(swaps)
-
-    def find_spec(self, fullname, path=None, target=None):
-        where = self.swaps.get(fullname)
-        if where is None:
-            return None
-        return importlib.util.spec_from_file_location(fullname, where)
-
-
-def install(swaps: dict[str, str]) -> None:
-    """Put the swaps first on the import path; refuse if a swapped module is already imported
-    (then the reference would be the one in use, silently)."""
-    if not swaps or any(isinstance(f, SwapFinder) and f.swaps == swaps for f in sys.meta_path):
-        return  # nothing to swap, or already done (by labs/site/sitecustomize.py at start-up)
-    late = sorted(m for m in swaps if m in sys.modules)
-    if late:
-        raise RuntimeError(f"labs: {', '.join(late)} was imported before the swap could replace it")
-    sys.meta_path.insert(0, SwapFinder(swaps))
-    sys.dont_write_bytecode = True  # no __pycache__ next to a student's file
-
-
-def swaps_from_env() -> dict[str, str]:
-    return json.loads(os.environ.get(ENV) or "{}")
-
-
-def swapped_env(swaps: dict[str, str], env: dict[str, str]) -> dict[str, str]:
-    """`env` for a process that runs under `swaps` and passes them on to every Python process it starts."""
-    path = [str(SITE), str(REPO), *filter(None, [env.get("PYTHONPATH")])]
-    return {**env, ENV: json.dumps(swaps), "PYTHONPATH": os.pathsep.join(path)}
-
+from labs.swap import REPO, install, swapped_env, swaps_from_env
 
 # Installed on import: in `python -m labs.runner` itself, and in every process multiprocessing
 # spawns from it (they import this module as `__mp_main__` first).

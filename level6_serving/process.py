@@ -118,10 +118,11 @@ class ServerProcess:
 
 
 def exit_with_parent(poll: float = 0.5) -> None:
-    """In a server ServerProcess started: SIGTERM to itself (a drain, then exit) once the process that
-    started it has gone (it was re-parented). Polling, because Linux's PR_SET_PDEATHSIG fires when the
-    *thread* that started a child ends, and a data-parallel router starts its replicas from a pool's
-    threads. No-op for a server a person started."""
+    """In a server ServerProcess started: SIGTERM to itself once the process that started it has gone
+    (it was re-parented): a drain, then exit, or, if that happens while the model still loads, the
+    default end. Polling, because Linux's PR_SET_PDEATHSIG fires when the *thread* that started a
+    child ends, and a data-parallel router starts its replicas from a pool's threads. No-op for a
+    server a person started (no LADDER_PARENT_PID)."""
     parent = int(os.environ.pop(PARENT_ENV, 0))  # popped: what this server starts is told its own id
     if not parent:
         return

@@ -69,12 +69,24 @@ def handout_commands(lab) -> list[list[str]]:
     return [shlex.split(line, comments=True)[3:] for line in lines if line.strip().startswith("python -m labs ")]
 
 
+def run_in_the_tree(request) -> set[str]:
+    """The tests this session runs in the tree (test_labs.py's aside), when it runs whole files: no
+    `file::test` argument, `-k`, `-m` or other deselection, so a check's test named by its family or
+    its file runs here in full or not at all. Otherwise none, and the reference runs every test."""
+    session, config = request.session, request.config
+    narrowed = any("::" in str(a) for a in config.args) or config.option.keyword or config.option.markexpr
+    if narrowed or session.testscollected != len(session.items):
+        return set()
+    return {item.nodeid for item in session.items if not item.nodeid.startswith("tests/test_labs.py")}
+
+
 def on_the_reference(check, in_session: set[str]):
     """What the reference's run needs of `check`: the tests this pytest session does not run in the tree
     anyway (the labs' own checks; all of them when this file runs alone), and always the check's first
     test, so that every check runs on the copied files. The rest would run the same code a second time:
     the copies are byte for byte the tree's files, and the session's own run of those tests fails if
-    they do."""
+    they do. (What this gives up: a later test of a check that would fail only on a copy, because it
+    reads something beside the module's file; each check's first test runs on the copies.)"""
     rest = [t for t in check.tests[1:] if not any(matches(n, t) for n in in_session)]
     return dataclasses.replace(check, tests=(check.tests[0], *rest))
 
@@ -87,8 +99,8 @@ def runs(tmp_path_factory, request):
     refs = {lab.id: copy_reference(lab, work / "reference" / f"lab{lab.id}") for lab in LABS}
     variants = []
     everything = {m.name: str(refs[lab.id] / m.filename) for lab in LABS for m in lab.modules}
-    in_session = {item.nodeid for item in request.session.items if not item.nodeid.startswith("tests/test_labs.py")}
-    reference = {lab.id: [on_the_reference(c, in_session) for c in lab.checks] for lab in LABS}
+    in_tree = run_in_the_tree(request)
+    reference = {lab.id: [on_the_reference(c, in_tree) for c in lab.checks] for lab in LABS}
     union = [c for lab in LABS for c in reference[lab.id]]
     variants.append(grading.check_variant("reference", LABS[0], everything, work, checks=union, timeout=600))
     for lab in LABS:

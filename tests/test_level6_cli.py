@@ -4,8 +4,8 @@ benchmark client.
 What it is: the server as an operator runs it. A bad flag is one line that names it;
 `--tensor-parallel-size 2` serves the offline text from two ranks; `--api-key` gives 401
 (health and metrics open), a full queue gives 503 + Retry-After, and SIGTERM lets the request
-in flight finish, aborts the one past the drain timeout, and exits 0. The demo runs and leaves
-nothing behind; `python -m benchmarks.serving` measures a running server (`server` in
+in flight finish, aborts the one past the drain timeout, and exits 0; a server goes with the
+process that started it, even one killed with SIGKILL. The demo runs and leaves nothing behind; `python -m benchmarks.serving` measures a running server (`server` in
 conftest.py) and refuses a bad flag in one line.
 
 What it is not: a speed test: the benchmark's numbers are only checked to be there.
@@ -102,7 +102,9 @@ def test_a_server_goes_with_the_process_that_started_it(ckpt, tmp_path):
             "print(s.proc.pid, flush=True); time.sleep(600)")  # fmt: skip
     starter, pid = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=REPO), 0
     try:
-        pid = int(starter.stdout.readline())
+        line = starter.stdout.readline()
+        assert line.strip().isdigit(), f"the starter printed no pid: {line!r}; {tmp_path / 'server.log'}"
+        pid = int(line)
         assert alive(pid)
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait()
@@ -113,6 +115,8 @@ def test_a_server_goes_with_the_process_that_started_it(ckpt, tmp_path):
         assert "drained" in (tmp_path / "server.log").read_text()
     finally:
         starter.kill()
+        starter.wait()
+        starter.stdout.close()
         if pid and alive(pid):  # (the check failed: leave nothing running)
             os.killpg(pid, signal.SIGKILL)
 

@@ -11,6 +11,8 @@ What it is:
     splits the weights: OPT-66B runs on four A100-40GBs), and a memory-bound batch-1 decode costs
     the weights' read (Llama-2-7B on an A100: 13.5 GB / 1.555 TB/s, about 8.7 ms);
   - Orca's contiguous reservations: the three sizes, and the external fragmentation of first fit;
+  - the chat trace, closed loop: a turn's prompt is the previous exchange and the user's new tokens,
+    sent its pause after the answer, and level 3 finds exactly the exchange's whole blocks cached;
   - `python -m benchmarks.simulate` on a small trace: vLLM sustains the highest rate, then Orca
     Oracle, Pow2, Max, and FasterTransformer, the paper's order.
 
@@ -241,11 +243,17 @@ def test_a_conversations_next_turn_follows_its_answer():
     tokens, sent the user's pause after that answer ended; level 3 finds the previous exchange in its
     cache; a static engine, which takes its workload up front, refuses."""
     convs = trace("chat", 8 * TURNS, rate=4.0, vocab=32000)
-    assert len(convs) == 8
+    turns = 0
+    for c in convs:
+        t, used = c, 0
+        while t is not None:  # each turn: its user tokens (the system prompt's too) and its answer
+            turns, used, t = turns + 1, used + len(t.prompt) + t.output_len, t.then
+        assert used <= 2048  # a conversation ends before it would outgrow the model
+    assert len(convs) == 8 and TURNS < turns <= 8 * TURNS
     for system in ("vllm", "vllm-prefix"):
         engine = make_engine(system, "llama-2-7b", gpu("a100-80gb"), SimClock())
         seqs = serve(engine, convs, lambda r: SamplingParams(max_tokens=2048 - len(r.prompt), temperature=0.0))
-        assert len(seqs) == 8 * TURNS and all(len(s.output_token_ids) for s in seqs)
+        assert len(seqs) == turns and all(len(s.output_token_ids) for s in seqs)
         held = 0  # the previous exchanges' whole blocks, which level 3 should find in its cache
         for first in convs:
             turn, seq = first, next(s for s in seqs if s.prompt_token_ids == first.prompt)

@@ -8,12 +8,13 @@ paper plots:
     alpaca          prompts mean 19, outputs mean 58
     shared-prefix   the project's (benchmarks/workloads.py): one 384-token system prompt and
                     8-32 tokens of each request's own, outputs 32-64: level 3's case
-    chat            conversations of 4 turns (a 32-token system prompt of their own; user turns
-                    mean 64 tokens, answers mean 200), each turn's prompt the whole exchange so
-                    far plus the user's new text, sent THINK_S seconds (mean, exponential) after
-                    the previous answer ended: closed loop, so a slow engine also slows its
+    chat            conversations of up to 4 turns (a 32-token system prompt of their own; user
+                    turns drawn with mean 64 tokens, answers 200; a conversation ends early when
+                    its next turn would not fit the model), each turn's prompt the whole exchange
+                    so far plus the user's new text, sent THINK_S seconds (mean, exponential)
+                    after the previous answer ended: closed loop, so a slow engine also slows its
                     users' next turns; conversations start at rate / 4 per second, so that the
-                    offered load is about `rate` requests/s. Level 3's case across calls
+                    offered load is at most about `rate` requests/s. Level 3's case across calls
 
     normalized latency   mean over requests of (finish - arrival) / output tokens (s/token)
     batched requests     the time-weighted mean number of requests in a step
@@ -76,7 +77,8 @@ def lengths(rng: random.Random, n: int, mean: float, sigma: float, cap: int) -> 
 
 
 def trace(name: str, num: int, rate: float, seed: int = 0, vocab: int = 50272, max_len: int = 2048) -> list[SimRequest]:
-    """`num` requests of a paper-like trace arriving as a Poisson process at `rate` per second."""
+    """`num` requests of a paper-like trace arriving as a Poisson process at `rate` per second (chat: `num`
+    // 4 conversations, their first turns; the later ones hang from each as `then`)."""
     if name not in TRACES:
         raise ValueError(f"unknown trace {name!r}; known: {', '.join(TRACES)}")
     rng = random.Random(seed)
@@ -88,21 +90,23 @@ def trace(name: str, num: int, rate: float, seed: int = 0, vocab: int = 50272, m
             reqs.append(SimRequest(t, prefix + own, rng.randint(32, 64)))
         return reqs
     mean_in, mean_out = TRACES[name]
-    if name == "chat":  # num requests: num / TURNS conversations; each fits max_len with all its turns
+    if name == "chat":  # num / TURNS conversations; one ends early when its next turn would not fit max_len
         convs = max(1, num // TURNS)
-        cap = (max_len - SYSTEM_TOKENS) // TURNS // 2
+        cap = (max_len - SYSTEM_TOKENS) // 2  # so that a first turn always fits
         users = lengths(rng, convs * TURNS, mean_in, 0.9, cap)
         answers = lengths(rng, convs * TURNS, mean_out, 0.8, cap)
         t, reqs = 0.0, []
         for c in range(convs):
+            u, a = users[c * TURNS : (c + 1) * TURNS], answers[c * TURNS : (c + 1) * TURNS]
+            turns, used = 1, SYSTEM_TOKENS + u[0] + a[0]
+            while turns < TURNS and used + u[turns] + a[turns] <= max_len:
+                used, turns = used + u[turns] + a[turns], turns + 1
             turn = None
-            for k in reversed(range(1, TURNS)):  # the last turn first: each points to the next
-                i = c * TURNS + k
-                turn = SimRequest(rng.expovariate(1 / THINK_S), [rng.randrange(3, vocab) for _ in range(users[i])],
-                                  answers[i], turn)  # fmt: skip
+            for k in reversed(range(1, turns)):  # the last turn first: each points to the next
+                turn = SimRequest(rng.expovariate(1 / THINK_S), [rng.randrange(3, vocab) for _ in range(u[k])], a[k], turn)
             t += rng.expovariate(rate / TURNS) if rate != math.inf else 0.0
-            prompt = [rng.randrange(3, vocab) for _ in range(SYSTEM_TOKENS + users[c * TURNS])]
-            reqs.append(SimRequest(t, prompt, answers[c * TURNS], turn))
+            prompt = [rng.randrange(3, vocab) for _ in range(SYSTEM_TOKENS + u[0])]
+            reqs.append(SimRequest(t, prompt, a[0], turn))
         return reqs
     prompts = lengths(rng, num, mean_in, 0.9, max_len // 2)
     outputs = lengths(rng, num, mean_out, 0.8, max_len // 2)
@@ -128,6 +132,7 @@ class SimResult:
     steps: int
     tokens_per_s: float
     drain_rate: float  # requests finished per second while some were still queued (the saturated rate)
+    prefix_hit_share: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens (level 3's hits)
 
 
 def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int = 1, pp: int = 1, **kwargs):
@@ -226,4 +231,5 @@ def summarize(system: str, rate: float, engine, seqs, reqs: list[SimRequest]) ->
         tokens_per_s=sum(len(s.output_token_ids) for s in seqs) / max(end - start, 1e-9),
         # (nothing finished while requests queued: all fit at once; then N / duration, a lower bound)
         drain_rate=drained / (queued_until - start) if drained else len(seqs) / max(end - start, 1e-9),
+        prefix_hit_share=getattr(getattr(engine, "kv", None), "hits", 0) / sum(len(s.prompt_token_ids) for s in seqs),
     )  # fmt: skip

@@ -15,7 +15,7 @@ import importlib.util
 import os
 import sys
 
-from labs.runner import install, swaps_from_env
+from labs.swap import install, swaps_from_env
 
 install(swaps_from_env())
 
