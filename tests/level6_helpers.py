@@ -3,8 +3,8 @@
 What it is: the engine settings of the standard test server (`ENGINE`, served as `NAME`),
 `serve()` (a real uvicorn on a free localhost port, a background thread of this process, so
 a test can reach into the engine), offline generation to compare with, the Prometheus
-samples, a raw SSE body split into its events with OpenAI's framing checked, and an
-`add_request` that fails on purpose. The fixtures built on them (`ckpt`, `llm`, `server`)
+samples, a raw SSE body split into its events with OpenAI's framing checked, an
+`add_request` that fails on purpose, and `wait_for` (poll until something happens, or fail). The fixtures built on them (`ckpt`, `llm`, `server`)
 are in conftest.py; each test module that asks for `server` gets its own (about 0.4 s to
 start and stop).
 
@@ -15,6 +15,7 @@ only one file uses.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -78,3 +79,13 @@ def failing_add_request(engine):
         return add(request_id, prompt, params, priority, **kw)
 
     return add_or_fail
+
+
+def wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"{what} did not happen within {timeout} s")

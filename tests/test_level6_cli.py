@@ -19,13 +19,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from level6_helpers import NAME, offline
+from level6_helpers import NAME, offline, wait_for
 
 from ladder.models import REPO
 from level6_serving.metrics import parse, value
@@ -108,10 +107,8 @@ def test_a_server_goes_with_the_process_that_started_it(ckpt, tmp_path):
         assert alive(pid)
         os.kill(starter.pid, signal.SIGKILL)
         starter.wait()
-        deadline = time.monotonic() + 30  # its watch polls twice a second; then a drain with nothing to drain
-        while alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not alive(pid), (tmp_path / "server.log").read_text()[-2000:]
+        # its watch polls twice a second; then a drain with nothing to drain
+        wait_for(lambda: not alive(pid), 30, f"the server's exit (its log: {tmp_path / 'server.log'})")
         assert "drained" in (tmp_path / "server.log").read_text()
     finally:
         starter.kill()

@@ -37,6 +37,7 @@ import time
 
 import httpx
 import pytest
+from level6_helpers import wait_for
 
 from level6_serving import AsyncLLMEngine
 from level6_serving.api_server import ServerThread, build_app
@@ -67,16 +68,6 @@ def rank_pids(server_pid: int) -> list[int]:
             if "spawn_main" in f.read():
                 out.append(pid)
     return out
-
-
-def wait_for(predicate, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen within {timeout} s")
 
 
 def health(url: str):

@@ -158,13 +158,12 @@ def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
     request's answer, its prompt the request's prompt + answer + the follow-up's own tokens. A static
     engine (level 0) forms its rounds from the arrivals itself, so it takes no follow-ups."""
     ids = [f"{prefix}{i}" for i in range(len(reqs))]
-    for rid, r in zip(ids, reqs):
-        engine.targets[rid] = r.output_len
     if isinstance(engine, SimulatedStatic):
         if any(r.then for r in reqs):
             raise ValueError("a static engine takes its whole workload up front: no conversation's next turn")
         seqs = []
         for rid, r in zip(ids, reqs):
+            engine.targets[rid] = r.output_len
             seq = engine.inputs.make_group(r.prompt, params_for(r), request_id=rid)[0]
             seq.metrics.arrival_time = r.arrival
             seqs.append(seq)
