@@ -287,14 +287,17 @@ class MultiprocExecutor:
             return fn()
         except Exception as e:
             lost = any(word in str(e).lower() for word in ("closed", "timed out", "reset by peer", "broken pipe"))
+            exiting = []  # the sentinels of ranks whose process is exiting
             if lost and not self._dead():  # gloo saw the socket close before the kernel let us reap the rank
                 if hasattr(self.procs, "wait_for_exit"):  # Ray's actors: Ray hears of the death a little later
                     self.procs.wait_for_exit(timeout=min(10.0, self.spec.timeout_s))
-                else:
-                    wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
-            for p in self.procs:  # reap whoever exited, so its exit code is known
-                if not p.is_alive():
-                    p.join(timeout=0.5)
+                else:  # a dying process's sockets and its sentinel close together, at once
+                    exiting = wait_for_any([p.sentinel for p in self.procs], timeout=1.0)
+            for p in self.procs:  # reap whoever exited, so its exit code is known. A closed sentinel is not yet
+                # a reapable process: is_alive() says True until the kernel finishes its exit (milliseconds,
+                # more on a loaded machine), so join it, which waits for exactly that
+                if not p.is_alive() or getattr(p, "sentinel", None) in exiting:
+                    p.join(timeout=5.0)
             dead = self._dead()
             if dead or lost:
                 self.died = f"a worker rank failed: {', '.join(dead) or str(e)[:200]}; the engine cannot continue"
