@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 from test_equivalence import kv_bytes
@@ -312,3 +313,30 @@ def test_a_simulated_draft_takes_its_share_of_the_kv_budget(llama_dir, checkpoin
     alone = SimulatedSpeculative(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), dtype="float64",
                                  block_size=4, kv_cache_memory=budget, num_speculative_tokens=2)  # fmt: skip
     assert sim.num_blocks == real.num_blocks < alone.num_blocks == 40
+
+
+def test_a_simulated_draft_runs_the_real_drafts_passes(llama_dir):
+    """Level 4 with the target as its own draft (every greedy guess accepted) against the simulated one at
+    alpha 1: the same steps, and one draft pass on the clock for each forward the real draft ran (its
+    prompt chunks and k guesses): what the validation's calibration charges each pass for."""
+    import level4_speculative
+    from benchmarks.sim.cost import ModelShape
+    from benchmarks.sim.engines import SimulatedSpeculative
+
+    kw = dict(dtype="float64", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 4 * 60), max_num_seqs=3)
+    real = level4_speculative.LLMEngine(llama_dir, speculative_config={"model": llama_dir, "num_speculative_tokens": 2},
+                                        **kw)  # fmt: skip
+    passes, inner = [], real.proposer.worker.execute
+    real.proposer.worker.execute = lambda inp: passes.append(len(inp.seq_lens)) or inner(inp)
+    pass_cost = 1000.0  # seconds a draft pass: the clock counts them (everything else costs milliseconds)
+    shape = ModelShape.from_hf(json.loads((Path(llama_dir) / "config.json").read_text()))
+    sim = SimulatedSpeculative(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), num_speculative_tokens=2,
+                               alpha=1.0, draft_shape=shape, draft_hardware=gpu("a100-40gb", step_overhead_s=pass_cost),
+                               **kw)  # fmt: skip
+    want, got = record(real), record(sim)
+    reqs = [(p, n) for p, n in workload(2)[:6]]
+    play(real, reqs)
+    play(sim, reqs, sim.targets)
+    assert real.spec_stats.per_position() == [1.0, 1.0], "the target drafting for itself: every guess accepted"
+    assert got == want
+    assert len(passes) > len(want) and int(sim.clock.now // pass_cost) == len(passes)
