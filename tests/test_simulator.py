@@ -334,7 +334,7 @@ def test_a_simulated_draft_runs_the_real_drafts_passes(llama_dir):
                                alpha=1.0, draft_shape=shape, draft_hardware=gpu("a100-40gb", step_overhead_s=pass_cost),
                                **kw)  # fmt: skip
     want, got = record(real), record(sim)
-    reqs = [(p, n) for p, n in workload(2)[:6]]
+    reqs = workload(2)[:6]
     play(real, reqs)
     play(sim, reqs, sim.targets)
     assert real.spec_stats.per_position() == [1.0, 1.0], "the target drafting for itself: every guess accepted"

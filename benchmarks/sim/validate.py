@@ -285,9 +285,8 @@ def committed_row(committed: dict, name: str, level: str) -> dict | None:
 
 def measure_now(out: Path, threads: int, quick: bool = False, repeats: int = 1) -> dict:
     """The benchmark's workloads on this machine now, levels 0, 2, 3 and 4, the fastest of `repeats` runs each
-    (no HF, no sweeps;
-    poisson at 0.9x level 0's capacity: the harness's base when level 1 does not run): what the prediction
-    is held against."""
+    (no HF, no sweeps; poisson at 0.9x level 0's capacity, once: the harness's base when level 1 does not
+    run): what the prediction is held against."""
     from benchmarks import throughput
 
     argv = ["--all", "--engines", ",".join(LEVELS), "--hf-sweep", "none", "--rate-multiples", "0.9",
@@ -324,7 +323,7 @@ def main(argv=None) -> dict:
     bare = cpu_hardware(committed["roofline"])
     cals = {}
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
-          " + c3 * context tokens + c4 * context tokens read again, per step)")  # fmt: skip
+          " + c3 * context tokens + c4 * context tokens read again, per step; level 4's draft: d0 a pass, d1 a token)")  # fmt: skip
     for level in LEVELS:
         cals[level] = cal = calibrate(level, model, bare, dtype, cfg, args.repeats)
         draft = f" the draft {cal['d0_s'] * 1e3:.2f} ms a pass, {cal['d1_s'] * 1e6:.1f} us a token;"
