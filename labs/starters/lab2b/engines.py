@@ -219,11 +219,12 @@ class SimProposer:
 
     def prefill(self, sched: SchedulerOutput) -> None:
         """The draft computes the step's prompt chunks too (its cache keeps up with the target's)."""
-        e = self.engine
-        chunks = [(r.num_computed_tokens, n - len(r.spec_token_ids)) for r, n in sched.scheduled]
-        chunks = [(c, n) for c, n in chunks if n > 1]
+        e, chunks = self.engine, []
+        for r, n in sched.scheduled:  # the prompt tokens in each chunk (a decode has none)
+            if (end := min(r.num_computed_tokens + n, len(r.prompt_token_ids))) > r.num_computed_tokens:
+                chunks.append((r.num_computed_tokens, end - r.num_computed_tokens))
         if e.draft_shape is not None and e.draft_cost and chunks:
-            e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, 0, e.tp, e.pp))
+            e.clock.advance(step_time(e.draft_hardware, e.draft_shape, chunks, 0, e.tp, e.pp))
 
     def propose(self, drafting: list) -> None:
         e = self.engine
@@ -232,7 +233,7 @@ class SimProposer:
         if e.draft_shape is not None and e.draft_cost and drafting:
             for j in range(max(k for _, k in drafting)):
                 chunks = [(req.num_tokens + j - 1, 1) for req, k in drafting if k > j]
-                e.clock.advance(step_time(e.hardware, e.draft_shape, chunks, len(chunks), e.tp, e.pp))
+                e.clock.advance(step_time(e.draft_hardware, e.draft_shape, chunks, len(chunks), e.tp, e.pp))
 
 
 class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
@@ -241,14 +242,17 @@ class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
     (one alpha for every position if a float), the first rejection ending the run, as in
     Leviathan et al.'s analysis. `draft_shape`: the draft model, whose cache takes its share of the
     KV budget as the real engine's does and whose prefills and guesses cost time (`draft_cost=False`:
-    not on the clock, when a calibration already counts them); None: no draft (n-grams: free)."""
+    not on the clock, when a calibration already counts them); None: no draft (n-grams: free).
+    `draft_hardware`: what the draft's passes cost on (default: the target's hardware; a CPU's
+    calibration gives the draft its own per-pass overhead, benchmarks/sim/validate.py)."""
 
     def __init__(self, model: str, *, num_speculative_tokens: int = 4, alpha: float | list[float] = 0.7,
                  draft_shape: ModelShape | None = None, draft_cost: bool = True,
-                 disable_by_batch_size: int | None = None, seed: int = 0, **kwargs):  # fmt: skip
+                 draft_hardware: Hardware | None = None, disable_by_batch_size: int | None = None, seed: int = 0,
+                 **kwargs):  # fmt: skip
         import random
 
-        self.draft_cost = draft_cost
+        self.draft_cost, self.draft_hardware = draft_cost, draft_hardware or kwargs["hardware"]
         k = num_speculative_tokens
         self.alpha = [alpha] * k if isinstance(alpha, (int, float)) else list(alpha)
         if len(self.alpha) < k:
@@ -264,6 +268,12 @@ class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
 
     def make_proposer(self) -> SimProposer:
         return SimProposer(self)
+
+    def prepare_input(self, sched: SchedulerOutput) -> SimStep:
+        """The step described, as level 2's (SimulatedContinuous comes first in the MRO), after the draft's
+        pass over its prompt chunks (what level 4's own prepare_input adds)."""
+        self.proposer.prefill(sched)
+        return super().prepare_input(sched)
 
     def draft_kv_bytes_per_token(self) -> int:
         """The draft's cache shares the budget (level 4's split), in the target's dtype."""
