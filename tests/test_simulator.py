@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import math
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -165,6 +166,24 @@ def test_a_shared_prefix_is_read_once_where_the_cache_holds_it():
             assert alone.overhead - shared.overhead == pytest.approx(63 * 384 * (1e-6 - 2e-7))
         else:  # ... a GPU's paged attention reads it from HBM per request: the same cost
             assert shared.total == alone.total
+
+def test_a_chunk_after_a_prefix_hit_pays_its_own_row_cost():
+    """A CPU's attention sends a query of more than LONG_QUERY tokens over a longer cache to SDPA alone, row by
+    row: the cost model charges such a row `cached_chunk_overhead_s`, and no other kind of row."""
+    from benchmarks.sim.cost import CACHED_CHUNK
+    from level1_paged.cpu_attention import LONG_QUERY
+
+    assert CACHED_CHUNK == LONG_QUERY  # the model follows the backend's rule
+    shape, per_row = model_shape("llama-2-7b"), 5e-4
+    hw = Hardware("cpu", 1e11, 2e10, 1 << 40, kv_reuse=True, cached_chunk_overhead_s=per_row)
+    plain = replace(hw, cached_chunk_overhead_s=0.0)
+    rows = {"chunk after a hit": (384, 20), "decode": (400, 1), "verification": (400, 8), "prefill": (0, 300),
+            "chunk longer than its cache": (100, 200)}  # fmt: skip
+    charged = {k: step_cost(hw, shape, [r], 1).overhead - step_cost(plain, shape, [r], 1).overhead for k, r in rows.items()}
+    assert charged == pytest.approx({k: per_row if k == "chunk after a hit" else 0.0 for k in rows})
+    batch = [(384, 20)] * 3 + [(400, 1)] * 5
+    assert step_cost(hw, shape, batch, 8).overhead - step_cost(plain, shape, batch, 8).overhead == pytest.approx(3 * per_row)
+
 
 
 def test_a_batch_one_decode_reads_the_weights():

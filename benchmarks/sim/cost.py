@@ -25,7 +25,8 @@ memory traffic, plus a fixed per-step overhead:
                this model does not, so PP buys memory here, never speed)
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
                token and per context token in it, a context token whose block was already read in
-               the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated)
+               the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated),
+               and per chunk after a prefix hit (a CPU's attention takes those one row at a time)
 
     t_step = sum over classes of max(FLOPs / (peak * eff_c), bytes / (bandwidth * eff_m)) + comm + overhead
 
@@ -47,6 +48,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).parent
+CACHED_CHUNK = 8  # level1_paged.cpu_attention.LONG_QUERY: longer queries over a longer cache go row by row
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,9 @@ class Hardware:
     token_overhead_s: float = 0.0  # per new token (a CPU's elementwise ops, slower than its bandwidth says)
     context_overhead_s: float = 0.0  # per token of context attended over (a CPU's attention, below its roofline)
     shared_context_overhead_s: float | None = None  # per context token read again in a step (None: as above)
+    # per chunk after a prefix hit (more than CACHED_CHUNK new tokens over a longer cached context): a CPU
+    # sends such a row to SDPA alone, one gather and call per row and layer (level1_paged/cpu_attention.py)
+    cached_chunk_overhead_s: float = 0.0
     kv_reuse: bool = False  # a KV block read again in one step comes from the cache (a CPU: a tiny model's
     # shared prefix fits in it); GPUs: False, every request's KV from HBM (paged attention reads per request)
     # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
@@ -220,6 +225,8 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
     again = hw.context_overhead_s if hw.shared_context_overhead_s is None else hw.shared_context_overhead_s
     overhead += hw.context_overhead_s * (context - shared) + again * shared
+    if hw.cached_chunk_overhead_s:
+        overhead += hw.cached_chunk_overhead_s * sum(1 for c, n in chunks if n > CACHED_CHUNK and c > n)
     return StepCost(linear, attention, lm_head, comm, overhead)
 
 

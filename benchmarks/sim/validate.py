@@ -14,8 +14,10 @@ CPU and the model the built-in one:
      wall time, and the rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context
      tokens + c4 * context tokens read again in the step (in blocks another request read first:
      a shared prefix, which this CPU reads from its cache; zero at levels 0 and 2, which share no
-     blocks) (nonnegative least squares, relative errors): the Python and dispatch cost a CPU
-     pays per step, per row and per token, and what its attention costs beyond the roofline's bytes;
+     blocks) + c5 * chunks after a prefix hit (rows of more than 8 new tokens over a longer cache,
+     which this CPU's attention takes one at a time through SDPA) (nonnegative least squares,
+     relative errors): the Python and dispatch cost a CPU pays per step, per row and per token,
+     and what its attention costs beyond the roofline's bytes;
      at level 4 also + d0 * the draft's forward passes + d1 * their new tokens, the draft's own
      fixed costs (each pass is a whole forward of its own: a step that guesses pays them, one
      that does not, above `disable_by_batch_size`, does not);
@@ -45,7 +47,7 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
-from .cost import Hardware, ModelShape, step_cost
+from .cost import CACHED_CHUNK, Hardware, ModelShape, step_cost
 from .engines import (
     SimClock,
     SimulatedContinuous,
@@ -84,13 +86,15 @@ def conditional_alphas(per_position: list[float]) -> list[float]:
 def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
     """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
     `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token),
-    c4 (per context token read again in the step); `kv_reuse`: a block read again comes from the cache."""
+    c4 (per context token read again in the step), c5 (per chunk after a prefix hit); `kv_reuse`: a block
+    read again comes from the cache."""
     curve = tuple((p["batch"], p["flops_per_s"]) for p in roofline["sweep"])
     o = overhead or {"c0_s": 0.0, "c1_s": 0.0, "c2_s": 0.0, "c3_s": 0.0, "c4_s": 0.0}
     return Hardware("this CPU", curve[-1][1], roofline["bandwidth"], 1 << 40, compute_efficiency=1.0,
                     memory_efficiency=1.0, step_overhead_s=o["c0_s"], seq_overhead_s=o["c1_s"],
                     token_overhead_s=o["c2_s"], context_overhead_s=o["c3_s"],
-                    shared_context_overhead_s=o.get("c4_s", o["c3_s"]), kv_reuse=True, flops_curve=curve)  # fmt: skip
+                    shared_context_overhead_s=o.get("c4_s", o["c3_s"]), cached_chunk_overhead_s=o.get("c5_s", 0.0),
+                    kv_reuse=True, flops_curve=curve)  # fmt: skip
 
 
 def exact(n: int) -> SamplingParams:
@@ -202,7 +206,8 @@ def nonnegative_lstsq(A: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg: dict | None = None,
               repeats: int = 1) -> dict:  # fmt: skip
     """Fit what the roofline does not explain, wall - roofline = c0 + c1 * requests + c2 * new tokens + c3 *
-    context tokens + c4 * context tokens read again (+ d0 * draft passes + d1 * draft tokens at level 4),
+    context tokens + c4 * context tokens read again + c5 * chunks after a prefix hit (+ d0 * draft passes +
+    d1 * draft tokens at level 4),
     by least squares over the real engine's steps on the calibration mix (see the module docstring), each
     step's error relative to its time: a 3 ms decode alone counts as much as a 200 ms prefill. A level that
     shares no blocks has no c4 to fit: its shared tokens cost as others (c4 = c3). The roofline of a
@@ -218,19 +223,19 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
         draft_hf = json.loads((Path(spec_config(cfg or {})["model"]) / "config.json").read_text())
         draft = replace(ModelShape.from_hf(draft_hf), dtype_bytes=shape.dtype_bytes)
     X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c) - r, r,
-                       len(p), sum(n for q, _ in p for _, n in q)] for c, _, r, p, _ in steps],
-                     dtype=torch.float64)  # fmt: skip
+                       len(p), sum(n for q, _ in p for _, n in q), sum(1 for a, n in c if n > CACHED_CHUNK and a > n)]
+                      for c, _, r, p, _ in steps], dtype=torch.float64)  # fmt: skip
     roof = torch.tensor([step_cost(hw, shape, c, k, shared=r).total
                          + sum(step_cost(hw, draft, q, m).total for q, m in p) for c, k, r, p, _ in steps],
                         dtype=torch.float64)  # fmt: skip
     wall = torch.tensor([w for *_, w in steps], dtype=torch.float64)
-    cols = [0, 1, 2, 3] + ([4] if X[:, 4].any() else []) + ([5, 6] if draft else [])  # only what occurs
-    coef = torch.zeros(7, dtype=torch.float64)
+    cols = [0, 1, 2, 3] + ([4] if X[:, 4].any() else []) + ([5, 6] if draft else []) + ([7] if X[:, 7].any() else [])
+    coef = torch.zeros(8, dtype=torch.float64)  # (only the columns that occur are fitted)
     coef[cols] = nonnegative_lstsq(X[:, cols] / wall[:, None], (wall - roof) / wall)
     fit = roof + X @ coef
     c4 = coef[4].item() if 4 in cols else coef[3].item()
     return {"level": level, "c0_s": coef[0].item(), "c1_s": coef[1].item(), "c2_s": coef[2].item(), "c3_s": coef[3].item(),
-            "c4_s": c4, "d0_s": coef[5].item(), "d1_s": coef[6].item(),
+            "c4_s": c4, "c5_s": coef[7].item(), "d0_s": coef[5].item(), "d1_s": coef[6].item(),
             "steps": len(steps), "wall_s": wall.sum().item(), "roofline_share": (roof.sum() / wall.sum()).item(),
             "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
 
@@ -323,13 +328,14 @@ def main(argv=None) -> dict:
     bare = cpu_hardware(committed["roofline"])
     cals = {}
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
-          " + c3 * context tokens + c4 * context tokens read again, per step; level 4's draft: d0 a pass, d1 a token)")  # fmt: skip
+          " + c3 * context tokens + c4 * context tokens read again + c5 * chunks after a prefix hit, per step;"
+          " level 4's draft: d0 a pass, d1 a token)")  # fmt: skip
     for level in LEVELS:
         cals[level] = cal = calibrate(level, model, bare, dtype, cfg, args.repeats)
         draft = f" the draft {cal['d0_s'] * 1e3:.2f} ms a pass, {cal['d1_s'] * 1e6:.1f} us a token;"
         draft = draft if level == "level4_speculative" else ""
         print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:5.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us"
-              f"  c3 {cal['c3_s'] * 1e9:5.0f} ns  c4 {cal['c4_s'] * 1e9:5.0f} ns;"
+              f"  c3 {cal['c3_s'] * 1e9:5.0f} ns  c4 {cal['c4_s'] * 1e9:5.0f} ns  c5 {cal['c5_s'] * 1e3:5.2f} ms;"
               f"{draft} {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
               f" the fit's error {100 * cal['fit_error']:.1f} %")  # fmt: skip
     rows = []
