@@ -167,6 +167,7 @@ def test_a_shared_prefix_is_read_once_where_the_cache_holds_it():
         else:  # ... a GPU's paged attention reads it from HBM per request: the same cost
             assert shared.total == alone.total
 
+
 def test_a_chunk_after_a_prefix_hit_pays_its_own_row_cost():
     """A CPU's attention sends a query of more than LONG_QUERY tokens over a longer cache to SDPA alone, row by
     row: the cost model charges such a row `cached_chunk_overhead_s`, and no other kind of row."""
