@@ -48,7 +48,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).parent
-CACHED_CHUNK = 8  # level1_paged.cpu_attention.LONG_QUERY: longer queries over a longer cache go row by row
+# level1_paged.cpu_attention.LONG_QUERY (a test holds them equal; this file stays free of torch): a query of
+# more tokens over a longer cache goes to SDPA row by row
+CACHED_CHUNK = 8
 
 
 @dataclass(frozen=True)
@@ -226,8 +228,14 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     again = hw.context_overhead_s if hw.shared_context_overhead_s is None else hw.shared_context_overhead_s
     overhead += hw.context_overhead_s * (context - shared) + again * shared
     if hw.cached_chunk_overhead_s:
-        overhead += hw.cached_chunk_overhead_s * sum(1 for c, n in chunks if n > CACHED_CHUNK and c > n)
+        overhead += hw.cached_chunk_overhead_s * cached_chunks(chunks)
     return StepCost(linear, attention, lm_head, comm, overhead)
+
+
+def cached_chunks(chunks: list[tuple[int, int]]) -> int:
+    """Of a step's (cached, new) rows, the chunks after a prefix hit: more than CACHED_CHUNK new tokens over a
+    longer cached context (what `Hardware.cached_chunk_overhead_s` is paid for)."""
+    return sum(1 for c, n in chunks if n > CACHED_CHUNK and c > n)
 
 
 def step_time(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int, tp: int = 1,

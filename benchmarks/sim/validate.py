@@ -47,7 +47,7 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
-from .cost import CACHED_CHUNK, Hardware, ModelShape, step_cost
+from .cost import Hardware, ModelShape, cached_chunks, step_cost
 from .engines import (
     SimClock,
     SimulatedContinuous,
@@ -223,7 +223,7 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
         draft_hf = json.loads((Path(spec_config(cfg or {})["model"]) / "config.json").read_text())
         draft = replace(ModelShape.from_hf(draft_hf), dtype_bytes=shape.dtype_bytes)
     X = torch.tensor([[1.0, len(c), sum(n for _, n in c), sum(a + n for a, n in c) - r, r,
-                       len(p), sum(n for q, _ in p for _, n in q), sum(1 for a, n in c if n > CACHED_CHUNK and a > n)]
+                       len(p), sum(n for q, _ in p for _, n in q), cached_chunks(c)]
                       for c, _, r, p, _ in steps], dtype=torch.float64)  # fmt: skip
     roof = torch.tensor([step_cost(hw, shape, c, k, shared=r).total
                          + sum(step_cost(hw, draft, q, m).total for q, m in p) for c, k, r, p, _ in steps],
