@@ -36,7 +36,18 @@ settings.register_profile(
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# The suite runs in parallel (pytest-xdist, `-n auto` in pyproject.toml): one process per core, at most
+# MAX_WORKERS. Each takes its share of the cores for torch, so two workers on two cores run one thread each
+# instead of four fighting for two. (Most tests are tiny models, where a second thread buys nothing.)
+MAX_WORKERS = 4  # each worker holds its own torch, transformers and checkpoints: about 1-3 GB
+
+
+def pytest_xdist_auto_num_workers(config):
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
+
+
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 
 
 def pytest_configure(config):
