@@ -247,6 +247,25 @@ def test_the_command_writes_its_table(tmp_path):
     assert (tmp_path / "what_if_a100-40gb_opt-13b_alpaca.png").stat().st_size > 10_000
 
 
+def test_levels_measured_alone_keep_their_own_rate_and_roofline():
+    """`validate.merge`: runs that measured one level each (each then calibrated at once) become one results
+    dict in which each level's poisson row is the one at its own rate and its roofline is its own."""
+    from benchmarks.sim import validate
+
+    def run(level, rate, flops):
+        return {"config": {}, "roofline": {"flops": flops},
+                "workloads": {"uniform": {"results": {level: {"tok": flops}}},
+                              "poisson": {"reference_rate": rate, "results": {level: {"request_rate": rate}},
+                                          "sweep": {level: [{"request_rate": 0.5}, {"request_rate": rate, "of": level}]}}}}  # fmt: skip
+
+    merged = validate.merge({"a": run("a", 1.5, 10), "b": run("b", 3.0, 20)})
+    for level, rate, flops in (("a", 1.5, 10), ("b", 3.0, 20)):
+        assert validate.committed_row(merged, "poisson", level) == {"request_rate": rate, "of": level}
+        assert validate.committed_row(merged, "uniform", level) == {"tok": flops}
+        assert validate.roofline_of(merged, level) == {"flops": flops}
+    assert validate.committed_row(merged, "poisson", "c") is None
+
+
 def test_traces_have_the_papers_means():
     for name, (p, o) in {"sharegpt": (161, 338), "alpaca": (19, 58)}.items():
         reqs = trace(name, 2000, rate=1.0)

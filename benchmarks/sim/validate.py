@@ -7,10 +7,13 @@ the simulation must reproduce what the real engines measured there. Here the mac
 CPU and the model the built-in one:
 
   1. the hardware: the matmul rates at each batch size and the memory bandwidth that the
-     committed benchmark measured (`benchmarks/results/latest.json`, its "roofline" section);
+     benchmark measured (its "roofline" section). Measuring now (the default), each level is
+     measured alone and calibrated right after: a shared machine's speed drifts by tens of per
+     cent over the minutes a whole benchmark takes, and a level's prediction should be held
+     against the machine its calibration saw;
   2. the overhead: each simulated level's real engine runs a calibration workload (its own
-     seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, then two requests
-     alone); for every step the roofline time of what it scheduled is subtracted from the step's
+     seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, two requests
+     alone, small groups after a prefix hit); for every step the roofline time of what it scheduled is subtracted from the step's
      wall time, and the rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context
      tokens + c4 * context tokens read again in the step (in blocks another request read first:
      a shared prefix, which this CPU reads from its cache; zero at levels 0 and 2, which share no
@@ -34,6 +37,7 @@ What it is not: a check of level 1 (static batches over blocks: not simulated) o
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import random
 import statistics
@@ -108,15 +112,19 @@ def calibration_mix(seed: int = 123) -> list[list[tuple[list[int], int]]]:
     prompts of 8-384 tokens with outputs of 8-200 at once (batches from 1 to about 90, contexts up to
     580); a prefix of 256 tokens alone, then 64 requests that start with it (8-64 tokens of their
     own, outputs of 8-120: with prefix caching their decodes read one copy of it); then two alone
-    (batch 1, a long decode each): the fit sees the batch sizes, contexts and sharing the
-    benchmark's workloads run at, without their requests."""
+    (batch 1, a long decode each); then twelve small groups (1 to 4 requests) that start with the
+    prefix and add 9-96 tokens of their own: each group's prefill is a step of chunks after a prefix
+    hit (c5's only witnesses otherwise are the one or two steps that prefill the 64). The fit sees the
+    batch sizes, contexts and sharing the benchmark's workloads run at, without their requests."""
     rng = random.Random(seed)
     crowd = [([rng.randrange(32, 127) for _ in range(rng.randint(8, 384))], rng.randint(8, 200)) for _ in range(96)]
     prefix = [rng.randrange(32, 127) for _ in range(256)]
     sharing = [(prefix + [rng.randrange(32, 127) for _ in range(rng.randint(8, 64))], rng.randint(8, 120))
                for _ in range(64)]  # fmt: skip
     alone = [[([rng.randrange(32, 127) for _ in range(rng.randint(8, 48))], 96)] for _ in range(2)]
-    return [crowd, [(prefix, 1)], sharing, *alone]
+    hits = [[(prefix + [rng.randrange(32, 127) for _ in range(rng.randint(9, 96))], rng.randint(4, 16))
+             for _ in range(k)] for k in (1, 2, 3, 4) * 3]  # fmt: skip
+    return [crowd, [(prefix, 1)], sharing, *alone, *hits]
 
 
 Pass = tuple[list[tuple[int, int]], int]  # one forward of the draft: (cached, new) per row, logits rows
@@ -242,7 +250,8 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
 
 def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model: str, dtype: str) -> dict:
     """One level on one committed workload, simulated with its calibration `cal`: output tokens/s and mean TTFT."""
-    w, hw = committed["workloads"][name], cpu_hardware(committed["roofline"], cal)
+    w, roof = committed["workloads"][name], roofline_of(committed, level)
+    hw = cpu_hardware(roof, cal)
     wl = make_workload(name, cfg["num_requests"], 259, cfg["seed"], cfg["quick"], tokenizer_encode(model))
     clock = SimClock()
     kw = dict(hardware=hw, clock=clock, dtype=dtype, kv_cache_memory=w["kv_cache_memory"],
@@ -255,7 +264,7 @@ def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model:
         own = {"c0_s": cal["d0_s"], "c1_s": 0.0, "c2_s": cal["d1_s"], "c3_s": 0.0}  # the draft's terms: per pass, token
         kw.update(num_speculative_tokens=sc["num_speculative_tokens"], disable_by_batch_size=sc["disable_by_batch_size"],
                   alpha=conditional_alphas(spec["per_position"]), draft_shape=draft,
-                  draft_hardware=cpu_hardware(committed["roofline"], own))  # fmt: skip
+                  draft_hardware=cpu_hardware(roof, own))  # fmt: skip
     engine = LEVELS[level](model, **kw)
     seqs, rounds = [], iter(range(1 << 30))
 
@@ -264,7 +273,7 @@ def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model:
         return play(engine, sim, lambda r: exact(r.output_len), prefix=f"t{next(rounds)}-")
 
     if wl.arrivals is not None:
-        rate = w["reference_rate"]
+        rate = reference_rate(w, level)
         seqs = serve(wl.first, [a / rate for a in wl.arrivals])
     else:
 
@@ -280,24 +289,49 @@ def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model:
             "preemptions": engine.stats.preemptions}  # fmt: skip
 
 
+def reference_rate(w: dict, level: str) -> float:
+    """The poisson workload's rate for `level`: its own when each level was measured alone (`merge`)."""
+    return w.get("reference_rates", {}).get(level, w["reference_rate"])
+
+
+def roofline_of(committed: dict, level: str) -> dict:
+    """The roofline the level's rows were measured with: its own when each level was measured alone."""
+    return committed.get("rooflines", {}).get(level, committed["roofline"])
+
+
 def committed_row(committed: dict, name: str, level: str) -> dict | None:
     w = committed["workloads"][name]
     if "sweep" in w:  # poisson: the committed row at the reference rate
-        rows = [r for r in w["sweep"].get(level, []) if r["request_rate"] == w["reference_rate"]]
+        rows = [r for r in w["sweep"].get(level, []) if r["request_rate"] == reference_rate(w, level)]
         return rows[0] if rows else None
     return w["results"].get(level)
 
 
-def measure_now(out: Path, threads: int, quick: bool = False, repeats: int = 1) -> dict:
-    """The benchmark's workloads on this machine now, levels 0, 2, 3 and 4, the fastest of `repeats` runs each
-    (no HF, no sweeps; poisson at 0.9x level 0's capacity, once: the harness's base when level 1 does not
-    run): what the prediction is held against."""
+def measure_now(level: str, out: Path, threads: int, quick: bool = False, repeats: int = 1) -> dict:
+    """The benchmark's workloads on this machine now for one level, the fastest of `repeats` runs each (no HF,
+    no sweeps; poisson at 0.9x the level's own capacity, once: the harness's base when level 1 does not run):
+    what the level's predictions are held against."""
     from benchmarks import throughput
 
-    argv = ["--all", "--engines", ",".join(LEVELS), "--hf-sweep", "none", "--rate-multiples", "0.9",
+    argv = ["--all", "--engines", level, "--hf-sweep", "none", "--rate-multiples", "0.9",
             "--threads", str(threads), "--repeats", str(repeats), "--no-progress", "--out", str(out)]  # fmt: skip
     throughput.main(argv + (["--quick"] if quick else []))
     return json.loads(out.read_text())
+
+
+def merge(runs: dict[str, dict]) -> dict:
+    """One results dict from runs that measured one level each: every level's rows, and beside them the
+    poisson rate (`reference_rates`) and the roofline (`rooflines`) each level was measured with."""
+    merged = copy.deepcopy(next(iter(runs.values())))
+    merged["rooflines"] = {level: run["roofline"] for level, run in runs.items()}
+    for level, run in runs.items():
+        for name, w in run["workloads"].items():
+            into = merged["workloads"][name]
+            into["results"][level] = w["results"][level]
+            if "sweep" in w:
+                into["sweep"][level] = w["sweep"][level]
+                into.setdefault("reference_rates", {})[level] = w["reference_rate"]
+    return merged
 
 
 def main(argv=None) -> dict:
@@ -316,22 +350,24 @@ def main(argv=None) -> dict:
 
     args.out = args.out or str(output_dir() / "what_if_validation.json")
     torch.set_num_threads(args.threads)
-    if args.results is None:  # calibrate below, right after measuring: the same machine, minutes apart
-        committed = measure_now(output_dir() / "what_if_measured.json", args.threads, args.quick, args.repeats)
-        torch.set_num_threads(args.threads)
-    else:
-        committed = json.loads(Path(args.results).read_text())
-    cfg = committed["config"]
-    model, dtype = cfg["model"], cfg["dtype"]
-    if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
-        model = str(ROOT / "models" / cfg["model_name"])
-    bare = cpu_hardware(committed["roofline"])
-    cals = {}
+    committed = json.loads(Path(args.results).read_text()) if args.results else None
+    cals, runs = {}, {}
+    for level in LEVELS:
+        if args.results is None:  # measured, then calibrated at once: the same minutes of a drifting machine
+            runs[level] = measure_now(level, output_dir() / f"what_if_measured_{level}.json", args.threads,
+                                      args.quick, args.repeats)  # fmt: skip
+            torch.set_num_threads(args.threads)
+        cfg = (committed or runs[level])["config"]
+        model, dtype = cfg["model"], cfg["dtype"]
+        if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
+            model = str(ROOT / "models" / cfg["model_name"])
+        bare = cpu_hardware(roofline_of(committed or runs[level], level))
+        cals[level] = calibrate(level, model, bare, dtype, cfg, args.repeats)
+    committed = committed or merge(runs)
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
           " + c3 * context tokens + c4 * context tokens read again + c5 * chunks after a prefix hit, per step;"
           " level 4's draft: d0 a pass, d1 a token)")  # fmt: skip
-    for level in LEVELS:
-        cals[level] = cal = calibrate(level, model, bare, dtype, cfg, args.repeats)
+    for level, cal in cals.items():
         draft = f" the draft {cal['d0_s'] * 1e3:.2f} ms a pass, {cal['d1_s'] * 1e6:.1f} us a token;"
         draft = draft if level == "level4_speculative" else ""
         print(f"  {level:18s} c0 {cal['c0_s'] * 1e3:5.2f} ms  c1 {cal['c1_s'] * 1e6:6.1f} us  c2 {cal['c2_s'] * 1e6:5.1f} us"
