@@ -7,6 +7,7 @@ What it is:
     nothing, and gives up a match when its holder is BALANCE_SLACK requests busier than the least
     loaded; the chunk hashes chain (two prompts share hash i exactly when they share chunks 0..i);
   - /metrics merged: each replica's series labelled, and their sum (a share's mean);
+  - the relay's HTTP client (level6_serving/http_client.py) against a raw server writing awkward pieces;
   - `python -m level6_serving --data-parallel-size 2`: every request's greedy output equals the
     offline engine's (DP=1), and both replicas served some;
   - a replica killed mid-stream: that stream ends with an error event and [DONE], the replica leaves
@@ -112,6 +113,52 @@ def test_the_router_flags_are_never_abbreviated(capsys):
         parse_args(["--data", "2"])  # else the replicas would get it as a data-parallel size of their own
     assert replica_argv(["--data-parallel-size", "2", "--router=round-robin", "--port", "9", "--seed", "1"]) == [
         "--seed", "1"]  # fmt: skip
+
+
+def test_the_relay_client_dechunks_what_arrives_and_notices_a_server_that_leaves():
+    """`level6_serving.http_client.post` (the router's call to a replica, the serving benchmark's client)
+    against a raw server that writes a chunked stream in awkward pieces: a chunk split across writes,
+    two chunks in one write. The body comes out whole and in order, the request went out as written;
+    a server that closes mid-chunk is an IncompleteReadError, never a shorter body."""
+    import asyncio
+
+    from level6_serving.http_client import post
+
+    events = [b"data: one\n\n", b"data: two, a longer event\n\n", b"data: [DONE]\n\n"]
+    wire = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")  # fmt: skip
+    head = wire.index(b"\r\n\r\n") + 4
+    cuts = [head + 3, head + 9, head + 40, len(wire)]  # mid size line, mid chunk, two chunks, the rest
+
+    async def exchange(upto: int):
+        seen = {}
+
+        async def serve(reader, writer):
+            seen["head"] = await reader.readuntil(b"\r\n\r\n")
+            seen["body"] = await reader.readexactly(2)
+            start = 0
+            for cut in [c for c in cuts if c < upto] + [upto]:
+                writer.write(wire[start:cut])
+                await writer.drain()
+                await asyncio.sleep(0.01)
+                start = cut
+            writer.close()
+
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        try:
+            answer = post(f"http://127.0.0.1:{port}/v1/completions", b"{}", {"Authorization": "Bearer k"})
+            status, headers = await anext(answer), await anext(answer)
+            return status, headers, b"".join([piece async for piece in answer]), seen
+        finally:
+            server.close()
+
+    status, headers, body, seen = asyncio.run(exchange(len(wire)))
+    assert status == 200 and headers["content-type"] == "text/event-stream" and body == b"".join(events)
+    assert seen["head"].startswith(b"POST /v1/completions HTTP/1.1\r\n") and b"Authorization: Bearer k\r\n" in seen["head"]
+    assert b"Content-Length: 2\r\n" in seen["head"] and seen["body"] == b"{}"
+    with pytest.raises(asyncio.IncompleteReadError):
+        asyncio.run(exchange(head + 30))  # the server leaves in the middle of the second chunk
 
 
 def test_metrics_are_labelled_per_replica_and_summed():

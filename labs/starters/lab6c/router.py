@@ -54,6 +54,7 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from .http_client import post
 from .metrics import CONTENT_TYPE
 
 log = logging.getLogger("level6_serving")
@@ -134,59 +135,6 @@ def prompt_text(body: dict) -> str:
 def error(status: int, message: str, code: str | None = None) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "replica_error" if status >= 500 else "invalid_request_error",
                                    "param": None, "code": code}}, status_code=status)  # fmt: skip
-
-
-async def upstream(url: str, path: str, body: bytes, headers: dict):
-    """POST `body` to a replica; yields its status, its headers, then its body's pieces as they come.
-
-    A bare HTTP/1.1 client on asyncio's streams (one connection per request): the relay is the
-    router's hot path, one piece per streamed token, and httpx spends about ten times the CPU per
-    piece, CPU that the replicas on the same machine need. Raises OSError when the replica cannot
-    be reached, and asyncio.IncompleteReadError (or OSError) when it goes away mid-answer."""
-    host, port = url.removeprefix("http://").rsplit(":", 1)
-    reader, writer = await asyncio.open_connection(host, int(port))
-    try:
-        head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\n{head}Content-Length: {len(body)}\r\n"
-                     f"Connection: close\r\n\r\n".encode() + body)  # fmt: skip
-        status_line = await reader.readline()
-        if not status_line:
-            raise ConnectionResetError("the replica closed the connection without answering")
-        yield int(status_line.split()[1])
-        got = {}
-        while (line := await reader.readline()) not in (b"\r\n", b""):
-            k, _, v = line.decode("latin-1").partition(":")
-            got[k.strip().lower()] = v.strip()
-        yield got
-        if got.get("transfer-encoding", "").lower() == "chunked":
-            # Whatever has arrived, de-chunked at once: a relay that falls behind sends fewer, larger pieces.
-            buf = b""
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise asyncio.IncompleteReadError(buf, None)  # the replica went away mid-answer
-                buf += data
-                pieces, done = [], False
-                while (eol := buf.find(b"\r\n")) >= 0:
-                    size = int(buf[:eol].split(b";")[0], 16)
-                    if size == 0:
-                        done = True
-                        break
-                    if len(buf) < eol + 2 + size + 2:
-                        break  # the rest of this chunk has not arrived yet
-                    pieces.append(buf[eol + 2 : eol + 2 + size])
-                    buf = buf[eol + 2 + size + 2 :]
-                if pieces:
-                    yield b"".join(pieces)
-                if done:
-                    return
-        elif "content-length" in got:
-            yield await reader.readexactly(int(got["content-length"]))
-        else:
-            while data := await reader.read(1 << 16):
-                yield data
-    finally:
-        writer.close()
 
 
 class Release:
@@ -287,7 +235,7 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             return error(503, "no replica is alive", "no_replica")
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
         done = Release(r, counts)  # the in-flight count comes back exactly once, however this request ends
-        answer = upstream(r.url, path, body, headers)
+        answer = post(r.url + path, body, headers)  # status, headers, then the body's pieces
         try:
             status, got = await anext(answer), await anext(answer)
             streaming = got.get("content-type", "").startswith("text/event-stream")
