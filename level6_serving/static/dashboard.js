@@ -57,6 +57,24 @@ async function loadInfo() {
   return true;
 }
 
+// Server-sent events, as both streams send them: events end with a blank line, and each `data: ` line's
+// payload goes to onData as it arrives (a chunk of the body may hold half an event, or several).
+async function readEvents(response, onData) {
+  const reader = response.body.getReader(), text = new TextDecoder();
+  let buf = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += text.decode(value, { stream: true });
+    let cut;
+    while ((cut = buf.indexOf("\n\n")) >= 0) {
+      const event = buf.slice(0, cut);
+      buf = buf.slice(cut + 2);
+      for (const line of event.split("\n")) if (line.startsWith("data: ")) onData(line.slice(6));
+    }
+  }
+}
+
 async function connect() {
   if (document.body.dataset.auth === "1" && !key) return askForKey("");  // not a 401 in the console first
   try {
@@ -66,19 +84,7 @@ async function connect() {
     if (!r.ok) throw new Error("HTTP " + r.status);
     $("keybox").hidden = true;
     setStatus("live", "live");
-    const reader = r.body.getReader(), text = new TextDecoder();
-    let buf = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buf += text.decode(value, { stream: true });
-      let cut;
-      while ((cut = buf.indexOf("\n\n")) >= 0) {
-        const event = buf.slice(0, cut);
-        buf = buf.slice(cut + 2);
-        for (const line of event.split("\n")) if (line.startsWith("data: ")) onFrame(JSON.parse(line.slice(6)));
-      }
-    }
+    await readEvents(r, (data) => onFrame(JSON.parse(data)));
     setStatus("the stream ended; reconnecting…", "down");
   } catch (e) {
     setStatus("disconnected; retrying…", "down");
@@ -294,22 +300,12 @@ async function complete(prompt, maxTokens, temperature, onText) {
   const body = { model: info.model, prompt, max_tokens: maxTokens, temperature, stream: true };
   const r = await fetch("/v1/completions", { method: "POST", headers: headers(true), body: JSON.stringify(body) });
   if (!r.ok) throw new Error((await r.json()).error.message);
-  const reader = r.body.getReader(), text = new TextDecoder();
-  let buf = "";
-  for (;;) {
-    const { value, done } = await reader.read();
-    if (done) return;
-    buf += text.decode(value, { stream: true });
-    let cut;
-    while ((cut = buf.indexOf("\n\n")) >= 0) {
-      const line = buf.slice(0, cut).trim();
-      buf = buf.slice(cut + 2);
-      if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-      const chunk = JSON.parse(line.slice(6));
-      if (chunk.error) throw new Error(chunk.error.message);
-      for (const c of chunk.choices) onText(c.text);
-    }
-  }
+  await readEvents(r, (data) => {
+    if (data === "[DONE]") return;
+    const chunk = JSON.parse(data);
+    if (chunk.error) throw new Error(chunk.error.message);  // rejects complete(): the caller shows it
+    for (const c of chunk.choices) onText(c.text);
+  });
 }
 
 function numberIn(id, fallback) {  // an emptied field is the default, not 0
