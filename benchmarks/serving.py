@@ -98,10 +98,13 @@ async def post_streaming(url: str, payload: dict):
     key = os.environ.get("OPENAI_API_KEY")
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     answer = post(url, json.dumps(payload).encode(), headers)
-    yield await anext(answer)  # the status
-    await anext(answer)  # the headers
-    async for piece in answer:
-        yield piece
+    try:
+        yield await anext(answer)  # the status
+        await anext(answer)  # the headers
+        async for piece in answer:
+            yield piece
+    finally:
+        await answer.aclose()  # the connection closes when the caller stops reading, not when collected
 
 
 EMPTY_TEXT = (b'"text": ""', b'"text":""')  # our server's JSON, and compact JSON (vLLM's)

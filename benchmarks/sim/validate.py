@@ -13,9 +13,10 @@ CPU and the model the built-in one:
      against the machine its calibration saw;
   2. the overhead: each simulated level's real engine runs a calibration workload (its own
      seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, two requests
-     alone, small groups after a prefix hit); for every step the roofline time of what it scheduled is subtracted from the step's
-     wall time, and the rest is fitted as c0 + c1 * requests + c2 * new tokens + c3 * context
-     tokens + c4 * context tokens read again in the step (in blocks another request read first:
+     alone, small groups after a prefix hit); for every step the roofline time of what it
+     scheduled is subtracted from the step's wall time, and the rest is fitted as c0 + c1 *
+     requests + c2 * new tokens + c3 * context tokens + c4 * context tokens read again in the
+     step (in blocks another request read first:
      a shared prefix, which this CPU reads from its cache; zero at levels 0 and 2, which share no
      blocks) + c5 * chunks after a prefix hit (rows of more than 8 new tokens over a longer cache,
      which this CPU's attention takes one at a time through SDPA) (nonnegative least squares,
