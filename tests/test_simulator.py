@@ -186,7 +186,6 @@ def test_a_chunk_after_a_prefix_hit_pays_its_own_row_cost():
     assert step_cost(hw, shape, batch, 8).overhead - step_cost(plain, shape, batch, 8).overhead == pytest.approx(3 * per_row)
 
 
-
 def test_a_batch_one_decode_reads_the_weights():
     """Memory-bound: one token's step is the weights over the bandwidth (plus a little KV and activation)."""
     shape = model_shape("llama-2-7b")

@@ -16,9 +16,8 @@ CPU and the model the built-in one:
      alone, small groups after a prefix hit); for every step the roofline time of what it
      scheduled is subtracted from the step's wall time, and the rest is fitted as c0 + c1 *
      requests + c2 * new tokens + c3 * context tokens + c4 * context tokens read again in the
-     step (in blocks another request read first:
-     a shared prefix, which this CPU reads from its cache; zero at levels 0 and 2, which share no
-     blocks) + c5 * chunks after a prefix hit (rows of more than 8 new tokens over a longer cache,
+     step (in blocks another request read first: a shared prefix, which this CPU reads from its
+     cache; zero at levels 0 and 2, which share no blocks) + c5 * chunks after a prefix hit (rows of more than 8 new tokens over a longer cache,
      which this CPU's attention takes one at a time through SDPA) (nonnegative least squares,
      relative errors): the Python and dispatch cost a CPU pays per step, per row and per token,
      and what its attention costs beyond the roofline's bytes;
@@ -343,7 +342,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the committed run)")
     p.add_argument("--quick", action="store_true", help="measure the benchmark's quick workloads (a smoke run)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each measurement and of each calibration, the "
-                   "fastest kept (default 2, about 20 minutes; 1 halves it, and a shared machine's drift shows)")  # fmt: skip
+                   "fastest kept (default 2, about 25 minutes; 1 halves it, and a shared machine's drift shows)")  # fmt: skip
     p.add_argument("--out", default=None, help="the JSON (default: outside the repository; the committed one: "
                    "benchmarks/results/what_if_validation.json)")  # fmt: skip
     args = p.parse_args(argv)
@@ -358,12 +357,12 @@ def main(argv=None) -> dict:
             runs[level] = measure_now(level, output_dir() / f"what_if_measured_{level}.json", args.threads,
                                       args.quick, args.repeats)  # fmt: skip
             torch.set_num_threads(args.threads)
-        cfg = (committed or runs[level])["config"]
+        source = committed or runs[level]  # what this level's predictions are held against
+        cfg = source["config"]
         model, dtype = cfg["model"], cfg["dtype"]
         if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
             model = str(ROOT / "models" / cfg["model_name"])
-        bare = cpu_hardware(roofline_of(committed or runs[level], level))
-        cals[level] = calibrate(level, model, bare, dtype, cfg, args.repeats)
+        cals[level] = calibrate(level, model, cpu_hardware(roofline_of(source, level)), dtype, cfg, args.repeats)
     committed = committed or merge(runs)
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
           " + c3 * context tokens + c4 * context tokens read again + c5 * chunks after a prefix hit, per step;"
