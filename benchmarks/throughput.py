@@ -46,7 +46,6 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable
 from importlib import metadata
 from pathlib import Path
 
@@ -256,9 +255,7 @@ def model_paths(args) -> tuple[str, str | None]:
     return str(model), (str(draft) if draft else None)
 
 
-def run(args, console: Console, between: Callable[[str | None], None] | None = None) -> dict:
-    """Every workload on every engine. `between(name)` is called before each workload and `between(None)` after
-    the last (the what-if validation probes the machine's pace there: benchmarks/sim/pace.py)."""
+def run(args, console: Console) -> dict:
     from level0_naive.config import resolve_device, resolve_dtype
 
     torch.set_num_threads(args.threads)
@@ -302,8 +299,6 @@ def run(args, console: Console, between: Callable[[str | None], None] | None = N
     }  # fmt: skip
     warmed: dict[str, object] = {}
     for wname in workloads:
-        if between:
-            between(wname)
         wl = make_workload(wname, num_requests, dims.vocab, seed=args.seed, quick=args.quick, encode=encode)
         kv_budget = args.kv_requests * wl.max_seq_len * bytes_per_token
         names = engine_names(args, wname, levels)
@@ -351,8 +346,6 @@ def run(args, console: Console, between: Callable[[str | None], None] | None = N
                 )
         for table in report.rich_tables(wname, data["workloads"][wname]):
             console.print(table)
-    if between:
-        between(None)
     data["goals"] = report.goals(data["workloads"])
     return data
 
@@ -446,7 +439,7 @@ def img_dir(args) -> Path:
     return Path(args.img_dir) if args.img_dir else output_dir()
 
 
-def main(argv=None, between: Callable[[str | None], None] | None = None) -> dict | None:
+def main(argv=None) -> dict | None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
     args.argv = argv
@@ -463,7 +456,7 @@ def main(argv=None, between: Callable[[str | None], None] | None = None) -> dict
             print(path)
         return None
     console = make_console()
-    data = run(args, console, between)
+    data = run(args, console)
     print_goals(console, data["goals"], args.quick)
     out = Path(args.out or output_dir() / ("quick.json" if args.quick else "throughput.json"))
     out.parent.mkdir(parents=True, exist_ok=True)

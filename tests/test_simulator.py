@@ -265,30 +265,6 @@ def test_levels_measured_alone_keep_their_own_rate_and_roofline():
     assert validate.committed_row(merged, "poisson", "c") is None
 
 
-def test_a_machine_at_half_its_pace_takes_twice_as_long_for_every_step():
-    """`pace.scaled`: with both probes at half the rate they had at calibration, the roofline's rates halve and
-    the calibrated seconds double, so every step (a decode crowd, a long prefill, a chunk after a prefix hit, a
-    shared context) costs exactly twice; the calibration's bookkeeping (steps, shares) is left alone."""
-    from benchmarks.sim import pace, validate
-
-    roof = {"sweep": [{"batch": 1, "flops_per_s": 2e9}, {"batch": 256, "flops_per_s": 4e10}], "bandwidth": 8e9}
-    cal = {"level": "x", "c0_s": 3e-3, "c1_s": 2e-5, "c2_s": 3e-5, "c3_s": 6e-7, "c4_s": 1e-7, "c5_s": 4e-4,
-           "d0_s": 1e-3, "d1_s": 1e-5, "steps": 795, "wall_s": 21.9, "roofline_share": 0.7}  # fmt: skip
-    ref, slow = {"compute": 1e10, "small": 4e5}, {"compute": 5e9, "small": 2e5}
-    roof2, cal2 = pace.scaled(roof, cal, slow, ref)
-    assert {k: cal2[k] for k in ("level", "steps", "wall_s", "roofline_share")} == \
-        {k: cal[k] for k in ("level", "steps", "wall_s", "roofline_share")}  # fmt: skip
-    shape = model_shape("llama-2-7b")
-    for chunks, sampled, shared in (([(300, 1)] * 64, 64, 0), ([(0, 900)], 1, 0), ([(256, 40)] * 3, 3, 0),
-                                    ([(384, 1)] * 32, 32, 31 * 384)):  # fmt: skip
-        base = step_cost(validate.cpu_hardware(roof, cal), shape, chunks, sampled, shared=shared).total
-        half = step_cost(validate.cpu_hardware(roof2, cal2), shape, chunks, sampled, shared=shared).total
-        assert half == pytest.approx(2 * base, rel=1e-9)
-    assert pace.around({"compute": 1.0, "small": 5.0}, {"compute": 2.0, "small": 4.0}) == {"compute": 2.0, "small": 5.0}
-    probe = pace.small_work_rate(window=0.01, repeats=2)
-    assert probe > 1000  # loops per second: a machine slower than this could not run the engines at all
-
-
 def test_traces_have_the_papers_means():
     for name, (p, o) in {"sharegpt": (161, 338), "alpaca": (19, 58)}.items():
         reqs = trace(name, 2000, rate=1.0)

@@ -29,12 +29,7 @@ CPU and the model the built-in one:
      with the benchmark's own settings (KV budget, max_num_seqs, exact output lengths; level
      4's draft acceptance per position is the one the benchmark measured, an input; its draft's
      passes cost their roofline plus d0 and d1), and their
-     output tokens/s and mean TTFT are set beside the committed ones;
-  4. when measuring now, the same prediction again, "paced": two short probes of the machine's speed
-     (benchmarks/sim/pace.py: its matmul rate, and its rate at small work) taken around every measured
-     workload and before each calibration rescale the roofline and the fitted seconds to the machine
-     as it was while that row ran. Both errors are reported: the first is what a reader predicting
-     their own run would get; the paced one is the cost model's, with the machine's drift taken out.
+     output tokens/s and mean TTFT are set beside the committed ones.
 
 What it is not: a check of level 1 (static batches over blocks: not simulated) or of GPUs.
 """
@@ -47,7 +42,6 @@ import json
 import random
 import statistics
 import time
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,7 +51,6 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling import RequestOutputKind, SamplingParams
 
-from . import pace
 from .cost import Hardware, ModelShape, cached_chunks, step_cost
 from .engines import (
     SimClock,
@@ -255,11 +248,9 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
             "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
 
 
-def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model: str, dtype: str,
-            roof: dict | None = None) -> dict:  # fmt: skip
-    """One level on one committed workload, simulated with its calibration `cal` and roofline `roof` (default:
-    the one the level was measured with): output tokens/s and mean TTFT."""
-    w, roof = committed["workloads"][name], roof or roofline_of(committed, level)
+def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model: str, dtype: str) -> dict:
+    """One level on one committed workload, simulated with its calibration `cal`: output tokens/s and mean TTFT."""
+    w, roof = committed["workloads"][name], roofline_of(committed, level)
     hw = cpu_hardware(roof, cal)
     wl = make_workload(name, cfg["num_requests"], 259, cfg["seed"], cfg["quick"], tokenizer_encode(model))
     clock = SimClock()
@@ -316,24 +307,16 @@ def committed_row(committed: dict, name: str, level: str) -> dict | None:
     return w["results"].get(level)
 
 
-def measure_now(level: str, out: Path, threads: int, quick: bool = False, repeats: int = 1,
-                probe: Callable[[], dict] | None = None) -> dict:  # fmt: skip
+def measure_now(level: str, out: Path, threads: int, quick: bool = False, repeats: int = 1) -> dict:
     """The benchmark's workloads on this machine now for one level, the fastest of `repeats` runs each (no HF,
     no sweeps; poisson at 0.9x the level's own capacity, once: the harness's base when level 1 does not run):
-    what the level's predictions are held against. With `probe`, the machine's pace (benchmarks/sim/pace.py)
-    right after the roofline and around each workload, in `paces`: {"roofline": pace, "rows": {workload: pace}}."""
+    what the level's predictions are held against."""
     from benchmarks import throughput
 
     argv = ["--all", "--engines", level, "--hf-sweep", "none", "--rate-multiples", "0.9",
             "--threads", str(threads), "--repeats", str(repeats), "--no-progress", "--out", str(out)]  # fmt: skip
-    probes: list[tuple[str | None, dict]] = []
-    between = (lambda name: probes.append((name, probe()))) if probe else None
-    throughput.main(argv + (["--quick"] if quick else []), between)
-    run = json.loads(out.read_text())
-    if probes:  # probe i was taken before workload i, and the last after them all
-        rows = {name: pace.around(p, q) for (name, p), (_, q) in zip(probes, probes[1:])}
-        run["paces"] = {"roofline": probes[0][1], "rows": rows}
-    return run
+    throughput.main(argv + (["--quick"] if quick else []))
+    return json.loads(out.read_text())
 
 
 def merge(runs: dict[str, dict]) -> dict:
@@ -341,7 +324,6 @@ def merge(runs: dict[str, dict]) -> dict:
     poisson rate (`reference_rates`) and the roofline (`rooflines`) each level was measured with."""
     merged = copy.deepcopy(next(iter(runs.values())))
     merged["rooflines"] = {level: run["roofline"] for level, run in runs.items()}
-    merged["paces"] = {level: run["paces"] for level, run in runs.items() if "paces" in run}
     for level, run in runs.items():
         for name, w in run["workloads"].items():
             into = merged["workloads"][name]
@@ -350,14 +332,6 @@ def merge(runs: dict[str, dict]) -> dict:
                 into["sweep"][level] = w["sweep"][level]
                 into.setdefault("reference_rates", {})[level] = w["reference_rate"]
     return merged
-
-
-def errors_summary(rows: list[dict], prefix: str) -> dict:
-    """The median and worst |error| of tokens/s and of TTFT over the rows (`prefix` "paced_": the paced ones)."""
-    tok = sorted(abs(r[f"{prefix}tok_s_error"]) for r in rows)
-    ttft = sorted(abs(r[f"{prefix}ttft_error"]) for r in rows)
-    return {"tok_s_median": statistics.median(tok), "tok_s_worst": tok[-1],
-            "ttft_median": statistics.median(ttft), "ttft_worst": ttft[-1]}  # fmt: skip
 
 
 def main(argv=None) -> dict:
@@ -377,31 +351,18 @@ def main(argv=None) -> dict:
     args.out = args.out or str(output_dir() / "what_if_validation.json")
     torch.set_num_threads(args.threads)
     committed = json.loads(Path(args.results).read_text()) if args.results else None
-    cals, runs, roofs, cal_paces = {}, {}, {}, {}
-    probe = None
-    if args.results is None:  # the machine's pace, probed around every measurement and calibration
-        from benchmarks.roofline import Dims
-        from ladder.models import default_model
-
-        dims = Dims.from_checkpoint(str(default_model().resolve()))
-        probe = lambda: pace.probe(dims, torch.float32)  # noqa: E731 (the benchmark's model and CPU dtype)
+    cals, runs = {}, {}
     for level in LEVELS:
-        if probe:  # measured, then calibrated at once: the same minutes of a drifting machine
+        if args.results is None:  # measured, then calibrated at once: the same minutes of a drifting machine
             runs[level] = measure_now(level, output_dir() / f"what_if_measured_{level}.json", args.threads,
-                                      args.quick, args.repeats, probe)  # fmt: skip
+                                      args.quick, args.repeats)  # fmt: skip
             torch.set_num_threads(args.threads)
         source = committed or runs[level]  # what this level's predictions are held against
         cfg = source["config"]
         model, dtype = cfg["model"], cfg["dtype"]
         if not Path(model, "config.json").is_file():  # the committed path is another checkout's: the same model here
             model = str(ROOT / "models" / cfg["model_name"])
-        roofs[level] = roofline_of(source, level)
-        before = probe() if probe else None
-        if probe:  # the roofline as the machine was when the calibration ran: the fit's residual is overhead
-            roofs[level], _ = pace.scaled(roofs[level], {}, before, runs[level]["paces"]["roofline"])
-        cals[level] = calibrate(level, model, cpu_hardware(roofs[level]), dtype, cfg, args.repeats)
-        if probe:
-            cal_paces[level] = pace.around(before, probe())
+        cals[level] = calibrate(level, model, cpu_hardware(roofline_of(source, level)), dtype, cfg, args.repeats)
     committed = committed or merge(runs)
     print("calibration on the real engines (the calibration mix; wall - roofline = c0 + c1 * requests + c2 * new tokens"
           " + c3 * context tokens + c4 * context tokens read again + c5 * chunks after a prefix hit, per step;"
@@ -413,45 +374,32 @@ def main(argv=None) -> dict:
               f"  c3 {cal['c3_s'] * 1e9:5.0f} ns  c4 {cal['c4_s'] * 1e9:5.0f} ns  c5 {cal['c5_s'] * 1e3:5.2f} ms;"
               f"{draft} {cal['steps']} steps, the roofline explains {100 * cal['roofline_share']:.0f} % of their time,"
               f" the fit's error {100 * cal['fit_error']:.1f} %")  # fmt: skip
-    rows, paced = [], bool(cal_paces)
+    rows = []
     print(f"\n{'workload':14s} {'level':18s} {'tok/s real':>10s} {'sim':>8s} {'err':>7s}   "
-          f"{'TTFT real':>9s} {'sim':>8s} {'err':>7s}" + ("   paced: tok/s err, TTFT err" if paced else ""))  # fmt: skip
+          f"{'TTFT real':>9s} {'sim':>8s} {'err':>7s}")  # fmt: skip
     for name in committed["workloads"]:
         for level in LEVELS:
             real = committed_row(committed, name, level)
             if real is None:
                 continue
-            sim = predict(level, name, committed, cfg, cals[level], model, dtype, roofs[level])
+            sim = predict(level, name, committed, cfg, cals[level], model, dtype)
             row = {"workload": name, "level": level, "real_tok_s": real["output_tokens_per_s"],
                    "sim_tok_s": sim["output_tokens_per_s"], "real_ttft_s": real["ttft_s"]["mean"],
                    "sim_ttft_s": sim["ttft_s"], "real_steps": real.get("steps"), "sim_steps": sim["steps"]}  # fmt: skip
             row["tok_s_error"] = row["sim_tok_s"] / row["real_tok_s"] - 1
             row["ttft_error"] = row["sim_ttft_s"] / row["real_ttft_s"] - 1
-            line = (f"{name:14s} {level:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
-                    f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
-                    f"{100 * row['ttft_error']:+6.1f}%")  # fmt: skip
-            if paced:  # the same calibration, with the machine as the probes around this row found it
-                at = committed["paces"][level]["rows"][name]
-                roof, cal = pace.scaled(roofs[level], cals[level], at, cal_paces[level])
-                sim = predict(level, name, committed, cfg, cal, model, dtype, roof)
-                row |= {"pace": at, "paced_tok_s": sim["output_tokens_per_s"], "paced_ttft_s": sim["ttft_s"]}
-                row["paced_tok_s_error"] = row["paced_tok_s"] / row["real_tok_s"] - 1
-                row["paced_ttft_error"] = row["paced_ttft_s"] / row["real_ttft_s"] - 1
-                line += f"   {100 * row['paced_tok_s_error']:+6.1f}%  {100 * row['paced_ttft_error']:+6.1f}%"
             rows.append(row)
-            print(line)
-    summary = errors_summary(rows, "")
+            print(f"{name:14s} {level:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
+                  f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
+                  f"{100 * row['ttft_error']:+6.1f}%")  # fmt: skip
+    tok = sorted(abs(r["tok_s_error"]) for r in rows)
+    ttft = sorted(abs(r["ttft_error"]) for r in rows)
+    summary = {"tok_s_median": statistics.median(tok), "tok_s_worst": tok[-1],
+               "ttft_median": statistics.median(ttft), "ttft_worst": ttft[-1]}  # fmt: skip
     print(f"\n|error| tokens/s: median {100 * summary['tok_s_median']:.1f} %, worst {100 * summary['tok_s_worst']:.1f} %;"
           f" TTFT: median {100 * summary['ttft_median']:.1f} %, worst {100 * summary['ttft_worst']:.1f} %"
           "  (goal: median <= 10 %, worst <= 20 %)")  # fmt: skip
-    if paced:
-        summary["paced"] = errors_summary(rows, "paced_")
-        p = summary["paced"]
-        print(f"paced (each row's machine as its probes found it): tokens/s median {100 * p['tok_s_median']:.1f} %,"
-              f" worst {100 * p['tok_s_worst']:.1f} %; TTFT median {100 * p['ttft_median']:.1f} %,"
-              f" worst {100 * p['ttft_worst']:.1f} %")  # fmt: skip
-    result = {"calibration": cals, "calibration_paces": cal_paces, "rows": rows, "summary": summary,
-              "results": args.results or "measured now"}  # fmt: skip
+    result = {"calibration": cals, "rows": rows, "summary": summary, "results": args.results or "measured now"}
     Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"json: {args.out}")
     return result
