@@ -18,7 +18,10 @@ nor vLLM's extensions know is a 400 that names it ("Unrecognized request argumen
 supplied"). Every field OpenAI's schema allows is accepted, in one of three ways:
 
 - honoured: sampling, stopping, streaming, logprobs, `n`, `seed`, `echo` (with `logprobs`, the
-  echoed prompt's tokens get theirs: SamplingParams.prompt_logprobs), usage;
+  echoed prompt's tokens get theirs: SamplingParams.prompt_logprobs), usage; vLLM's
+  `use_beam_search` (with `n` the beam width, `length_penalty`, `ignore_eos`,
+  `include_stop_str_in_output`: `beam_search_params`; a field that only shapes sampling or
+  streaming must then keep its default, `BEAM_NEUTRAL`);
 - ignored, because it cannot change what this server returns (`IGNORED`: `user`, `store`,
   `metadata`, `service_tier`, `priority`, ...), listed in docs/level6_serving.md;
 - accepted at its neutral value only (`NEUTRAL_ONLY`: `tools`, `logit_bias`, `response_format`
@@ -37,6 +40,8 @@ import re
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+
+from level3_prefix.beam_search import BeamSearchParams
 
 from .base import RequestOutputKind, SamplingParams, StructuredOutputsParams
 
@@ -176,14 +181,29 @@ class SamplingFields(Strict):
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     prompt_logprobs: Int | None = None  # vLLM's: the prompt's logprobs (/v1/completions; chat: its neutral value only)
-    use_beam_search: bool | None = None  # vLLM's
+    # vLLM's beam search (beam_search.py): n is the beam width
+    use_beam_search: bool | None = None
+    length_penalty: Float | None = None  # a finished beam's score: cum_logprob / len(output) ** length_penalty
 
     NEUTRAL_ONLY: ClassVar[dict] = {
         "logit_bias": lambda v: not v,
         "tools": lambda v: not v,
         "tool_choice": lambda v: v in (None, "none", "auto"),
         "prompt_logprobs": lambda v: v is None,
-        "use_beam_search": lambda v: not v,
+    }
+    # What has no meaning in a beam search (nothing is drawn, nothing streams): only the default is accepted
+    BEAM_NEUTRAL: ClassVar[dict] = {
+        "stream": lambda v: not v,
+        "stop": lambda v: not v,
+        "stop_token_ids": lambda v: not v,
+        "min_tokens": lambda v: not v,
+        "top_p": lambda v: v in (None, 1),
+        "top_k": lambda v: v in (None, 0, -1),
+        "min_p": lambda v: not v,
+        "presence_penalty": lambda v: not v,
+        "frequency_penalty": lambda v: not v,
+        "repetition_penalty": lambda v: v in (None, 1),
+        "prompt_logprobs": lambda v: v is None,
     }
 
     @property
@@ -267,6 +287,26 @@ class SamplingFields(Strict):
 
     logprobs_field: ClassVar[str] = "logprobs"  # the API field that becomes SamplingParams.logprobs
 
+    def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
+        """`use_beam_search`: n beams (at most MAX_LOGPROBS / 2: each step asks the engine for a beam's
+        2n best next tokens) searched to `max_tokens`. A field that shapes sampling or streaming must
+        keep its default: a 400 names the first that does not, rather than ignore it."""
+        for name, neutral in self.BEAM_NEUTRAL.items():
+            if not neutral(getattr(self, name)):
+                raise APIError(400, f"{name} is not supported with use_beam_search", name)
+        if self.structured()[0] is not None:
+            raise APIError(400, f"{self.structured()[1]} is not supported with use_beam_search", self.structured()[1])
+        if self.num_samples > MAX_LOGPROBS // 2:
+            raise APIError(400, f"n={self.num_samples} beams: with use_beam_search n is the beam width, at most "
+                                f"{MAX_LOGPROBS // 2} (each step reads 2n logprobs per beam; the server reports "
+                                f"{MAX_LOGPROBS})", "n")  # fmt: skip
+        try:
+            return BeamSearchParams(self.num_samples, max_tokens, bool(self.ignore_eos), 0.0,
+                                    1.0 if self.length_penalty is None else self.length_penalty,
+                                    bool(self.include_stop_str_in_output))  # fmt: skip
+        except ValueError as e:
+            raise APIError(400, str(e).replace("BeamSearchParams.", ""), None) from None
+
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Int] | list[list[Int]]
@@ -277,6 +317,8 @@ class CompletionRequest(SamplingFields):
 
     # vLLM's prompt_logprobs is honoured here (the response's choices carry them, as vLLM's do)
     NEUTRAL_ONLY: ClassVar[dict] = {k: v for k, v in SamplingFields.NEUTRAL_ONLY.items() if k != "prompt_logprobs"}
+    BEAM_NEUTRAL: ClassVar[dict] = {**SamplingFields.BEAM_NEUTRAL, "logprobs": lambda v: v is None,
+                                    "echo": lambda v: not v}  # fmt: skip
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -351,6 +393,8 @@ class ChatCompletionRequest(SamplingFields):
         "function_call": lambda v: v in (None, "none", "auto"),
         "moderation": lambda v: v is None,
     }
+    BEAM_NEUTRAL: ClassVar[dict] = {**SamplingFields.BEAM_NEUTRAL, "logprobs": lambda v: not v,
+                                    "top_logprobs": lambda v: v is None}  # fmt: skip
 
     def tool_constraint(self) -> list[tuple[dict, str]]:
         """tool_choice "required" or a named function: the output is a tool call, constrained by the tools'

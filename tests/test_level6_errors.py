@@ -65,7 +65,10 @@ BAD = [  # (path, raw body, status, the param the error names)
     ("/v1/completions", '{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed"),  # 2**70
     ("/v1/completions", '{"prompt": "x", "max_tokens": 101.5}', 400, "max_tokens"),
     ("/v1/completions", '{"prompt": "x", "max_tokens": true}', 400, "max_tokens"),
-    ("/v1/completions", '{"prompt": "x", "use_beam_search": true}', 400, "use_beam_search"),
+    ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "n": 11}', 400, "n"),  # n is the beam width
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "use_beam_search": true, '
+     '"stream": true}', 400, "stream"),  # fmt: skip
+    ("/v1/completions", '{"prompt": "x", "use_beam_search": true, "length_penalty": NaN}', 400, "length_penalty"),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
      400, "tools"),
     ("/v1/chat/completions", '{"messages": [{"role": "assistant", "tool_calls": [{"id": "1"}]}]}', 400,

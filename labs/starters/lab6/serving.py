@@ -59,6 +59,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .async_engine import AsyncLLMEngine, EngineDeadError, PromptTooLongError, RequestStream
 from .base import CompletionOutput, RequestOutput, SamplingParams
+from .beam_search import BeamSearchParams, SearchAborted, beam_search, gather_or_cancel
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
 
 log = logging.getLogger("level6_serving")
@@ -333,6 +334,24 @@ class OpenAIServing:
         return JSONResponse({**ctx, "choices": [choice(index, ch) for index, ch in enumerate(choices)],
                              "usage": usage(prompt_tokens, completion_tokens)})  # fmt: skip
 
+    async def beam_response(self, ctx: dict, prompts: list[list[int]], params: BeamSearchParams, choice) -> Response:
+        """`use_beam_search`: a search per prompt (beam_search.py), all at once; prompt i's hypotheses, best
+        first, are choices i * n ... i * n + n - 1, each shaped by the endpoint's `choice(index, seq)`."""
+        try:
+            outs = await gather_or_cancel(beam_search(self.engine, f"{ctx['id']}-{i}", ids, params)
+                                          for i, ids in enumerate(prompts))  # fmt: skip
+        except EngineDeadError:
+            raise engine_unavailable(self.engine) from None
+        except SearchAborted as e:  # a drain gave up waiting, or an operator aborted a step
+            raise APIError(503, str(e), None, None, {"Retry-After": "5"}) from None
+        except ValueError as e:  # the engine's own checks, e.g. more KV blocks than the pool holds
+            raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
+        W = params.beam_width
+        choices = [choice(i * W + j, seq) for i, out in enumerate(outs) for j, seq in enumerate(out.sequences)]
+        completion_tokens = sum(len(seq.output_token_ids) for out in outs for seq in out.sequences)
+        return JSONResponse({**ctx, "choices": choices,
+                             "usage": usage(sum(map(len, prompts)), completion_tokens)})  # fmt: skip
+
     # --- /v1/completions -----------------------------------------------------------------------
     async def completions(self, raw: Request) -> Response:
         req: CompletionRequest = await self.parse(CompletionRequest, raw)
@@ -348,12 +367,17 @@ class OpenAIServing:
             except ValueError as e:
                 raise APIError(400, str(e), "prompt", too_long(e)) from None
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
-        params = req.sampling_params(max_tokens, "max_tokens", req.logprobs, req.num_prompt_logprobs)
+        beams = req.beam_search_params(max_tokens) if req.use_beam_search else None
+        params = None if beams else req.sampling_params(max_tokens, "max_tokens", req.logprobs, req.num_prompt_logprobs)
         for x in ids:
             self.check_context(x, max_tokens, "max_tokens")
-        self.admit(params.n * len(ids))
+        self.admit(req.num_samples * len(ids))
         ctx = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                "model": model}  # fmt: skip
+        if beams:
+            choice = lambda index, seq: {"index": index, "text": seq.text, "logprobs": None,  # noqa: E731
+                                         "finish_reason": seq.finish_reason, "stop_reason": None}  # fmt: skip
+            return await unless_disconnected(raw, self.beam_response(ctx, ids, beams, choice), [])
         # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
@@ -411,10 +435,19 @@ class OpenAIServing:
                                 "leaves no room to generate", "messages", "context_length_exceeded")  # fmt: skip
         field = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        params = req.sampling_params(max_tokens, field, req.num_logprobs)  # None: until the context is full
+        if req.use_beam_search:  # a search needs a length: None is until the context is full
+            beams = req.beam_search_params(self.engine.max_model_len - len(ids) if max_tokens is None else max_tokens)
+        else:
+            beams, params = None, req.sampling_params(max_tokens, field, req.num_logprobs)  # None: until full
         self.check_context(ids, max_tokens, field)
-        self.admit(params.n)
+        self.admit(req.num_samples)
         ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
+        if beams:
+            choice = lambda index, seq: {  # noqa: E731
+                "index": index, "message": {"role": "assistant", "content": seq.text, "refusal": None},
+                "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}  # fmt: skip
+            return await unless_disconnected(raw, self.beam_response({**ctx, "object": "chat.completion"}, [ids],
+                                                                     beams, choice), [])  # fmt: skip
         streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1])
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)

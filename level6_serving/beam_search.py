@@ -1,0 +1,102 @@
+"""Beam search behind the server: a loop of one-token requests that the prefix cache makes cheap.
+
+What it is: `beam_search(engine, request_id, prompt, params)`, what `"use_beam_search": true`
+runs on /v1/completions and /v1/chat/completions, as vLLM's front end does it
+(`EngineClient.beam_search`). Offline, level 3 runs the search on an idle engine and forks each
+beam's blocks (level3_prefix/beam_search.py); a server's engine is never idle, so here every
+step sends each live beam to it as a request of its own, beside everything else it serves:
+
+    step t:  prompt + beam A's tokens ─┐  max_tokens=1, the top k logprobs of the next token
+             prompt + beam B's tokens ─┴> the engine (its prefix cache holds every full block of
+                                          each: only the last, partial one is computed again)
+             the answers' top k ──> level 3's rule (`Search.advance`, HF's) ──> the next beams
+
+k is what that rule looks at per step (2W candidates with one EOS token, W = beam width = the
+request's `n`): the best 2W of all (beam, token) pairs are among each beam's own best 2W, so
+the choice is the offline one, made from the same log-probabilities.
+
+What it is not: offline beam search in another costume. Each step is a round trip through the
+engine's queue, and the blocks are shared by the prefix cache, by hash, not by forking (a beam's
+partial last block is recomputed each step). The scores are the raw model log-probabilities,
+as the engine reports them (`temperature` does not reshape them: vLLM's one-token requests
+report raw log-probabilities too). Not streamed: the answer is known only when the search ends.
+
+Reference: vLLM `vllm/engine/protocol.py` (`EngineClient.beam_search`) and
+`vllm/entrypoints/openai/serving_completion.py` (`use_beam_search`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import torch
+
+from level3_prefix.beam_search import BeamSearchOutput, BeamSearchParams, Search
+
+from .async_engine import AsyncLLMEngine
+from .base import SamplingParams
+
+
+class SearchAborted(RuntimeError):
+    """A step's request was aborted from outside (a drain, an operator): the search cannot go on."""
+
+
+class SharedByHash:
+    """What `Search` asks of a KV cache, here nothing: the engine's prefix cache shares the blocks."""
+
+    def fork(self, parent, child) -> None:
+        pass
+
+    def free(self, beam) -> None:
+        pass
+
+
+async def gather_or_cancel(coros) -> list:
+    """Every result, in order; the first error cancels the others (aborting their requests) and is
+    raised as it is, not in a group."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)  # their requests are aborted before we go on
+        raise
+
+
+async def next_token_logprobs(engine: AsyncLLMEngine, request_id: str, tokens: list[int], k: int) -> dict:
+    """{token id: log-probability} of the k most likely next tokens after `tokens`, from one
+    engine request (its one generated token is not used)."""
+    params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)
+    entries = [lp for out in [o async for o in engine.generate(tokens, params, request_id)]
+               for c in out.outputs for lp in c.logprobs or []]  # fmt: skip
+    if not entries:
+        raise SearchAborted(f"beam search step {request_id} was aborted before it answered")
+    return {tok: lp.logprob for tok, lp in entries[0].items()}
+
+
+async def beam_search(engine: AsyncLLMEngine, request_id: str, prompt: list[int],
+                      params: BeamSearchParams) -> BeamSearchOutput:  # fmt: skip
+    """The search for one tokenized prompt on a running engine; the hypotheses best first, with
+    their texts decoded. Cancelling it aborts the step's requests."""
+    eos = set() if params.ignore_eos else set(engine.inputs.eos_token_ids)
+    vocab = engine.inputs.vocab_size
+    ids = itertools.count()
+    search = Search(prompt, params, min(params.max_tokens, engine.max_model_len - len(prompt)), eos,
+                    lambda: next(ids))  # fmt: skip
+    k = min(max(2, 1 + len(eos)) * params.beam_width, vocab)  # as many as Search.advance looks at
+    for step in itertools.count():
+        answers = await gather_or_cancel(next_token_logprobs(engine, f"{request_id}-{step}-{j}",
+                                                             prompt + beam.output_token_ids, k)
+                                         for j, beam in enumerate(search.live))  # fmt: skip
+        logprobs = torch.full((len(answers), vocab), -torch.inf, dtype=torch.float64)  # [live, V]
+        for row, top in enumerate(answers):
+            for tok, lp in top.items():
+                logprobs[row, tok] = lp
+        search.advance(logprobs, SharedByHash())
+        if search.done:
+            break
+    for seq in search.finished:
+        seq.text = await engine.decode(seq.output_token_ids)
+    return BeamSearchOutput(search.finished)
