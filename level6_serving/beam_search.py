@@ -78,8 +78,9 @@ async def next_token_logprobs(engine: AsyncLLMEngine, request_id: str, tokens: l
 
 async def beam_search(engine: AsyncLLMEngine, request_id: str, prompt: list[int],
                       params: BeamSearchParams) -> BeamSearchOutput:  # fmt: skip
-    """The search for one tokenized prompt on a running engine; the hypotheses best first, with
-    their texts decoded. Cancelling it aborts the step's requests."""
+    """The search for one tokenized prompt on a running engine: the hypotheses best first, each `text`
+    its output's (offline, `text` is the prompt's and the output's). Cancelling it aborts the step's
+    requests."""
     eos = set() if params.ignore_eos else set(engine.inputs.eos_token_ids)
     vocab = engine.inputs.vocab_size
     ids = itertools.count()
