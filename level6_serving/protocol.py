@@ -294,8 +294,9 @@ class SamplingFields(Strict):
         for name, neutral in self.BEAM_NEUTRAL.items():
             if not neutral(getattr(self, name)):
                 raise APIError(400, f"{name} is not supported with use_beam_search", name)
-        if self.structured()[0] is not None:
-            raise APIError(400, f"{self.structured()[1]} is not supported with use_beam_search", self.structured()[1])
+        spec, field = self.structured()
+        if spec is not None:
+            raise APIError(400, f"{field} is not supported with use_beam_search", field)
         if self.num_samples > MAX_LOGPROBS // 2:
             raise APIError(400, f"n={self.num_samples} beams: with use_beam_search n is the beam width, at most "
                                 f"{MAX_LOGPROBS // 2} (each step reads 2n logprobs per beam; the server reports "

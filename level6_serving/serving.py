@@ -318,14 +318,22 @@ class OpenAIServing:
         except BaseException as e:
             for s in streams:
                 s.abandon()
-            if isinstance(e, EngineDeadError):
-                raise engine_unavailable(self.engine) from None
             if isinstance(e, ValueError) and str(e).startswith("structured_outputs") and structured_field:
                 raise APIError(400, f"{structured_field}: {e}", structured_field) from None
-            if isinstance(e, ValueError):  # the engine's own checks, e.g. more KV blocks than the pool holds
-                raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
+            refusal = self.refusal(e)
+            if refusal is not None:
+                raise refusal from None
             raise
         return streams
+
+    def refusal(self, e: BaseException) -> APIError | None:
+        """The engine's refusal of a request as the API says it: a dead engine is a 503, a ValueError of the
+        engine's own checks (e.g. more KV blocks than the pool holds) a 400; anything else None."""
+        if isinstance(e, EngineDeadError):
+            return engine_unavailable(self.engine)
+        if isinstance(e, ValueError):
+            return APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt")
+        return None
 
     # --- engine outputs to a response: what both endpoints share -------------------------------
     async def events(self, ctx: dict, req: CompletionRequest | ChatCompletionRequest, streams: list[RequestStream],
@@ -379,12 +387,10 @@ class OpenAIServing:
         try:
             outs = await gather_or_cancel(beam_search(self.engine, f"{ctx['id']}-{i}", ids, params)
                                           for i, ids in enumerate(prompts))  # fmt: skip
-        except EngineDeadError:
-            raise engine_unavailable(self.engine) from None
         except SearchAborted as e:  # a drain gave up waiting, or an operator aborted a step
             raise APIError(503, str(e), None, None, {"Retry-After": "5"}) from None
-        except ValueError as e:  # the engine's own checks, e.g. more KV blocks than the pool holds
-            raise APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt") from None
+        except (EngineDeadError, ValueError) as e:
+            raise self.refusal(e) from None
         W = params.beam_width
         choices = [choice(i * W + j, seq) for i, out in enumerate(outs) for j, seq in enumerate(out.sequences)]
         completion_tokens = sum(len(seq.output_token_ids) for out in outs for seq in out.sequences)
