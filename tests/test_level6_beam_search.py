@@ -7,7 +7,11 @@ What it is:
     `include_stop_str_in_output` become the search's parameters (`temperature` does not: raw scores);
   - what a search cannot honour is a 400 naming the field (stream, logprobs, stop, a sampling filter, a
     beam width past what the logprobs allow), never silently dropped;
-  - a search whose reader goes away leaves no request behind in the engine.
+  - a search whose reader goes away leaves no request behind in the engine;
+  - the k logprobs each step asks for are enough: on a stand-in engine whose next-token
+    distributions are a seeded table with an EOS often near the top, the search that sees each
+    beam's best k only picks what the search that sees whole rows picks (asking for the beam
+    width, not twice it, fails there).
 """
 
 from __future__ import annotations
@@ -15,13 +19,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
+import zlib
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import torch
 from level6_helpers import NAME, metrics, wait_for
 
-from level3_prefix.beam_search import BeamSearchParams
-from level6_serving.beam_search import SearchAborted, beam_search, next_token_logprobs
+from level3_prefix.beam_search import BeamSearchParams, Search
+from level6_serving.beam_search import SearchAborted, SharedByHash, beam_search, next_token_logprobs
 from level6_serving.metrics import value
 from level6_serving.protocol import CompletionRequest
 
@@ -157,3 +165,57 @@ def test_a_step_aborted_from_outside_ends_the_search_with_an_error():
 
     with pytest.raises(SearchAborted, match="aborted before it answered"):
         asyncio.run(next_token_logprobs(AbortingEngine(), "step-0", [1, 2, 3], 4))
+
+
+class TableEngine:
+    """A stand-in for the engine behind `beam_search`: the next token's log-probabilities after any
+    context are a seeded random row over a small vocabulary (the EOS raised, so beams often rank it
+    first), and, as the real engine does, a request with `logprobs=k` is told only the k best."""
+
+    EOS, VOCAB = 0, 8
+    max_model_len = 64
+
+    def __init__(self, seed: int):
+        self.seed, self.asked = seed, []
+        self.inputs = SimpleNamespace(eos_token_ids=[self.EOS], vocab_size=self.VOCAB)
+
+    def row(self, tokens: list[int]) -> torch.Tensor:  # [V] float64
+        g = torch.Generator().manual_seed(zlib.crc32(repr((self.seed, tokens)).encode()))
+        logits = 2 * torch.randn(self.VOCAB, generator=g, dtype=torch.float64)
+        logits[self.EOS] += 1.5
+        return logits.log_softmax(-1)
+
+    async def generate(self, prompt, params, request_id):
+        from level6_serving import CompletionOutput, Logprob, RequestOutput
+
+        self.asked.append(params.logprobs)
+        lps, toks = self.row(list(prompt)).topk(params.logprobs)
+        entry = {t: Logprob(lp, rank + 1) for rank, (lp, t) in enumerate(zip(lps.tolist(), toks.tolist()))}
+        out = CompletionOutput(0, "", [toks[0].item()], None, [entry], "length")
+        yield RequestOutput(request_id, None, list(prompt), [out], True, None)
+
+    async def decode(self, ids: list[int]) -> str:
+        return " ".join(map(str, ids))
+
+
+def whole_rows_search(engine: TableEngine, prompt: list[int], params: BeamSearchParams) -> list[tuple]:
+    """Level 3's rule fed every token's log-probability: what the server's search must find."""
+    ids = itertools.count()
+    search = Search(prompt, params, params.max_tokens, {engine.EOS}, lambda: next(ids))
+    while not search.done:
+        search.advance(torch.stack([engine.row(prompt + b.output_token_ids) for b in search.live]), SharedByHash())
+    return [(s.output_token_ids, s.finish_reason, s.score) for s in search.finished]
+
+
+@pytest.mark.parametrize("beam_width", [2, 3])
+def test_each_beams_best_k_are_enough_to_choose_as_with_whole_rows(beam_width):
+    """Over 40 seeded tables (the EOS among a beam's best W often, the (W+1)-th best child then needed),
+    the search told each beam's best k next tokens picks the hypotheses the whole rows pick."""
+    for seed in range(40):
+        engine = TableEngine(seed)
+        for lp in (0.0, 1.0):
+            params = BeamSearchParams(beam_width=beam_width, max_tokens=6, length_penalty=lp)
+            out = asyncio.run(beam_search(engine, f"table-{seed}", [1, 2], params))
+            got = [(s.output_token_ids, s.finish_reason, s.score) for s in out.sequences]
+            assert got == whole_rows_search(engine, [1, 2], params), (seed, lp)
+    assert set(engine.asked) == {2 * beam_width}  # the k the docstring gives (2W with one EOS)
