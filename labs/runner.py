@@ -259,6 +259,7 @@ def no_shrink_profile() -> None:
 
     settings.register_profile("labs-no-shrink", max_examples=15, deadline=None, print_blob=True,
                               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+                              derandomize=True, database=None,
                               phases=[Phase.explicit, Phase.reuse, Phase.generate])  # fmt: skip
     settings.load_profile("labs-no-shrink")
     os.environ["HYPOTHESIS_PROFILE"] = "labs-no-shrink"  # what tests/conftest.py loads

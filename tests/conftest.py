@@ -3,7 +3,10 @@ level 6's server.
 
 Every checkpoint goes through `save_pretrained` and our loader, so the real loading path
 is the one exercised. Nothing is downloaded. The hypothesis profile `ci` bounds the
-example counts so the whole suite stays within its time budget on 2 CPU cores. The
+example counts so the whole suite stays within its time budget on 2 CPU cores, and is
+derandomized (each test's examples seeded by the test itself, no example database): every
+run of the suite tries the same examples, so a red run is a change's doing, not a draw's;
+`HYPOTHESIS_PROFILE=thorough` draws 200 fresh ones per test to look for new failures. The
 level-6 fixtures (`ckpt`, `llm`, `server`) are module-scoped: each level-6 test file that
 asks for them gets its own, built from tests/level6_helpers.py (imported only then).
 """
@@ -32,6 +35,8 @@ settings.register_profile(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
     print_blob=True,
+    derandomize=True,
+    database=None,
 )
 settings.register_profile("thorough", max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
