@@ -3,7 +3,11 @@ the built-in models by name from anywhere.
 
 What it is:
   - every command line answers a bad flag with exit code 2 and one line that names the
-    flag, before any weight is loaded (run as real subprocesses: what a user types);
+    flag, before any weight is loaded. Each command runs as `python -m` runs it (runpy, as
+    `__main__`), in a child forked from one warm interpreter that imported torch and
+    transformers once (the labs' runner, `python -m labs.runner plan`): 41 fresh
+    interpreters cost minutes of the suite on 2 cores. Three of them also run as real
+    subprocesses, what a user types, and must say exactly what their forked twins say;
   - each demo, and the benchmark's quick mode with `--plots`, run with their default picture
     and results paths leave `git status` exactly as it was, and nothing in the temporary
     folder (a server's scratch log is removed with it, also when it fails to start);
@@ -21,9 +25,11 @@ import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
+from labs import grading
 from ladder.models import REPO
 
 pytestmark = pytest.mark.docs
@@ -73,28 +79,54 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
 ]
 
 
+HELP = [*DEMOS, "benchmarks.throughput", "benchmarks.parallel", "ladder.figures"]
+REAL = [0, 19, 22]  # BAD_FLAGS run as real subprocesses too: a demo, the server, the benchmark
+
+
 def run(module: str, args: list[str], cwd=REPO, timeout=120) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", module, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout
     )
 
 
-@pytest.mark.parametrize("module,args,flag", BAD_FLAGS, ids=[f"{m} {' '.join(a)}" for m, a, _ in BAD_FLAGS])
-def test_a_bad_flag_is_one_line_that_names_it(module, args, flag):
+@pytest.fixture(scope="module")
+def forked(tmp_path_factory) -> dict[str, tuple[int, str]]:
+    """{name: (exit code, output)} of every bad-flag and --help command, each `python -m`'d in a child
+    of one warm `python -m labs.runner plan` process (stdout and stderr together, in order)."""
+    work = tmp_path_factory.mktemp("cli")
+    variants = [grading.module_variant(f"bad-{i}", {}, m, a, work, timeout=300) for i, (m, a, _) in enumerate(BAD_FLAGS)]
+    variants += [grading.module_variant(f"help-{m}", {}, m, ["--help"], work, timeout=300) for m in HELP]
+    summary = grading.run_plan(variants, work, jobs=2)
+    log = lambda v: Path(v["log"]).read_text() if Path(v["log"]).is_file() else ""  # noqa: E731
+    return {v["name"]: (summary[v["name"]]["exit_code"], log(v)) for v in variants}
+
+
+@pytest.mark.parametrize("i", range(len(BAD_FLAGS)), ids=[f"{m} {' '.join(a)}" for m, a, _ in BAD_FLAGS])
+def test_a_bad_flag_is_one_line_that_names_it(forked, i):
+    module, args, flag = BAD_FLAGS[i]
+    code, out = forked[f"bad-{i}"]
+    assert code == 2, out[-2000:]
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert len(lines) == 1, f"expected one line (and nothing that ran before the flag was refused), got:\n{out}"
+    assert flag in lines[0] and "Traceback" not in out
+
+
+@pytest.mark.parametrize("i", REAL, ids=[f"{BAD_FLAGS[i][0]} {' '.join(BAD_FLAGS[i][1])}" for i in REAL])
+def test_a_real_process_says_what_its_forked_twin_says(forked, i):
+    """The fork is `python -m` as a user types it: the same exit code, the one line on stderr, nothing on stdout."""
+    module, args, _ = BAD_FLAGS[i]
     res = run(module, args)
-    assert res.returncode == 2, res.stderr[-2000:]
-    lines = [line for line in res.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1, f"expected one line, got:\n{res.stderr}"
-    assert flag in lines[0] and "Traceback" not in res.stderr
+    code, out = forked[f"bad-{i}"]
+    assert (res.returncode, res.stderr.strip()) == (code, out.strip())
     assert res.stdout == "", "nothing ran before the flag was refused"
 
 
-@pytest.mark.parametrize("module", [*DEMOS, "benchmarks.throughput", "benchmarks.parallel", "ladder.figures"])
-def test_help_shows_the_command_and_explains_every_flag(module):
+@pytest.mark.parametrize("module", HELP)
+def test_help_shows_the_command_and_explains_every_flag(forked, module):
     import importlib
 
-    res = run(module, ["--help"], timeout=60)
-    assert res.returncode == 0 and res.stdout.startswith(f"usage: python -m {module}")
+    code, out = forked[f"help-{module}"]
+    assert code == 0 and out.startswith(f"usage: python -m {module}"), out[-2000:]
     parser = importlib.import_module(module).parser()
     undocumented = [a.option_strings[-1] for a in parser._actions if a.option_strings and not a.help]
     assert not undocumented, f"flags without help: {undocumented}"
