@@ -103,7 +103,7 @@ def forked(tmp_path_factory) -> dict[str, tuple[int, str]]:
 
 @pytest.mark.parametrize("i", range(len(BAD_FLAGS)), ids=[f"{m} {' '.join(a)}" for m, a, _ in BAD_FLAGS])
 def test_a_bad_flag_is_one_line_that_names_it(forked, i):
-    module, args, flag = BAD_FLAGS[i]
+    flag = BAD_FLAGS[i][2]
     code, out = forked[f"bad-{i}"]
     assert code == 2, out[-2000:]
     lines = [line for line in out.splitlines() if line.strip()]
