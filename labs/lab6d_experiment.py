@@ -48,9 +48,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> list[dict]:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
     if max(args.widths) > 10:
-        parser().error("argument --widths: the server searches at most 10 beams (n <= 10)")
+        p.error("argument --widths: the server searches at most 10 beams (n <= 10)")
     import httpx
 
     from level6_serving.metrics import parse, value
