@@ -53,8 +53,8 @@ CHECKS = (
           rule="A policy only ever picks a live replica; prefix-aware keeps a shared prefix on one replica unless "
                "that replica is much busier than another."),
     Check("served", "two replicas behind your router answer as the offline engine; a dead one leaves rotation",
-          (D + "test_two_replicas_give_the_offline_engines_answers",
-           D + "test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation"),
+          (D + "test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation",
+           D + "test_two_replicas_give_the_offline_engines_answers"),
           "If the policies check passes, look at dead replicas: choose must never return one (r.alive).",
           rule="Routing changes where a request runs, never what it answers; a dead replica gets no request."),
 )  # fmt: skip

@@ -188,25 +188,6 @@ def engine_flags(ckpt) -> list[str]:
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:", "HAMLET: to be", "KING:", "QUEEN:\nMy lord", "a", "bb"]
 
 
-def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
-    with ServerProcess([*engine_flags(ckpt), "--data-parallel-size", "2", "--router", "round-robin"]) as s:
-        def ask(prompt):
-            body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-            r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
-            assert r.status_code == 200, r.text  # a router that raises answers 500
-            return r.json()["choices"][0]["text"]
-
-        with ThreadPoolExecutor(4) as pool:
-            got = list(pool.map(ask, PROMPTS))
-        samples = parse(httpx.get(s.url + "/metrics").text)
-        assert httpx.get(s.url + "/health").status_code == 200
-    want = [offline(llm, p, max_tokens=12, temperature=0, ignore_eos=True).outputs[0].text for p in PROMPTS]
-    assert got == want
-    served = {r: value(samples, f'ladder:dp_requests_total{{replica="{r}",outcome="ok"}}') for r in ("0", "1")}
-    assert served == {"0": 4.0, "1": 4.0}  # round-robin: half each
-    assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
-
-
 @contextlib.contextmanager
 def two_replicas(ckpt):
     """Two `python -m level6_serving` processes loading at the same time (as --data-parallel-size does)."""
@@ -256,3 +237,24 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(ckpt):
             assert value(samples, 'ladder:dp_requests_total{replica="1",outcome="failed"}') == 1
             assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 6
             assert reps[0].in_flight == reps[1].in_flight == 0  # every request gave its place back
+
+
+# After the killed replica on purpose: lab 6c's "served" check stops at its first failing test, and a
+# router that keeps a dead replica in rotation fails only that one (this one would pass, slowly, first).
+def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
+    with ServerProcess([*engine_flags(ckpt), "--data-parallel-size", "2", "--router", "round-robin"]) as s:
+        def ask(prompt):
+            body = {"model": NAME, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+            r = httpx.post(s.url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200, r.text  # a router that raises answers 500
+            return r.json()["choices"][0]["text"]
+
+        with ThreadPoolExecutor(4) as pool:
+            got = list(pool.map(ask, PROMPTS))
+        samples = parse(httpx.get(s.url + "/metrics").text)
+        assert httpx.get(s.url + "/health").status_code == 200
+    want = [offline(llm, p, max_tokens=12, temperature=0, ignore_eos=True).outputs[0].text for p in PROMPTS]
+    assert got == want
+    served = {r: value(samples, f'ladder:dp_requests_total{{replica="{r}",outcome="ok"}}') for r in ("0", "1")}
+    assert served == {"0": 4.0, "1": 4.0}  # round-robin: half each
+    assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
