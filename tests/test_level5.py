@@ -3,8 +3,9 @@
 What it is (the equivalence suite in test_equivalence.py runs the layouts against the oracle):
   - sharding round trip: gathering every rank's shards gives back the checkpoint's tensors
     exactly (QKV by heads with KV heads replicated, gate/up per segment, a padded vocabulary);
-  - micro-batches: no request is ever in two micro-batches in flight; an abort while its
-    request is in flight frees its blocks at once, and everyone else's answers stay exact;
+  - micro-batches: no request is ever in two micro-batches in flight, and the pipeline fills
+    (pp of them in flight, never more); an abort while its request is in flight frees its
+    blocks at once, no token joins it afterwards, and everyone else's answers stay exact;
   - a rank killed mid-run makes the driver raise WorkerDiedError quickly, and no process is
     left behind; a script that builds its engine without `if __name__ == "__main__":` fails
     at once with an error naming the guard (spawn re-runs it in every rank), and with the
@@ -107,39 +108,73 @@ def alive_children() -> list:
     return [p for p in multiprocessing.active_children() if p.name.startswith("rank")]
 
 
-def test_micro_batches_are_disjoint_and_an_abort_in_flight_is_clean(checkpoint_factory):
+PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
+
+
+def pp2_with_submits_checked(path):
+    """A PP=2 engine (2 requests per micro-batch) whose executor's submit records how many micro-batches
+    were already in flight, and fails if one of them shares a request with another."""
+    llm = LLM(path, dtype="float64", pipeline_parallel_size=2, max_num_seqs=2, distributed_timeout_s=60)
+    engine: LLMEngine = llm.llm_engine
+    submit, seen = engine.worker.submit, []
+
+    def checked_submit(model_input):
+        groups = [{id(r) for r, _ in sched.scheduled} for sched, *_ in engine.in_flight]
+        assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :]), (
+            "a request in two micro-batches"
+        )
+        seen.append(len(engine.in_flight))
+        return submit(model_input)
+
+    engine.worker.submit = checked_submit
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY))
+    return llm, engine, seen
+
+
+def test_micro_batches_are_disjoint_and_fill_the_pipeline(checkpoint_factory):
+    """Four requests, two per micro-batch: the next micro-batch is submitted while the first is in flight
+    (the pipeline fills: pp of them at once, never more), no request is in two, and every answer is the
+    one-process engine's."""
     path = checkpoint_factory("llama")
     want = level3_prefix.LLM(path, dtype="float64").generate(
-        [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]], SamplingParams(max_tokens=12, **GREEDY), progress=False
+        PROMPTS, SamplingParams(max_tokens=12, **GREEDY), progress=False
     )
-    with LLM(path, dtype="float64", pipeline_parallel_size=2, max_num_seqs=2, distributed_timeout_s=60) as llm:
-        engine: LLMEngine = llm.llm_engine
-        submit, seen = engine.worker.submit, []
-
-        def checked_submit(model_input):
-            groups = [{id(r) for r, _ in sched.scheduled} for sched, *_ in engine.in_flight]
-            assert all(not (a & b) for i, a in enumerate(groups) for b in groups[i + 1 :]), (
-                "a request in two micro-batches"
-            )
-            seen.append(len(engine.in_flight))
-            return submit(model_input)
-
-        engine.worker.submit = checked_submit
-        for i, p in enumerate([[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]):
-            engine.add_request(str(i), p, SamplingParams(max_tokens=12, **GREEDY))
-        aborted, finals = False, {}
+    llm, engine, seen = pp2_with_submits_checked(path)
+    with llm:
+        finals = {}
         while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
-            in_flight = {r.request_id for sched, *_ in engine.in_flight for r, _ in sched.scheduled}
-            if not aborted and "1" in in_flight:
-                free = engine.kv.num_free_blocks
+            finals.update((out.request_id, out) for out in engine.step() if out.finished)
+        assert max(seen) <= 1, f"{max(seen) + 1} micro-batches in flight with pipeline_parallel_size=2"
+        assert max(seen) == 1, "never two micro-batches in flight: stage 0 idles while stage 1 works"
+        assert seen.count(1) >= 10, f"the pipeline was full at only {seen.count(1)} of {len(seen)} submits"
+        for i, w in enumerate(want):
+            assert finals[str(i)].outputs[0].token_ids == w.outputs[0].token_ids
+        assert engine.kv.num_free_blocks == engine.num_blocks and not engine.in_flight
+    assert not alive_children()
+
+
+def test_an_abort_in_flight_frees_its_blocks_at_once_and_is_skipped(checkpoint_factory):
+    """Request 1 aborted while its micro-batch is in flight: its blocks are free at once, it ends with
+    finish_reason "abort" and no token of that micro-batch, and the others' answers stay exact."""
+    path = checkpoint_factory("llama")
+    want = level3_prefix.LLM(path, dtype="float64").generate(
+        PROMPTS, SamplingParams(max_tokens=12, **GREEDY), progress=False
+    )
+    llm, engine, _ = pp2_with_submits_checked(path)
+    with llm:
+        aborted, finals = None, {}
+        while engine.has_unfinished_requests():
+            finals.update((out.request_id, out) for out in engine.step() if out.finished)
+            in_flight = {r.request_id: r for sched, *_ in engine.in_flight for r, _ in sched.scheduled}
+            if aborted is None and "1" in in_flight and len(in_flight["1"].output_token_ids) >= 2:
+                req, free, aborted = in_flight["1"], engine.kv.num_free_blocks, list(in_flight["1"].output_token_ids)
                 engine.abort_request("1")  # while its micro-batch is in flight
                 assert engine.kv.num_free_blocks > free, "its blocks are free at once"
-                aborted = True
-        assert aborted and max(seen) == 1, "two micro-batches were in flight together"
+        assert aborted is not None, "request 1 was never in flight between two steps: nothing to abort there"
         assert finals["1"].outputs[0].finish_reason == "abort"
+        assert finals["1"].outputs[0].token_ids == aborted
+        assert req.output_token_ids == aborted, "its micro-batch came back and a token joined it after the abort"
         for i in ("0", "2", "3"):
             assert finals[i].outputs[0].token_ids == want[int(i)].outputs[0].token_ids
         assert engine.kv.num_free_blocks == engine.num_blocks and not engine.in_flight

@@ -1,0 +1,104 @@
+"""Lab 5c: pipeline parallelism's batch queue: micro-batches of disjoint requests in flight.
+
+What it is: the lab's definition (see `labs/spec.py`): in `level5_multigpu/engine.py`,
+`ParallelEngine.schedule` (level 2's schedule over the requests that are not in flight),
+`ParallelEngine._step` with pipeline_parallel_size > 1 (fill the pipeline with up to pp
+micro-batches, then take the oldest one's logits back, sample, update) and
+`ParallelEngine._skip_aborted` (a request aborted while its micro-batch was in flight gets no
+token). The checks are the level's own tests (`tests/test_level5.py`: disjoint micro-batches and
+a full pipeline, admission order, an abort in flight; `tests/test_equivalence.py`: PP=2 with and
+without speculation against the oracle); three planted bugs; the experiment
+(`labs/lab5c_experiment.py`: one process against PP=2 with your engine, tokens/s and how busy
+each stage was).
+
+What it is not: the ranks, the messages or the stage models (read, not written: executor.py,
+rank.py, model.py), or the handout (docs/labs/lab5c_pipeline.md).
+"""
+
+from __future__ import annotations
+
+from .spec import Bug, Check, Experiment, Lab, Module, Part
+
+L5 = "tests/test_level5.py::"
+EQ = "tests/test_equivalence.py::test_level5_greedy_output_equals_the_oracle"
+
+PARTS = (
+    Part(
+        "ParallelEngine.schedule",
+        """\
+Level 2's schedule (super().schedule(in_flight=...)) over the requests that are not in flight: the ones the
+caller passes, and every request of every micro-batch this engine has in flight. self.in_flight holds one
+(SchedulerOutput, seconds) pair per micro-batch, oldest first; a SchedulerOutput's .scheduled is a list of
+(request, tokens) pairs.""",
+    ),
+    Part(
+        "ParallelEngine._step",
+        """\
+One step with pp > 1. Level 2's _step (level2_continuous/engine.py) runs one batch from start to end; here,
+first keep up to self.pp micro-batches in flight (each: scheduled, its input prepared, self.worker.submit,
+and remembered in self.in_flight with its scheduling seconds), then take back the micro-batch the stages
+answer first (self.worker.collect() gives the logits of the oldest one submitted) and finish it as level 2
+does, timers and _record included, dropping what was aborted meanwhile (self._skip_aborted) before the
+scheduler's update. Nothing scheduled and nothing in flight: end as level 2's step ends.""",
+        keep_until="return super()._step()",
+    ),
+    Part(
+        "ParallelEngine._skip_aborted",
+        """\
+A request aborted while its micro-batch was in flight is already finished (r.is_finished) and its blocks
+are free. Drop it everywhere: from out.requests, out.token_ids and out.logprobs (the same positions in all
+three), and from sched.scheduled, so update_from_output never sees it.""",
+    ),
+)
+
+CHECKS = (
+    Check("disjoint", "micro-batches hold disjoint requests, the pipeline fills, the answers are exact",
+          (L5 + "test_micro_batches_are_disjoint_and_fill_the_pipeline",),
+          "schedule: super().schedule(in_flight=[*in_flight, *(r for sched, _ in self.in_flight for r, _ in "
+          "sched.scheduled)]). _step: `while len(self.in_flight) < self.pp:` before taking the oldest out "
+          "(self.in_flight.popleft()).",
+          rule="A request in flight can be scheduled again only after its micro-batch comes back; while one "
+               "micro-batch runs on the last stage, the next one runs on the first."),
+    Check("order", "each micro-batch takes the idle requests in admission order; FCFS still preempts the latest",
+          (L5 + "test_micro_batches_keep_admission_order_and_fill_from_the_front",),
+          "Let level 2's scheduler choose (schedule_except through super().schedule): do not reorder, filter or "
+          "requeue its running list yourself.",
+          rule="Each micro-batch is level 2's schedule over the requests not in flight: the same order, the "
+               "same preemption victim."),
+    Check("abort", "a request aborted while in flight frees its blocks at once and gets no token",
+          (L5 + "test_an_abort_in_flight_frees_its_blocks_at_once_and_is_skipped",),
+          "_skip_aborted: keep = [i for i, r in enumerate(out.requests) if not r.is_finished]; filter "
+          "out.requests, out.token_ids, out.logprobs by keep, and sched.scheduled by `not r.is_finished`.",
+          rule="An aborted request is finished the moment it is aborted: what its micro-batch computed for it "
+               "afterwards is thrown away."),
+    Check("oracle", "PP=2, with and without a draft model, gives the oracle's greedy tokens",
+          (EQ + "[llama-pp2]", EQ + "[llama-pp2-spec]"),
+          "If the other checks pass: each micro-batch's logits must be sampled for that micro-batch's "
+          "SchedulerOutput (the oldest in flight), and post_step must run for it after update_from_output.",
+          rule="Splitting the model into stages and the batch into micro-batches changes when a token is "
+               "computed, never which token."),
+)  # fmt: skip
+
+BUGS = (
+    Bug("rescheduled", "level5_multigpu.engine",
+        "        return super().schedule(in_flight=[*in_flight, *mine])\n",
+        "        return super().schedule(in_flight=in_flight)\n", ("disjoint",)),
+    Bug("fills-only-when-empty", "level5_multigpu.engine",
+        "            while len(self.in_flight) < self.pp:  # fill the pipeline with disjoint micro-batches\n",
+        "            while not self.in_flight:  # fill the pipeline with disjoint micro-batches\n", ("disjoint", "abort")),
+    Bug("aborted-sampled", "level5_multigpu.engine",
+        "        keep = [i for i, r in enumerate(out.requests) if not r.is_finished]\n",
+        "        keep = list(range(len(out.requests)))\n", ("abort",)),
+)  # fmt: skip
+
+LAB = Lab(
+    id="5c",
+    topic="pipeline parallelism's batch queue: micro-batches of disjoint requests in flight",
+    handout="lab5c_pipeline.md",
+    modules=(Module("level5_multigpu.engine", PARTS),),
+    checks=CHECKS,
+    bugs=BUGS,
+    experiment=Experiment("labs.lab5c_experiment", (),
+                          ("--model", "tiny-shakespeare", "--batch", "4", "--max-tokens", "4")),  # fmt: skip
+    minutes=45,
+)

@@ -1,0 +1,251 @@
+# Lab 5c: your copy of level5_multigpu/engine.py.
+# Fill in every function that raises NotImplementedError (search for TODO), then run
+#     python -m labs check 5c THIS_FILE
+# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.
+# ruff: noqa: F841
+"""Level 5: level 4's engine whose target model is split across processes.
+
+What it is: `ParallelEngine` (exported as `LLMEngine`) and `LLM` of level 4 with vLLM's knobs
+
+    LLM(model, tensor_parallel_size=2, pipeline_parallel_size=2, distributed_executor_backend="mp")
+
+and one part replaced: the target's `Worker` becomes an `Executor` over tp x pp ranks
+(`executor.py`). The driver (this process, rank 0) keeps everything that is about
+requests: the scheduler, the KV manager and its block tables, the draft model and its
+cache (level 4), sampling and the per-request generators. Each step's `ModelInput` goes
+to every rank; the logits come back. With both sizes 1 this is level 4, step for step.
+
+With pipeline_parallel_size = p > 1 the engine keeps up to p micro-batches of *disjoint*
+requests in flight (vLLM's batch queue): a request in flight is invisible to the next
+`schedule()` (it can be neither scheduled again nor preempted), so while stage 1 runs
+micro-batch A, stage 0 runs B:
+
+    stage 0 |A0|B0|C0|  |D0|       time ->     (each box: one micro-batch's forward on that stage)
+    stage 1    |A1|B1|C1|  |D1|                the gaps are the bubble
+
+An abort that arrives while its request is in flight frees the request's blocks at
+once (every stage handles micro-batches in order, so a reused block is written later
+everywhere); when that micro-batch comes back, the aborted request is skipped.
+
+KV sizing: `kv_cache_memory` is per rank; each rank's cache holds its layers (1/pp) and
+its KV heads (1/tp, or one replicated head), and the engine uses the fewest blocks any
+rank can hold.
+
+What it is not: data parallelism, expert parallelism or disaggregated prefill. One
+multi-rank engine per process at a time (torch.distributed has one default group).
+
+Reference: vLLM `v1/executor/multiproc_executor.py`, `v1/engine/core.py`
+(`step_with_batch_queue`); Huang et al., "GPipe" (2019) for micro-batching.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from dataclasses import dataclass
+
+from level0_naive.loader import LoadedModel, load_metadata
+from level0_naive.metrics import Counter, Metric
+from level0_naive.stats import Timer  # noqa: F401 (your code will need it)
+from level1_paged.executor import Executor
+from level2_continuous.request import Request
+from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
+from level4_speculative.config import SpeculativeEngineConfig
+from level4_speculative.engine import LLM as SpeculativeLLM
+from level4_speculative.engine import SpeculativeEngine
+
+from .executor import MultiprocExecutor
+from .layers import kv_heads_of_rank
+from .model import kv_bytes_per_token_of_rank, partition_layers
+from .parallel_state import CommStats
+from .rank import ParallelSpec, rank_main
+
+
+@dataclass
+class ParallelEngineConfig(SpeculativeEngineConfig):
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = (
+        None  # "mp" (spawn the ranks here) | "torchrun" (they are started for us) | "ray" (Ray actors: ray_executor.py)
+    )
+    distributed_backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU | "gloo" | "nccl"
+    pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
+    distributed_timeout_s: float = 120.0  # a rank silent for this long is declared dead
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank, all-to-all (moe.py); else sliced
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name}={v!r} must be an integer >= 1")
+        if self.distributed_executor_backend not in (None, "mp", "torchrun", "ray"):
+            raise ValueError(
+                f"distributed_executor_backend={self.distributed_executor_backend!r} must be 'mp', 'torchrun' or 'ray'"
+            )
+        if self.distributed_backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"distributed_backend={self.distributed_backend!r} must be 'auto', 'gloo' or 'nccl'")
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} must be > 0")
+
+
+class ParallelEngine(SpeculativeEngine):
+    config_class = ParallelEngineConfig
+
+    def __init__(self, model: str, **kwargs):
+        # per micro-batch in flight, oldest first: (SchedulerOutput, seconds to schedule it); level 4's
+        # guesses travel on the requests themselves
+        self.in_flight: deque[tuple[SchedulerOutput, float]] = deque()
+        self.executor: Executor | None = None
+        try:
+            super().__init__(model, **kwargs)
+        except BaseException:
+            self.shutdown()  # ranks already started must not outlive a failed construction
+            raise
+
+    @property
+    def tp(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.config.pipeline_parallel_size
+
+    @property
+    def parallel(self) -> bool:
+        return self.tp * self.pp > 1
+
+    # --- construction: metadata on the driver, shards on the ranks -----------------------------
+    def load_model(self) -> LoadedModel:
+        if not self.parallel:
+            return super().load_model()  # level 4, whole model in this process
+        loaded = load_metadata(self.config.model)  # the ranks read their own slices of the weights
+        kv_heads_of_rank(loaded.config.num_kv_heads, self.tp, 0)  # fails now if the heads cannot be split
+        if loaded.config.num_heads % self.tp:
+            raise ValueError(
+                f"tensor_parallel_size={self.tp} must divide num_attention_heads={loaded.config.num_heads}"
+            )
+        partition_layers(loaded.config.num_layers, self.pp, self.config.pipeline_partition)
+        self.load_draft(loaded)  # level 4: the draft lives with the driver, whole
+        return loaded
+
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V summed over every rank (replicated KV heads count on each rank)."""
+        if not self.parallel:
+            return super().kv_bytes_per_token()
+        cfg, draft = self.model_config, self.draft_kv_bytes_per_token()
+        ranges = partition_layers(cfg.num_layers, self.pp, self.config.pipeline_partition)
+        return draft + sum(
+            kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype) for r in ranges for t in range(self.tp)
+        )
+
+    def make_worker(self) -> Executor:
+        """Level 4's Worker, or, with tp x pp > 1, an executor over the ranks. Its constructor
+        starts them; each loads its shard and sizes its cache, and they agree on the fewest
+        blocks any rank holds (`executor.num_blocks`)."""
+        if not self.parallel:
+            return super().make_worker()
+        spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
+                                        device_type=self.device.type,
+                                        extra_bytes_rank0=self.draft_kv_bytes_per_token())  # fmt: skip
+        if spec.ranks_started_by == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
+            self._serve_as_worker(spec)  # never returns: this process is a rank, not the driver
+        self.executor = MultiprocExecutor(spec)
+        return self.executor
+
+    def _serve_as_worker(self, spec: ParallelSpec) -> None:
+        """Under torchrun every process runs the user's script: ranks other than 0 serve the driver, then exit."""
+        rank_main(int(os.environ["RANK"]), spec, "env://")
+        raise SystemExit(0)
+
+    # --- the step: micro-batches in flight -------------------------------------------------------------
+    def schedule(self, in_flight: list[Request] = ()) -> SchedulerOutput:
+        """Level 2's schedule over the requests that are not in flight."""
+        # TODO (lab 5c): ParallelEngine.schedule
+        # Level 2's schedule (super().schedule(in_flight=...)) over the requests that are not in flight: the ones the
+        # caller passes, and every request of every micro-batch this engine has in flight. self.in_flight holds one
+        # (SchedulerOutput, seconds) pair per micro-batch, oldest first; a SchedulerOutput's .scheduled is a list of
+        # (request, tokens) pairs.
+        raise NotImplementedError("lab 5c: write ParallelEngine.schedule")
+
+    def _step(self) -> list[Request]:
+        if self.pp == 1:
+            return super()._step()
+        # TODO (lab 5c): ParallelEngine._step
+        # One step with pp > 1. Level 2's _step (level2_continuous/engine.py) runs one batch from start to end; here,
+        # first keep up to self.pp micro-batches in flight (each: scheduled, its input prepared, self.worker.submit,
+        # and remembered in self.in_flight with its scheduling seconds), then take back the micro-batch the stages
+        # answer first (self.worker.collect() gives the logits of the oldest one submitted) and finish it as level 2
+        # does, timers and _record included, dropping what was aborted meanwhile (self._skip_aborted) before the
+        # scheduler's update. Nothing scheduled and nothing in flight: end as level 2's step ends.
+        raise NotImplementedError("lab 5c: write ParallelEngine._step")
+
+    @staticmethod
+    def _skip_aborted(sched: SchedulerOutput, out: ModelRunnerOutput) -> None:
+        """Requests aborted while their micro-batch was in flight: their blocks are gone; drop them."""
+        # TODO (lab 5c): ParallelEngine._skip_aborted
+        # A request aborted while its micro-batch was in flight is already finished (r.is_finished) and its blocks
+        # are free. Drop it everywhere: from out.requests, out.token_ids and out.logprobs (the same positions in all
+        # three), and from sched.scheduled, so update_from_output never sees it.
+        raise NotImplementedError("lab 5c: write ParallelEngine._skip_aborted")
+
+    def has_unfinished_requests(self) -> bool:
+        return super().has_unfinished_requests() or bool(self.in_flight)
+
+    # --- communication, and the end ------------------------------------------------------------------
+    def comm_stats(self) -> dict:
+        """Per rank: calls, bytes and seconds per kind of message, and the forward timeline."""
+        if not self.parallel:
+            return {0: (CommStats(), [])}
+        return self.executor.comm_stats()
+
+    def get_metrics(self) -> list[Metric]:
+        """Level 4's, plus the driver's (rank 0's) messages by kind: calls, bytes, seconds (ours, not vLLM's names)."""
+        out = super().get_metrics()
+        if self.parallel:
+            for kind, (calls, nbytes, secs) in sorted(self.executor.comm.stats.by_kind.items()):
+                labels = {"kind": kind, "rank": "0"}
+                out += [Counter("ladder:comm_calls", labels, calls), Counter("ladder:comm_bytes", labels, nbytes),
+                        Counter("ladder:comm_seconds", labels, secs)]  # fmt: skip
+        return out
+
+    def check_health(self) -> None:
+        """Level 2's, plus: every rank is still alive (WorkerDiedError names the one that is not)."""
+        super().check_health()
+        if self.parallel:
+            self.executor.check_health()
+
+    def calibrate(self) -> dict:
+        """This machine's alpha (per-message latency) and beta (per-byte cost) for all-reduce and send."""
+        return self.executor.calibrate() if self.parallel else {}
+
+    def shutdown(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:
+            pass
+
+
+class LLM(SpeculativeLLM):
+    """Level 4's front end over the parallel engine. `with LLM(...) as llm:` shuts the ranks down."""
+
+    engine_class = ParallelEngine
+
+    def shutdown(self) -> None:
+        self.llm_engine.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+    def comm_stats(self) -> dict:
+        return self.llm_engine.comm_stats()
+
+
+LLMEngine = ParallelEngine  # vLLM's name
