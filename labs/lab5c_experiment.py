@@ -1,6 +1,6 @@
 """Lab 5c's experiment: what a pipeline of two stages buys, and where its time goes.
 
-    python -m labs experiment 5c YOUR_FILE [--batch 64] [--max-tokens 24] [--repeats 2] [--model M]
+    python -m labs experiment 5c YOUR_FILE [--batch 64] [--max-tokens 24] [--repeats 2] [--model M] [--plot PATH]
 
 What it is: *your* `engine.py` running the same decode-heavy requests (8-token prompts,
 `--max-tokens` outputs each, greedy) in one process (TP=1, PP=1: level 4's step) and split
@@ -9,7 +9,9 @@ into two stages (PP=2, each stage a process of one torch thread, talking over gl
 the two layouts run the same requests at once. For the PP=2 run it reads every rank's forward
 timeline (`llm.comm_stats()`) over the timed run and prints how busy each stage was and for how
 much of the run both stages computed at the same time: the pipeline's overlap, which your
-`_step` makes (or does not). Each layout's best of `--repeats` rounds (noise only slows a run).
+`_step` makes (or does not), and draws the best PP=2 run's last forwards on each stage, the idle
+time hatched (level 5's demo's picture: `lab5c_pipeline.png` outside the repository unless
+`--plot`). Each layout's best of `--repeats` rounds (noise only slows a run).
 
 The model is `benchmarks.parallel`'s ~100M-parameter random Llama (built once into the output
 folder, about a minute), where a forward takes tens of milliseconds and the stages' overlap
@@ -25,8 +27,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from ladder.cli import LadderParser, positive_int, torch_threads
+from ladder.cli import LadderParser, plot_path, positive_int, torch_threads
 
 
 def parser() -> argparse.ArgumentParser:
@@ -36,6 +39,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive_int, default=64, help="requests, all at once (default 64)")
     p.add_argument("--max-tokens", type=positive_int, default=24, help="output tokens per request (default 24)")
     p.add_argument("--repeats", type=positive_int, default=2, help="rounds; each layout keeps its best (default 2)")
+    p.add_argument("--plot", type=Path, default=None,
+                   help="where to draw the PP=2 run's stages (default: lab5c_pipeline.png outside the repository)")  # fmt: skip
     return p
 
 
@@ -84,6 +89,7 @@ def run(model: str, pp: int, args) -> dict:
         row["stage_busy"] = [sum(e - s for s, e in st) / window for st in stages]
         row["both_busy"] = overlap(*stages) / window
         row["forwards"] = [sum(1 for _, s, _ in stats[r][1] if s >= t0) for r in (0, 1)]
+        row["timeline"] = {r: [ev for ev in stats[r][1] if ev[1] >= t0] for r in (0, 1)}
     return row
 
 
@@ -122,6 +128,12 @@ def main(argv=None) -> dict:
     console.print("PP=1: one process (level 4's step). busy: the share of the timed run a stage spent in forwards; "
                   "both at once: the share in which both stages computed, the pipeline's overlap (0 % when one "
                   "micro-batch is in flight at a time). forwards: each stage's, in the timed run.")  # fmt: skip
+    if 2 in best and all(best[2]["timeline"].values()):
+        from level5_multigpu.demo import plot  # under the lab's swap: your engine, the reference's picture
+
+        path = plot_path(args.plot, "lab5c_pipeline.png")
+        plot(path, best[2]["timeline"])
+        console.print(f"the PP=2 run's stages, forward by forward: {path}")
     return best
 
 
