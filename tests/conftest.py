@@ -47,6 +47,7 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 MAX_WORKERS = 4  # each worker holds its own torch, transformers and checkpoints: about 1-3 GB
 
 
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: without xdist (a GPU machine's bare pytest), not an error
 def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 

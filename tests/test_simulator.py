@@ -378,3 +378,21 @@ def test_a_simulated_draft_runs_the_real_drafts_passes(llama_dir):
     assert real.spec_stats.per_position() == [1.0, 1.0], "the target drafting for itself: every guess accepted"
     assert got == want
     assert len(passes) > len(want) and int(sim.clock.now // pass_cost) == len(passes)
+
+
+def test_the_gpu_check_measures_and_predicts_the_same_run(tmp_path):
+    """`python -m benchmarks.sim.gpu_check` (the device script's second step) dry-run on this CPU: it builds
+    its model, measures HF and levels 0-3 through the benchmark, and simulates levels 0, 2 and 3 on the
+    very workload it measured, with the same decisions (as many steps as the real engines took)."""
+    from benchmarks.sim import gpu_check
+
+    result = gpu_check.main(["--device", "cpu", "--small", "--out", str(tmp_path)])
+    rows = {r["level"]: r for r in result["rows"]}
+    assert set(rows) == set(gpu_check.SIMULATED)
+    for r in rows.values():
+        assert r["real_steps"] == r["sim_steps"] > 0, r
+        assert r["real_tok_s"] > 0 and r["sim_tok_s"] > 0 and r["sim_ttft_s"] > 0
+    measured = json.loads(Path(result["measured"]).read_text())
+    assert set(measured["workloads"]["uniform"]["results"]) >= set(gpu_check.MEASURED)
+    assert measured["config"]["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"] == result["rows"]

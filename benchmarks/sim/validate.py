@@ -249,10 +249,12 @@ def calibrate(level: str, model: str, hw: Hardware, dtype: str = "float32", cfg:
             "fit_error": ((fit - wall).abs().sum() / wall.sum()).item()}  # fmt: skip
 
 
-def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model: str, dtype: str) -> dict:
-    """One level on one committed workload, simulated with its calibration `cal`: output tokens/s and mean TTFT."""
+def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model: str, dtype: str,
+            hw: Hardware | None = None) -> dict:  # fmt: skip
+    """One level on one committed workload, simulated with its calibration `cal` on this CPU (or on `hw`, a
+    GPU's spec, uncalibrated: benchmarks/sim/gpu_check.py): output tokens/s and mean TTFT."""
     w, roof = committed["workloads"][name], roofline_of(committed, level)
-    hw = cpu_hardware(roof, cal)
+    hw = hw or cpu_hardware(roof, cal)
     wl = make_workload(name, cfg["num_requests"], 259, cfg["seed"], cfg["quick"], tokenizer_encode(model))
     clock = SimClock()
     kw = dict(hardware=hw, clock=clock, dtype=dtype, kv_cache_memory=w["kv_cache_memory"],
