@@ -96,7 +96,7 @@ def measure(model: Path, args, out: Path) -> dict:
 def compare(measured: dict, model: Path, gpu_name: str) -> list[dict]:
     """Each simulated level on each measured workload, on the GPU's spec: measured against predicted."""
     from .cost import gpu
-    from .validate import committed_row, predict
+    from .validate import committed_row, predict, side_by_side
 
     hw, cfg, rows = gpu(gpu_name), measured["config"], []
     for name in measured["workloads"]:
@@ -105,12 +105,7 @@ def compare(measured: dict, model: Path, gpu_name: str) -> list[dict]:
             if real is None or "output_tokens_per_s" not in real:
                 continue  # the level did not run (or failed) on this machine: nothing to hold a prediction against
             sim = predict(level, name, measured, cfg, {}, str(model), "bfloat16", hw=hw)
-            row = {"workload": name, "level": level, "real_tok_s": real["output_tokens_per_s"],
-                   "sim_tok_s": sim["output_tokens_per_s"], "real_ttft_s": real["ttft_s"]["mean"],
-                   "sim_ttft_s": sim["ttft_s"], "real_steps": real.get("steps"), "sim_steps": sim["steps"]}  # fmt: skip
-            row["tok_s_error"] = row["sim_tok_s"] / row["real_tok_s"] - 1
-            row["ttft_error"] = row["sim_ttft_s"] / row["real_ttft_s"] - 1
-            rows.append(row)
+            rows.append(side_by_side(name, level, real, sim))
     return rows
 
 

@@ -292,6 +292,16 @@ def predict(level: str, name: str, committed: dict, cfg: dict, cal: dict, model:
             "preemptions": engine.stats.preemptions}  # fmt: skip
 
 
+def side_by_side(name: str, level: str, real: dict, sim: dict) -> dict:
+    """One row of a validation table: the measured row's tokens/s, mean TTFT and steps beside the prediction's."""
+    row = {"workload": name, "level": level, "real_tok_s": real["output_tokens_per_s"],
+           "sim_tok_s": sim["output_tokens_per_s"], "real_ttft_s": real["ttft_s"]["mean"],
+           "sim_ttft_s": sim["ttft_s"], "real_steps": real.get("steps"), "sim_steps": sim["steps"]}  # fmt: skip
+    row["tok_s_error"] = row["sim_tok_s"] / row["real_tok_s"] - 1
+    row["ttft_error"] = row["sim_ttft_s"] / row["real_ttft_s"] - 1
+    return row
+
+
 def reference_rate(w: dict, level: str) -> float:
     """The poisson workload's rate for `level`: its own when each level was measured alone (`merge`)."""
     return w.get("reference_rates", {}).get(level, w["reference_rate"])
@@ -385,12 +395,7 @@ def main(argv=None) -> dict:
             real = committed_row(committed, name, level)
             if real is None:
                 continue
-            sim = predict(level, name, committed, cfg, cals[level], model, dtype)
-            row = {"workload": name, "level": level, "real_tok_s": real["output_tokens_per_s"],
-                   "sim_tok_s": sim["output_tokens_per_s"], "real_ttft_s": real["ttft_s"]["mean"],
-                   "sim_ttft_s": sim["ttft_s"], "real_steps": real.get("steps"), "sim_steps": sim["steps"]}  # fmt: skip
-            row["tok_s_error"] = row["sim_tok_s"] / row["real_tok_s"] - 1
-            row["ttft_error"] = row["sim_ttft_s"] / row["real_ttft_s"] - 1
+            row = side_by_side(name, level, real, predict(level, name, committed, cfg, cals[level], model, dtype))
             rows.append(row)
             print(f"{name:14s} {level:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
                   f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
