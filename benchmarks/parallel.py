@@ -82,17 +82,27 @@ def model_path(args) -> str:
     return str(path)
 
 
+def decode_heavy(batch: int, max_tokens: int) -> tuple[list[list[int]], object]:
+    """The benchmark's requests: `batch` 8-token prompts, each decoding exactly `max_tokens` greedy tokens."""
+    from level0_naive import SamplingParams
+
+    prompts = [[40 + (i % 50)] * 8 for i in range(batch)]
+    return prompts, SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, ignore_eos=True, temperature=0)
+
+
+def layout_kwargs(batch: int, pp: int) -> dict:
+    """The engine's limits for `batch` requests at once: each of the pp micro-batches holds batch / pp of them."""
+    return dict(max_num_seqs=-(-batch // pp), kv_cache_memory=1 << 29, max_num_batched_tokens=8192)
+
+
 def run_layout(model: str, tp: int, pp: int, batch: int, args, backend: str = "mp") -> dict:
     from level0_naive import SamplingParams
     from level5_multigpu import LLM
     from level5_multigpu.parallel_state import predicted_seconds
 
-    prompts = [[40 + (i % 50)] * 8 for i in range(batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-    per_mb = -(-batch // pp)  # the requests of one micro-batch
+    prompts, params = decode_heavy(batch, args.max_tokens)
     with LLM(model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             max_num_seqs=per_mb, kv_cache_memory=1 << 29, max_num_batched_tokens=8192,
-             distributed_executor_backend=backend if tp * pp > 1 else None) as llm:  # fmt: skip
+             distributed_executor_backend=backend if tp * pp > 1 else None, **layout_kwargs(batch, pp)) as llm:  # fmt: skip
         fit = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
         before = all_reduce_per_rank(llm)

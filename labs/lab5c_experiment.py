@@ -69,13 +69,12 @@ def overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float
 
 
 def run(model: str, pp: int, args) -> dict:
+    from benchmarks.parallel import decode_heavy, layout_kwargs
     from level0_naive import SamplingParams
     from level5_multigpu import LLM  # under the lab's swap: your engine.py
 
-    prompts = [[40 + (i % 50)] * 8 for i in range(args.batch)]
-    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, ignore_eos=True, temperature=0)
-    with LLM(model, dtype="float32", pipeline_parallel_size=pp, max_num_seqs=-(-args.batch // pp),
-             kv_cache_memory=1 << 29, max_num_batched_tokens=8192) as llm:  # fmt: skip
+    prompts, params = decode_heavy(args.batch, args.max_tokens)
+    with LLM(model, dtype="float32", pipeline_parallel_size=pp, **layout_kwargs(args.batch, pp)) as llm:
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params, progress=False)
@@ -84,12 +83,12 @@ def run(model: str, pp: int, args) -> dict:
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
     row = {"pp": pp, "tokens_per_s": tokens / (t1 - t0), "seconds": t1 - t0}
     if pp > 1:  # ranks 0 and 1 are stages 0 and 1 (TP=1); perf_counter is one clock for every process here
-        stages = [busy([(s, e) for _, s, e in stats[r][1] if s >= t0]) for r in (0, 1)]
+        row["timeline"] = {r: [ev for ev in stats[r][1] if ev[1] >= t0] for r in (0, 1)}  # the timed run's forwards
+        stages = [busy([(s, e) for _, s, e in row["timeline"][r]]) for r in (0, 1)]
         window = t1 - t0
         row["stage_busy"] = [sum(e - s for s, e in st) / window for st in stages]
         row["both_busy"] = overlap(*stages) / window
-        row["forwards"] = [sum(1 for _, s, _ in stats[r][1] if s >= t0) for r in (0, 1)]
-        row["timeline"] = {r: [ev for ev in stats[r][1] if ev[1] >= t0] for r in (0, 1)}
+        row["forwards"] = [len(row["timeline"][r]) for r in (0, 1)]
     return row
 
 
