@@ -17,7 +17,7 @@ tool lends one to some sessions, for minutes): one command, prepared and tried o
 
 `benchmarks/sim/gpu_check.sh` runs it after the Triton kernel's tests, as one script for the device.
 On a CPU, `--device cpu --small` runs the same steps on a small model and the quick workloads
-(what tests/test_what_if.py does): the plumbing, not the figures.
+(what tests/test_simulator.py does): the plumbing, not the figures.
 
 What it is not: a calibration. The CPU validation (`benchmarks.sim.validate`) fits the per-step
 overheads to the machine; here the GPU's are left as assumed, so the errors say how far the
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from pathlib import Path
 
 SIMULATED = ("level0_naive", "level2_continuous", "level3_prefix")
@@ -115,6 +114,8 @@ def main(argv=None) -> dict:
 
     from ladder.cli import output_dir
 
+    from .validate import row_line, summarise
+
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("gpu_check: no CUDA device here (--device cpu --small runs the plumbing on a CPU)")
     args.workload = args.workload or ["uniform"]
@@ -128,13 +129,9 @@ def main(argv=None) -> dict:
     print(f"{'workload':10s} {'level':18s} {'tok/s real':>10s} {'sim':>8s} {'err':>7s}   "
           f"{'TTFT real':>9s} {'sim':>8s} {'err':>7s}   steps real / sim")  # fmt: skip
     for r in rows:
-        print(f"{r['workload']:10s} {r['level']:18s} {r['real_tok_s']:10.0f} {r['sim_tok_s']:8.0f} "
-              f"{100 * r['tok_s_error']:+6.1f}%   {r['real_ttft_s']:9.3f} {r['sim_ttft_s']:8.3f} "
-              f"{100 * r['ttft_error']:+6.1f}%   {r['real_steps']} / {r['sim_steps']}")  # fmt: skip
-    summary = {}
+        print(f"{row_line(r, width=10)}   {r['real_steps']} / {r['sim_steps']}")
+    summary = summarise(rows) if rows else {}
     if rows:
-        summary = {"tok_s_median": statistics.median(abs(r["tok_s_error"]) for r in rows),
-                   "ttft_median": statistics.median(abs(r["ttft_error"]) for r in rows)}  # fmt: skip
         print(f"|error| median: tokens/s {100 * summary['tok_s_median']:.1f} %, TTFT {100 * summary['ttft_median']:.1f} %")
     for name, w in measured["workloads"].items():  # every engine's measured figure, HF and level 1 included
         line = ", ".join(f"{e} {r['output_tokens_per_s']:.0f}" for e, r in w["results"].items()

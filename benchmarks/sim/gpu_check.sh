@@ -8,7 +8,7 @@
 #
 # The device has torch, triton, transformers, pytest and hypothesis, and no network: the rest comes as wheels,
 # made here and carried with the working tree:
-#   pip download -q --only-binary=:all: -d .wheels rich pytest-xdist
+#   pip download -q --only-binary=:all: -d .wheels rich    (recent transformers bring rich along already)
 #   run(command="bash benchmarks/sim/gpu_check.sh", carry=[".wheels"], timeout_s=480)
 # A dry run on a CPU (the plumbing, small model): GPU_CHECK_ARGS="--device cpu --small" bash benchmarks/sim/gpu_check.sh
 set -u

@@ -302,6 +302,21 @@ def side_by_side(name: str, level: str, real: dict, sim: dict) -> dict:
     return row
 
 
+def row_line(row: dict, width: int = 14) -> str:
+    """A `side_by_side` row as the tables print it: tokens/s and TTFT, measured, simulated, error."""
+    return (f"{row['workload']:{width}s} {row['level']:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
+            f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
+            f"{100 * row['ttft_error']:+6.1f}%")  # fmt: skip
+
+
+def summarise(rows: list[dict]) -> dict:
+    """The median and the worst |error| of tokens/s and of TTFT over the rows."""
+    tok = sorted(abs(r["tok_s_error"]) for r in rows)
+    ttft = sorted(abs(r["ttft_error"]) for r in rows)
+    return {"tok_s_median": statistics.median(tok), "tok_s_worst": tok[-1],
+            "ttft_median": statistics.median(ttft), "ttft_worst": ttft[-1]}  # fmt: skip
+
+
 def reference_rate(w: dict, level: str) -> float:
     """The poisson workload's rate for `level`: its own when each level was measured alone (`merge`)."""
     return w.get("reference_rates", {}).get(level, w["reference_rate"])
@@ -397,13 +412,8 @@ def main(argv=None) -> dict:
                 continue
             row = side_by_side(name, level, real, predict(level, name, committed, cfg, cals[level], model, dtype))
             rows.append(row)
-            print(f"{name:14s} {level:18s} {row['real_tok_s']:10.0f} {row['sim_tok_s']:8.0f} "
-                  f"{100 * row['tok_s_error']:+6.1f}%   {row['real_ttft_s']:9.3f} {row['sim_ttft_s']:8.3f} "
-                  f"{100 * row['ttft_error']:+6.1f}%")  # fmt: skip
-    tok = sorted(abs(r["tok_s_error"]) for r in rows)
-    ttft = sorted(abs(r["ttft_error"]) for r in rows)
-    summary = {"tok_s_median": statistics.median(tok), "tok_s_worst": tok[-1],
-               "ttft_median": statistics.median(ttft), "ttft_worst": ttft[-1]}  # fmt: skip
+            print(row_line(row))
+    summary = summarise(rows)
     print(f"\n|error| tokens/s: median {100 * summary['tok_s_median']:.1f} %, worst {100 * summary['tok_s_worst']:.1f} %;"
           f" TTFT: median {100 * summary['ttft_median']:.1f} %, worst {100 * summary['ttft_worst']:.1f} %"
           "  (goal: median <= 10 %, worst <= 20 %)")  # fmt: skip
