@@ -111,10 +111,18 @@ def alive_children() -> list:
 PROMPTS = [[1, 2, 3], [4, 5, 6, 7], [8, 9], [10, 11, 12]]
 
 
-def pp2_with_submits_checked(path):
+def one_process_answers(checkpoint_factory) -> list:
+    """PROMPTS' greedy answers from level 3 in one process: what every layout must write."""
+    path = checkpoint_factory("llama")
+    return level3_prefix.LLM(path, dtype="float64").generate(
+        PROMPTS, SamplingParams(max_tokens=12, **GREEDY), progress=False
+    )
+
+
+def pp2_with_submits_checked(checkpoint_factory):
     """A PP=2 engine (2 requests per micro-batch) whose executor's submit records how many micro-batches
-    were already in flight, and fails if one of them shares a request with another."""
-    llm = LLM(path, dtype="float64", pipeline_parallel_size=2, max_num_seqs=2, distributed_timeout_s=60)
+    were already in flight, and fails if one of them shares a request with another; PROMPTS added."""
+    llm = LLM(checkpoint_factory("llama"), dtype="float64", pipeline_parallel_size=2, max_num_seqs=2, distributed_timeout_s=60)
     engine: LLMEngine = llm.llm_engine
     submit, seen = engine.worker.submit, []
 
@@ -136,11 +144,7 @@ def test_micro_batches_are_disjoint_and_fill_the_pipeline(checkpoint_factory):
     """Four requests, two per micro-batch: the next micro-batch is submitted while the first is in flight
     (the pipeline fills: pp of them at once, never more), no request is in two, and every answer is the
     one-process engine's."""
-    path = checkpoint_factory("llama")
-    want = level3_prefix.LLM(path, dtype="float64").generate(
-        PROMPTS, SamplingParams(max_tokens=12, **GREEDY), progress=False
-    )
-    llm, engine, seen = pp2_with_submits_checked(path)
+    want, (llm, engine, seen) = one_process_answers(checkpoint_factory), pp2_with_submits_checked(checkpoint_factory)
     with llm:
         finals = {}
         while engine.has_unfinished_requests():
@@ -157,11 +161,7 @@ def test_micro_batches_are_disjoint_and_fill_the_pipeline(checkpoint_factory):
 def test_an_abort_in_flight_frees_its_blocks_at_once_and_is_skipped(checkpoint_factory):
     """Request 1 aborted while its micro-batch is in flight: its blocks are free at once, it ends with
     finish_reason "abort" and no token of that micro-batch, and the others' answers stay exact."""
-    path = checkpoint_factory("llama")
-    want = level3_prefix.LLM(path, dtype="float64").generate(
-        PROMPTS, SamplingParams(max_tokens=12, **GREEDY), progress=False
-    )
-    llm, engine, _ = pp2_with_submits_checked(path)
+    want, (llm, engine, _) = one_process_answers(checkpoint_factory), pp2_with_submits_checked(checkpoint_factory)
     with llm:
         aborted, finals = None, {}
         while engine.has_unfinished_requests():
