@@ -118,11 +118,18 @@ def test_a_server_goes_with_the_process_that_started_it(ckpt, tmp_path):
             os.killpg(pid, signal.SIGKILL)
 
 
+LONG = 30_000  # tokens of the drain test's long requests
+
+
 def test_server_process_api_key_backpressure_and_sigterm_drain(checkpoint_factory, tmp_path):
-    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=2048)
+    # The long requests must still be running when the drain's deadline comes, however fast the machine:
+    # 1900 tokens finished within it on a quick one (about 1 ms a step at batch 2). LONG tokens take tens
+    # of seconds there, and the drain aborts them 1.5 s after SIGTERM; 64 MiB holds two of them (1 KiB a token).
+    # (--max-model-len -1: all of the checkpoint's positions, past its tokenizer's 2048.)
+    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=LONG + 64)
     flags = ["--model", str(model), "--api-key", "sk-test", "--dtype", "float32", "--max-num-seqs", "2",
              "--max-num-waiting", "1", "--drain-timeout", "1.5", "--kv-cache-memory", "64MiB",
-             "--disable-uvicorn-access-log"]  # fmt: skip
+             "--max-model-len", "-1", "--disable-uvicorn-access-log"]  # fmt: skip
     with ServerProcess(flags, log=tmp_path / "server.log") as server:
         asyncio.run(drive_process(server, str(model)))  # ends with SIGTERM
         assert server.proc.wait(timeout=30) == 0, server.tail()
@@ -161,9 +168,9 @@ async def drive_process(server: ServerProcess, model: str) -> None:
         # both seats taken, one waiting: the next one is refused with 503 + Retry-After. (One at a
         # time: a request counts as waiting until it is scheduled, so two at once would be one too many.)
         a_first, b_first = asyncio.Event(), asyncio.Event()
-        long_a = asyncio.create_task(stream(1900, a_first))
+        long_a = asyncio.create_task(stream(LONG, a_first))
         await asyncio.wait_for(a_first.wait(), 30)
-        long_b = asyncio.create_task(stream(1900, b_first))
+        long_b = asyncio.create_task(stream(LONG, b_first))
         await asyncio.wait_for(b_first.wait(), 30)
         queued = asyncio.create_task(stream(5))
         await asyncio.wait_for(waiting_is(1), 30)
