@@ -14,7 +14,8 @@ batches). For one GPU, model and trace (sharegpt, alpaca, shared-prefix, chat: b
   3. at one rate (`--at-rate`, 2 req/s: the paper's figure 13), the mean number of batched
      requests and the share of KV memory holding tokens (figure 2: 20.4-38.2 % for Orca), the
      preemptions, the mean TTFT and the share of prompt tokens found in the prefix cache;
-  4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 and the GPUs that
+  4. a capacity table: vLLM's sustainable rate per replica at TP 1/2/4/8 (and, with `--pp`, each
+     with that many pipeline stages: level 5's micro-batches overlapping on them) and the GPUs that
      `--target-rate` requests/s would need.
 
 The plot what_if_<gpu>_<model>_<trace>.png and the numbers what_if_<gpu>_<model>_<trace>.json go
@@ -31,6 +32,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from benchmarks.sim.cost import gpu, gpu_names, kv_budget, model_shape
@@ -44,31 +46,31 @@ PAPER = {  # OPT-13B, one A100-40GB, ShareGPT (Kwon et al. 2023, figures 2, 12 a
 PLOTTED = ("vllm", "orca-oracle", "orca-pow2", "orca-max", "ft")
 
 
-def latency_at(system: str, rate: float, args, tp: int = 1):
+def latency_at(system: str, rate: float, args, tp: int = 1, pp: int = 1):
     reqs = trace(args.trace, args.requests, rate, args.seed, model_shape(args.model).vocab)
     kwargs = {}
     if system == "vllm-spec":
         kwargs = dict(num_speculative_tokens=args.spec_k, alpha=args.spec_alpha,
                       draft_shape=model_shape(args.spec_draft) if args.spec_draft else None)  # fmt: skip
-    return simulate(system, reqs, args.gpu, args.model, tp, rate, **kwargs)
+    return simulate(system, reqs, args.gpu, args.model, tp, rate, pp=pp, hardware=args.hw, **kwargs)
 
 
-def max_rate(system: str, args, tp: int = 1) -> float:
+def max_rate(system: str, args, tp: int = 1, pp: int = 1) -> float:
     """The highest rate a system sustains: its saturated rate (requests finished per second while a queue
     waits, all requests arriving at once: at or above it the queue grows without bound, however few
     requests a run has to show it), lowered, if the SLO needs it, to the highest rate whose normalized
     latency meets the SLO (bisection on a log scale, 4 %). On chat only the first turns arrive at once;
     the later ones follow their answers, so near the end the queue can run dry while turns wait on
     their users' pauses: a slight underestimate there."""
-    cap = latency_at(system, math.inf, args, tp).drain_rate
-    if latency_at(system, cap, args, tp).normalized_latency <= args.slo:
+    cap = latency_at(system, math.inf, args, tp, pp).drain_rate
+    if latency_at(system, cap, args, tp, pp).normalized_latency <= args.slo:
         return cap
     lo, hi = cap / 1024, cap
-    if latency_at(system, lo, args, tp).normalized_latency > args.slo:
+    if latency_at(system, lo, args, tp, pp).normalized_latency > args.slo:
         return 0.0
     while hi / lo > 1.04:
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if latency_at(system, mid, args, tp).normalized_latency <= args.slo else (lo, mid)
+        lo, hi = (mid, hi) if latency_at(system, mid, args, tp, pp).normalized_latency <= args.slo else (lo, mid)
     return lo
 
 
@@ -110,6 +112,13 @@ def main(argv=None) -> dict:
                    "for sharegpt and chat, 30 for alpaca, as the paper's figure 13; 10 for shared-prefix)")  # fmt: skip
     p.add_argument("--target-rate", type=float, default=10.0, help="req/s the capacity table plans for")
     p.add_argument("--tp", nargs="+", type=int, default=[1, 2, 4, 8], help="TP sizes for the capacity table")
+    p.add_argument("--pp", nargs="+", type=int, default=[1], help="PP sizes for the capacity table, each with every "
+                   "TP size (default 1; e.g. --pp 1 2 4: level 5's micro-batches overlapping on the stages)")  # fmt: skip
+    p.add_argument("--link-gbytes", type=float, default=None, help="GB/s between GPUs, one way (default: the GPU's "
+                   "own, gpus.json: NVLink's, PCIe's for the L4; e.g. 25 for 200 Gb/s InfiniBand between nodes): "
+                   "what TP's all-reduces and PP's sends cross")
+    p.add_argument("--link-latency-us", type=float, default=None, help="microseconds a message costs before its "
+                   "bytes (default: the GPU's, 10)")
     p.add_argument("--points", type=int, default=10, help="rates on the latency curves")
     p.add_argument("--spec-k", type=int, default=0, help="add vllm-spec: level 4 with this many guesses per step")
     p.add_argument("--spec-alpha", type=float, default=0.7, help="vllm-spec: P(a guess is accepted | those before were)")
@@ -122,10 +131,16 @@ def main(argv=None) -> dict:
     args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0, "chat": 2.0}[args.trace]
     t0 = time.perf_counter()
     shape, hw = model_shape(args.model), gpu(args.gpu)
+    if args.link_gbytes is not None or args.link_latency_us is not None:  # GPUs in other boxes: a slower link
+        hw = replace(hw, link_bytes_per_s=1e9 * (args.link_gbytes or hw.link_bytes_per_s / 1e9),
+                     link_latency_s=1e-6 * args.link_latency_us if args.link_latency_us is not None
+                     else hw.link_latency_s)  # fmt: skip
+    args.hw = hw
     budget = kv_budget(hw, shape)
     print(f"{args.model} ({shape.params / 1e9:.1f} B parameters, {shape.weight_bytes / 2**30:.1f} GiB) on a simulated "
           f"{hw.name}: KV budget {budget / 2**30:.1f} GiB = {budget // shape.kv_bytes_per_token} tokens; "
-          f"{args.trace}-like trace, {args.requests} requests per run")  # fmt: skip
+          f"{args.trace}-like trace, {args.requests} requests per run; between GPUs {hw.link_bytes_per_s / 1e9:.1f} "
+          f"GB/s, {hw.link_latency_s * 1e6:.0f} us a message")  # fmt: skip
 
     # 2. sustainable rates (vLLM first: its rate sets the curves' range)
     plotted = tuple(s for s in PLOTTED if not (s == "ft" and args.trace == "chat"))  # (static: no next turns)
@@ -163,18 +178,21 @@ def main(argv=None) -> dict:
     # 4. capacity
     print(f"\ncapacity: vLLM per replica at the SLO, and the GPUs {args.target_rate} req/s would need")
     capacity = []
-    for tp in args.tp:
-        try:
-            kv_budget(hw, shape, tp)
-        except ValueError as e:
-            print(f"  TP {tp}: {e}")
-            continue
-        rate = sustain["vllm"] if tp == 1 else max_rate("vllm", args, tp)
-        gpus = math.ceil(args.target_rate / rate) * tp if rate else None
-        capacity.append({"tp": tp, "rate_per_replica": rate, "gpus": gpus})
-        print(f"  TP {tp}: {rate:8.3f} req/s per replica -> {gpus} GPUs")
+    for pp in args.pp:
+        for tp in args.tp:
+            name = f"TP {tp}" + (f" x PP {pp}" if pp > 1 else "")
+            try:
+                kv_budget(hw, shape, tp * pp)
+            except ValueError as e:
+                print(f"  {name}: {e}")
+                continue
+            rate = sustain["vllm"] if tp * pp == 1 else max_rate("vllm", args, tp, pp)
+            gpus = math.ceil(args.target_rate / rate) * tp * pp if rate else None
+            capacity.append({"tp": tp, "pp": pp, "rate_per_replica": rate, "gpus": gpus})
+            print(f"  {name}: {rate:8.3f} req/s per replica -> {gpus} GPUs")
     result = {
         "gpu": args.gpu, "model": args.model, "trace": args.trace, "requests": args.requests, "slo": args.slo,
+        "link_bytes_per_s": hw.link_bytes_per_s, "link_latency_s": hw.link_latency_s,
         "rates": rates, "curves": curves, "sustainable": sustain, "at_rate": args.at_rate,
         "at": {s: vars(r) for s, r in at.items()}, "capacity": capacity, "paper": PAPER,
         "seconds_per_run": seconds_per_run, "seconds": time.perf_counter() - t0,

@@ -4,6 +4,8 @@ What it is:
   - levels 0, 2 and 3 on a random checkpoint, real and simulated, on one workload whose outputs
     are forced to the same lengths: the same requests in every step with the same token counts,
     the same preemptions, the same prefix hits (the simulator replaces the time, nothing else);
+    level 5 with two pipeline stages (two rank processes) likewise, micro-batch by micro-batch;
+  - the pipeline's stages overlap: N micro-batches in flight take N + pp - 1 stage times;
   - a shared prefix: the context tokens a step reads again (blocks another request read first)
     are counted, and cost what the hardware says (a CPU's cache: no bytes, the calibrated rate);
   - cost-model properties: a step grows with its tokens and its context, tensor parallelism
@@ -34,11 +36,15 @@ from test_equivalence import kv_bytes
 import level0_naive
 import level2_continuous
 import level3_prefix
+import level5_multigpu
 from benchmarks.sim.cost import Hardware, gpu, kv_budget, model_shape, repeated_context, step_cost, step_time
 from benchmarks.sim.engines import (
     ReservingKVCacheManager,
     SimClock,
+    SimStep,
     SimulatedContinuous,
+    SimulatedExecutor,
+    SimulatedPipeline,
     SimulatedPrefix,
     SimulatedStatic,
     next_power_of_two,
@@ -101,6 +107,56 @@ def test_simulated_and_real_engines_make_the_same_decisions(llama_dir, level, si
     if level is level3_prefix:
         assert real.kv.hits > 0, "and hit the prefix cache"
     assert sim.clock.now > 0 and sim.worker.steps == len(want)
+
+
+def test_a_simulated_pipeline_makes_level5s_micro_batches(llama_dir):
+    """Level 5 with two pipeline stages, real (two rank processes) and simulated: the same micro-batches
+    (disjoint requests, two in flight), the same preemptions, in the same order."""
+    kw = dict(block_size=4, max_num_batched_tokens=12, max_num_seqs=5, enable_prefix_caching=False)
+    whole = kv_bytes(llama_dir, 4 * 14)  # each rank holds half the layers, so half the bytes a token
+    with level5_multigpu.LLM(llama_dir, dtype="float64", pipeline_parallel_size=2, kv_cache_memory=whole // 2,
+                             **kw) as llm:  # fmt: skip
+        real = llm.llm_engine
+        want = record(real)
+        play(real, workload())
+    sim = SimulatedPipeline(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), dtype="float64", pp=2,
+                            kv_cache_memory=whole, **kw)  # fmt: skip
+    got = record(sim)
+    play(sim, workload(), sim.targets)
+    assert sim.num_blocks == real.num_blocks == 14
+    assert got == want
+    assert real.stats.preemptions > 0, "the workload must preempt"
+    scheduled = [ids for ids, _, _ in want if ids]  # (an empty one: the pipeline could not be filled)
+    disjoint = [not {r for r, _ in a} & {r for r, _ in b} for a, b in zip(scheduled, scheduled[1:])]
+    assert sum(disjoint) > len(disjoint) / 2, "two micro-batches in flight: the next one shares no request"
+    assert sim.worker.steps == len(scheduled)
+    # one stage: level 3's engine (here without caching), decision for decision and second for second
+    flat, ref = (cls(llama_dir, hardware=gpu("a100-40gb"), clock=SimClock(), dtype="float64", kv_cache_memory=whole, **kw)
+                 for cls in (SimulatedPipeline, SimulatedPrefix))  # fmt: skip
+    decisions = [record(flat), record(ref)]
+    for engine in (flat, ref):
+        play(engine, workload(), engine.targets)
+    assert decisions[0] == decisions[1] and flat.clock.now == ref.clock.now
+
+
+def test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them():
+    """N equal micro-batches over pp stages (no sends, no overhead, no LM head) take (N + pp - 1) stage times
+    when they are all in flight, and N * pp when each is waited for before the next (a level that calls
+    `execute`): the bubble is pp - 1 stage times, whatever N."""
+    hw = replace(gpu("a100-40gb"), step_overhead_s=0.0, link_latency_s=0.0, link_bytes_per_s=1e30)
+    shape, step, n = model_shape("llama-2-13b"), SimStep([(500, 1)] * 8, 0), 6
+    cost = step_cost(hw, shape, step.chunks, 0)
+    for pp in (2, 4):
+        stage = (cost.linear + cost.attention) / pp
+        piped, serial = (SimulatedExecutor(1, hw, shape, SimClock(), pp=pp) for _ in range(2))
+        for _ in range(n):
+            piped.submit(step)
+            serial.execute(step)
+        for _ in range(n):
+            piped.collect()
+        assert piped.clock.now == pytest.approx((n + pp - 1) * stage)
+        assert serial.clock.now == pytest.approx(n * pp * stage) and piped.steps == serial.steps == n
+    assert isinstance(make_engine("vllm", "opt-13b", gpu("a100-40gb"), SimClock(), pp=2), SimulatedPipeline)
 
 
 def test_simulated_static_batches_are_level0s(llama_dir):
@@ -238,10 +294,12 @@ def test_the_papers_order_at_one_rate():
 def test_the_command_writes_its_table(tmp_path):
     import benchmarks.simulate as cli
 
-    out = cli.main(["--trace", "alpaca", "--requests", "40", "--points", "2", "--tp", "1", "2",
-                    "--out", str(tmp_path / "a.json"), "--img-dir", str(tmp_path)])  # fmt: skip
+    out = cli.main(["--trace", "alpaca", "--requests", "40", "--points", "2", "--tp", "1", "2", "--pp", "1", "2",
+                    "--link-gbytes", "25", "--out", str(tmp_path / "a.json"), "--img-dir", str(tmp_path)])  # fmt: skip
     assert set(out["sustainable"]) == {"vllm", "orca-oracle", "orca-pow2", "orca-max", "ft"}
-    assert all(r > 0 for r in out["sustainable"].values()) and [c["tp"] for c in out["capacity"]] == [1, 2]
+    assert all(r > 0 for r in out["sustainable"].values())
+    assert [(c["tp"], c["pp"]) for c in out["capacity"]] == [(1, 1), (2, 1), (1, 2), (2, 2)]
+    assert all(c["rate_per_replica"] > 0 for c in out["capacity"]) and out["link_bytes_per_s"] == 25e9
     assert json.loads((tmp_path / "a.json").read_text())["capacity"] == out["capacity"]
     assert (tmp_path / "what_if_a100-40gb_opt-13b_alpaca.png").stat().st_size > 10_000
 

@@ -20,9 +20,9 @@ memory traffic, plus a fixed per-step overhead:
                       comes from the cache: its bytes are not counted again)
     lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
-    PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; the
-               stages run one after another (one step in flight: level 5 overlaps micro-batches,
-               this model does not, so PP buys memory here, never speed)
+    PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; this sum
+               is one step alone, its stages one after another (the simulated executor,
+               engines.py, gives each stage a clock of its own: level 5's micro-batches overlap)
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
                token and per context token in it, a context token whose block was already read in
                the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated),
