@@ -7,9 +7,11 @@ micro-batches, then take the oldest one's logits back, sample, update) and
 `ParallelEngine._skip_aborted` (a request aborted while its micro-batch was in flight gets no
 token). The checks are the level's own tests (`tests/test_level5.py`: disjoint micro-batches and
 a full pipeline, admission order, an abort in flight; `tests/test_equivalence.py`: PP=2 with and
-without speculation against the oracle); three planted bugs; the experiment
-(`labs/lab5c_experiment.py`: one process against PP=2 with your engine, tokens/s and how busy
-each stage was).
+without speculation against the oracle). Then, in `benchmarks/sim/engines.py`,
+`SimulatedExecutor.through_the_stages`: the GPU what-if's clock for a pipeline, each stage a
+clock of its own, so your batch queue, run on a modelled GPU, shows what it buys there
+(`tests/test_simulator.py`). Four planted bugs; the experiment (`labs/lab5c_experiment.py`: one
+process against PP=2 with your engine, tokens/s and how busy each stage was).
 
 What it is not: the ranks, the messages or the stage models (read, not written: executor.py,
 rank.py, model.py), or the handout (docs/labs/lab5c_pipeline.md).
@@ -20,6 +22,7 @@ from __future__ import annotations
 from .spec import Bug, Check, Experiment, Lab, Module, Part
 
 L5 = "tests/test_level5.py::"
+SIM = "tests/test_simulator.py::"
 EQ = "tests/test_equivalence.py::test_level5_greedy_output_equals_the_oracle"
 
 PARTS = (
@@ -51,6 +54,22 @@ three), and from sched.scheduled, so update_from_output never sees it.""",
     ),
 )
 
+SIM_PARTS = (
+    Part(
+        "SimulatedExecutor.through_the_stages",
+        """\
+The what-if's clock for pp > 1 stages (submit calls this; collect later moves the engine's clock to what it
+returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes through
+the stages in order: stage s starts when the step has reached it and when it has finished what it was given
+before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy until
+that time; between two stages the activations take one send. With
+    send = alpha + new tokens * hidden * bytes / link  (hw.link_latency_s, self.shape.hidden, .dtype_bytes,
+                                                         hw.link_bytes_per_s; the new tokens: step.chunks)
+    per_stage = (cost.linear + cost.attention + cost.comm - (pp - 1) * send) / pp
+return when the last stage is done.""",
+    ),
+)
+
 CHECKS = (
     Check("disjoint", "micro-batches hold disjoint requests, the pipeline fills, the answers are exact",
           (L5 + "test_micro_batches_are_disjoint_and_fill_the_pipeline",),
@@ -77,6 +96,14 @@ CHECKS = (
           "SchedulerOutput (the oldest in flight), and post_step must run for it after update_from_output.",
           rule="Splitting the model into stages and the batch into micro-batches changes when a token is "
                "computed, never which token."),
+    Check("stages", "on a modelled GPU, your batch queue makes the real one's micro-batches and its stages overlap",
+          (SIM + "test_a_simulated_pipeline_makes_level5s_micro_batches",
+           SIM + "test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them"),
+          "through_the_stages: t = max(t, self.stage_free[s]) + per_stage (+ cost.lm_head on the last stage); "
+          "self.stage_free[s] = t; t += send between stages. A stage waits for itself and for the step, "
+          "not for the other stages.",
+          rule="N micro-batches in flight through pp stages take N + pp - 1 stage times, not N x pp: a stage "
+               "is busy only with its own share, and the next micro-batch starts there as soon as it is free."),
 )  # fmt: skip
 
 BUGS = (
@@ -89,16 +116,20 @@ BUGS = (
     Bug("aborted-sampled", "level5_multigpu.engine",
         "        keep = [i for i, r in enumerate(out.requests) if not r.is_finished]\n",
         "        keep = list(range(len(out.requests)))\n", ("abort",)),
+    Bug("stages-in-turn", "benchmarks.sim.engines",
+        "            t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
+        "            t = max(t, *self.stage_free) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
+        ("stages",)),
 )  # fmt: skip
 
 LAB = Lab(
     id="5c",
     topic="pipeline parallelism's batch queue: micro-batches of disjoint requests in flight",
     handout="lab5c_pipeline.md",
-    modules=(Module("level5_multigpu.engine", PARTS),),
+    modules=(Module("level5_multigpu.engine", PARTS), Module("benchmarks.sim.engines", SIM_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab5c_experiment", (),
                           ("--model", "tiny-shakespeare", "--batch", "4", "--max-tokens", "4")),  # fmt: skip
-    minutes=45,
+    minutes=60,
 )

@@ -8,7 +8,8 @@ What it is: each system the PagedAttention paper compares, built from the ladder
 with only the forward pass and the sampler's draw replaced:
 
     SimulatedExecutor   the executor seam (level1_paged/executor.py): `execute(step)` advances
-                        the clock by the cost model's time for that step and returns no logits
+                        the clock by the cost model's time for that step and returns no logits;
+                        with pp stages each stage keeps a clock of its own (`submit`, `collect`)
     Simulated           a mixin for a level-2/3 engine: weights never load (the shape comes from
                         a config.json), `prepare_input` describes the step instead of building
                         tensors, and `sample` takes each request's next token from the workload:
@@ -23,12 +24,14 @@ with only the forward pass and the sampler's draw replaced:
                         batches formed from the requests that have arrived
     level 4             `SimulatedSpeculative`: the real engine's guesses and verification, each
                         guess accepted with probability alpha per position
+    level 5             `SimulatedPipeline`: pipeline parallelism's batch queue, pp micro-batches
+                        of disjoint requests in flight, overlapping on the stages' clocks
 
 Everything that decides (admission, block tables, preemption, prefix hits, when a request
 joins or leaves the batch) is the code a reader has read; only the time is modelled.
 
 What it is not: a model of tokens (a request's output length is given, not sampled), or of
-level 5's overlapped micro-batches (its ranks are a cost: docs/what_if.md).
+level 5's ranks (TP's all-reduces and PP's sends are a cost: docs/what_if.md).
 
 Reference: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023), section 6.1 for the baselines; Vidur (MLSys 2024).
@@ -53,6 +56,7 @@ from level2_continuous.request import Request
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import PrefixCachingEngine
 from level4_speculative.engine import SpeculativeEngine
+from level5_multigpu.engine import ParallelEngine
 
 from .cost import Hardware, ModelShape, StepCost, model_dir, repeated_context, step_cost, step_time
 
@@ -98,7 +102,17 @@ class StepTrace:
 
 
 class SimulatedExecutor:
-    """Satisfies level 1's `Executor` Protocol; a forward is a cost and no logits."""
+    """Satisfies level 1's `Executor` Protocol; a forward is a cost and no logits.
+
+    With `pp` pipeline stages each stage has a clock of its own (when it is done with what it was
+    given): `submit` pays the step's overhead on the driver's clock (the engine's), then each stage
+    runs its share of the layers (the last one also the LM head) once it is free and the previous
+    stage's activations have arrived; `collect` waits for the oldest step's last stage. A level that
+    calls `execute` (submit, then collect) runs its stages one after another; level 5's batch queue
+    (`SimulatedPipeline`) submits pp micro-batches before it collects one, and their stages overlap:
+
+        stage 0 |A0|B0|C0|          each box one micro-batch's layers on that stage; a send between
+        stage 1    |A1|B1|C1|       boxes costs alpha + activations / link"""
 
     def __init__(self, num_blocks: int, hardware: Hardware, shape: ModelShape, clock: SimClock, tp: int = 1,
                  keep_trace: bool = False, pp: int = 1):  # fmt: skip
@@ -106,24 +120,44 @@ class SimulatedExecutor:
         self.pp = pp
         self.trace: list[StepTrace] | None = [] if keep_trace else None
         self.probe = lambda: (0, 0)  # the engine's (allocated, stored) KV tokens, for the trace
-        self._in_flight: deque[SimStep] = deque()
+        self.stage_free = [0.0] * pp  # when each stage finishes what it has been given (the engine's seconds)
+        self._in_flight: deque[float] = deque()  # per step submitted, oldest first: when its last stage is done
         self.steps = 0
 
     def execute(self, step: SimStep) -> None:
+        self.submit(step)
+        return self.collect()
+
+    def submit(self, step: SimStep) -> int:
         cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp, step.shared)
         if self.trace is not None:
             tokens = sum(n for _, n in step.chunks)
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
-        self.clock.advance(cost.total)
-        self.steps += 1
-        return None
-
-    def submit(self, step: SimStep) -> int:
-        self._in_flight.append(step)
+        done = self.clock.now + cost.total  # one stage: the step's whole cost, as one sum
+        if self.pp > 1:
+            done = self.through_the_stages(step, cost)
+        self._in_flight.append(done)
         return self.steps + len(self._in_flight) - 1
 
+    def through_the_stages(self, step: SimStep, cost: StepCost) -> float:
+        """When the last of pp stages is done with `step` (engine seconds), each stage taking its share as
+        soon as it is free (`self.stage_free`, updated here) and the step has reached it; the driver's
+        overhead is paid on the engine's clock first."""
+        tokens, hw = sum(n for _, n in step.chunks), self.hardware
+        send = hw.link_latency_s + tokens * self.shape.hidden * self.shape.dtype_bytes / hw.link_bytes_per_s
+        per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp  # layers, TP's sums
+        self.clock.advance(cost.overhead)  # the driver schedules and launches, then hands it to stage 0
+        t = self.clock.now
+        for s in range(self.pp):
+            t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)
+            self.stage_free[s] = t
+            t += send if s < self.pp - 1 else 0.0
+        return t
+
     def collect(self) -> None:
-        return self.execute(self._in_flight.popleft())
+        self.clock.now = max(self.clock.now, self._in_flight.popleft())
+        self.steps += 1
+        return None
 
     def collective_rpc(self, method: str, *args: Any) -> list:
         return [getattr(self, method)(*args)]
@@ -206,6 +240,22 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
 
 class SimulatedPrefix(SimulatedContinuous, PrefixCachingEngine):
     """Level 3 (vLLM with prefix caching) on the modelled clock."""
+
+
+class SimulatedPipeline(SimulatedPrefix, ParallelEngine):
+    """Level 5 with `pp` pipeline stages on the modelled clock: its batch queue keeps up to pp micro-batches
+    of disjoint requests in flight (`ParallelEngine._step`), and the executor's stage clocks overlap them,
+    so a pipeline buys speed as well as memory once it has as many micro-batches as stages to run. The
+    scheduler is level 3's (`enable_prefix_caching=False`: level 2's decisions), TP inside each stage as
+    every simulated level models it; no draft. With pp = 1 this is `SimulatedPrefix`, step for step."""
+
+    tp = pp = 1  # plain attributes here (the Simulated mixin sets them), not level 5's config properties
+    parallel = False  # no ranks to start, shard or measure: the stages are the executor's clocks
+
+    def load_model(self) -> LoadedModel:
+        loaded = super().load_model()
+        self.load_draft(loaded)  # level 4's speculation settings: none (no speculative_config)
+        return loaded
 
 
 class SimProposer:
