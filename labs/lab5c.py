@@ -58,14 +58,14 @@ SIM_PARTS = (
     Part(
         "SimulatedExecutor.through_the_stages",
         """\
-The what-if's clock for pp > 1 stages (submit calls this; collect later moves the engine's clock to what it
-returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes through
-the stages in order: stage s starts when the step has reached it and when it has finished what it was given
-before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy until
-that time; between two stages the activations take one send. With
-    send = alpha + new tokens * hidden * bytes / link  (hw.link_latency_s, self.shape.hidden, .dtype_bytes,
-                                                         hw.link_bytes_per_s; the new tokens: step.chunks)
-    per_stage = (cost.linear + cost.attention + cost.comm - (pp - 1) * send) / pp
+The what-if's clock for self.pp > 1 stages (submit calls this; collect later moves the engine's clock to what
+it returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes
+through the stages in order: stage s starts when the step has reached it and when it has finished what it was
+given before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy
+until that time; between two stages the activations take one send. With
+    send = self.hardware.link_latency_s + T * self.shape.hidden * self.shape.dtype_bytes / self.hardware.link_bytes_per_s
+           (T: the step's new tokens, the sum of n over step.chunks' (cached, n) pairs)
+    per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp
 return when the last stage is done.""",
     ),
 )
@@ -96,7 +96,7 @@ CHECKS = (
           "SchedulerOutput (the oldest in flight), and post_step must run for it after update_from_output.",
           rule="Splitting the model into stages and the batch into micro-batches changes when a token is "
                "computed, never which token."),
-    Check("stages", "on a modelled GPU, your batch queue makes the real one's micro-batches and its stages overlap",
+    Check("stages", "on the simulator your batch queue makes the micro-batches it makes on ranks; its stages overlap",
           (SIM + "test_a_simulated_pipeline_makes_level5s_micro_batches",
            SIM + "test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them"),
           "through_the_stages: t = max(t, self.stage_free[s]) + per_stage (+ cost.lm_head on the last stage); "
@@ -116,7 +116,7 @@ BUGS = (
     Bug("aborted-sampled", "level5_multigpu.engine",
         "        keep = [i for i, r in enumerate(out.requests) if not r.is_finished]\n",
         "        keep = list(range(len(out.requests)))\n", ("abort",)),
-    Bug("stages-in-turn", "benchmarks.sim.engines",
+    Bug("stages-wait-for-all", "benchmarks.sim.engines",
         "            t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
         "            t = max(t, *self.stage_free) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
         ("stages",)),

@@ -142,13 +142,17 @@ def test_a_simulated_pipeline_makes_level5s_micro_batches(llama_dir):
 def test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them():
     """N equal micro-batches over pp stages (no sends, no overhead, no LM head) take (N + pp - 1) stage times
     when they are all in flight, and N * pp when each is waited for before the next (a level that calls
-    `execute`): the bubble is pp - 1 stage times, whatever N."""
-    hw = replace(gpu("a100-40gb"), step_overhead_s=0.0, link_latency_s=0.0, link_bytes_per_s=1e30)
+    `execute`): the bubble is pp - 1 stage times, whatever N. With the sends, the LM head and the driver's
+    overhead: one at a time, each step costs its whole `step_cost` (sends included); all in flight, the first
+    finishes at that cost (or when the driver is done submitting) and the others one period apart, the
+    period being the slower of the last stage (its layers and the LM head) and the driver (its overhead a
+    step)."""
     shape, step, n = model_shape("llama-2-13b"), SimStep([(500, 1)] * 8, 0), 6
-    cost = step_cost(hw, shape, step.chunks, 0)
+    bare = replace(gpu("a100-40gb"), step_overhead_s=0.0, link_latency_s=0.0, link_bytes_per_s=1e30)
+    cost = step_cost(bare, shape, step.chunks, 0)
     for pp in (2, 4):
         stage = (cost.linear + cost.attention) / pp
-        piped, serial = (SimulatedExecutor(1, hw, shape, SimClock(), pp=pp) for _ in range(2))
+        piped, serial = (SimulatedExecutor(1, bare, shape, SimClock(), pp=pp) for _ in range(2))
         for _ in range(n):
             piped.submit(step)
             serial.execute(step)
@@ -156,6 +160,26 @@ def test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them():
             piped.collect()
         assert piped.clock.now == pytest.approx((n + pp - 1) * stage)
         assert serial.clock.now == pytest.approx(n * pp * stage) and piped.steps == serial.steps == n
+    sampled = SimStep([(500, 1)] * 8, 8)  # the LM head on the last stage
+    for overhead in (2e-3, 50e-3):  # the last stage is the bottleneck; then the driver is
+        hw = replace(bare, step_overhead_s=overhead)
+        whole = step_cost(hw, shape, sampled.chunks, 8, pp=2)
+        period = max(overhead, (whole.linear + whole.attention) / 2 + whole.lm_head)
+        piped, serial = (SimulatedExecutor(1, hw, shape, SimClock(), pp=2) for _ in range(2))
+        for _ in range(n):
+            piped.submit(sampled)
+            serial.execute(sampled)
+        piped.collect()  # (the driver has paid n overheads to submit them all)
+        assert piped.clock.now == pytest.approx(max(whole.total, n * overhead))
+        for _ in range(n - 1):
+            piped.collect()
+        assert piped.clock.now == pytest.approx(whole.total + (n - 1) * period)
+        assert serial.clock.now == pytest.approx(n * whole.total)
+    linked = gpu("a100-40gb")  # NVLink's sends between the stages, and its overhead
+    serial = SimulatedExecutor(1, linked, shape, SimClock(), pp=4)
+    for _ in range(n):
+        serial.execute(sampled)
+    assert serial.clock.now == pytest.approx(n * step_cost(linked, shape, sampled.chunks, 8, pp=4).total)
     assert isinstance(make_engine("vllm", "opt-13b", gpu("a100-40gb"), SimClock(), pp=2), SimulatedPipeline)
 
 

@@ -132,8 +132,8 @@ class SimResult:
     preemptions: int
     steps: int
     tokens_per_s: float
-    drain_rate: float  # requests finished per second while some were still queued (the saturated rate), or
-    # all of them over the run when that is more (a queue that empties at once says little)
+    drain_rate: float  # requests finished per second while some were still queued (the saturated rate), or,
+    # when fewer than a quarter finished before the queue emptied, all of them over the run
     prefix_hit_share: float = 0.0  # prompt tokens found in the prefix cache / prompt tokens (level 3's hits)
 
 
@@ -150,7 +150,8 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
     if system in ("vllm", "vllm-prefix") and pp > 1:  # level 5's batch queue: pp micro-batches in flight
         # (the other systems with pp > 1, vllm-spec included, run one step at a time: stages in turn).
         # vLLM's max_num_seqs counts every running request, in flight or not; level 5's counts those of
-        # one micro-batch: 256 / pp each keeps vLLM's 256 in all.
+        # one micro-batch: 256 / pp each keeps vLLM's 256 in all. The token budget stays per micro-batch, as
+        # vLLM's is per scheduled batch.
         common["max_num_seqs"] = 256 // pp
         return SimulatedPipeline(model, block_size=16, max_num_batched_tokens=2048,
                                  enable_prefix_caching=system == "vllm-prefix", **common, **kwargs)  # fmt: skip
@@ -237,7 +238,8 @@ def summarize(system: str, rate: float, engine, seqs, reqs: list[SimRequest]) ->
         kv_pool_share=sum(s.cost.total * s.stored for s in trace_) / busy / pool,
         preemptions=engine.stats.preemptions, steps=len(trace_),
         tokens_per_s=sum(len(s.output_token_ids) for s in seqs) / max(end - start, 1e-9),
-        # (few or none finished while requests queued, when nearly all fit at once: N / duration, a lower bound)
-        drain_rate=max(drained / (queued_until - start) if drained else 0.0, len(seqs) / max(end - start, 1e-9)),
+        # (fewer than a quarter finished while requests queued, when nearly all fit at once: a rate from so few
+        # is noise, N / duration a lower bound)
+        drain_rate=drained / (queued_until - start) if drained >= len(seqs) / 4 else len(seqs) / max(end - start, 1e-9),
         prefix_hit_share=getattr(getattr(engine, "kv", None), "hits", 0) / sum(len(s.prompt_token_ids) for s in seqs),
     )  # fmt: skip

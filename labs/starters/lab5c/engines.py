@@ -144,14 +144,14 @@ class SimulatedExecutor:
         soon as it is free (`self.stage_free`, updated here) and the step has reached it; the driver's
         overhead is paid on the engine's clock first."""
         # TODO (lab 5c): SimulatedExecutor.through_the_stages
-        # The what-if's clock for pp > 1 stages (submit calls this; collect later moves the engine's clock to what it
-        # returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes through
-        # the stages in order: stage s starts when the step has reached it and when it has finished what it was given
-        # before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy until
-        # that time; between two stages the activations take one send. With
-        #     send = alpha + new tokens * hidden * bytes / link  (hw.link_latency_s, self.shape.hidden, .dtype_bytes,
-        #                                                          hw.link_bytes_per_s; the new tokens: step.chunks)
-        #     per_stage = (cost.linear + cost.attention + cost.comm - (pp - 1) * send) / pp
+        # The what-if's clock for self.pp > 1 stages (submit calls this; collect later moves the engine's clock to what
+        # it returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes
+        # through the stages in order: stage s starts when the step has reached it and when it has finished what it was
+        # given before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy
+        # until that time; between two stages the activations take one send. With
+        #     send = self.hardware.link_latency_s + T * self.shape.hidden * self.shape.dtype_bytes / self.hardware.link_bytes_per_s
+        #            (T: the step's new tokens, the sum of n over step.chunks' (cached, n) pairs)
+        #     per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp
         # return when the last stage is done.
         raise NotImplementedError("lab 5c: write SimulatedExecutor.through_the_stages")
 
