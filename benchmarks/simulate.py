@@ -131,10 +131,10 @@ def main(argv=None) -> dict:
     args.at_rate = args.at_rate or {"sharegpt": 2.0, "alpaca": 30.0, "shared-prefix": 10.0, "chat": 2.0}[args.trace]
     t0 = time.perf_counter()
     shape, hw = model_shape(args.model), gpu(args.gpu)
-    if args.link_gbytes is not None or args.link_latency_us is not None:  # GPUs in other boxes: a slower link
-        hw = replace(hw, link_bytes_per_s=1e9 * (args.link_gbytes or hw.link_bytes_per_s / 1e9),
-                     link_latency_s=1e-6 * args.link_latency_us if args.link_latency_us is not None
-                     else hw.link_latency_s)  # fmt: skip
+    if args.link_gbytes:  # GPUs in other boxes: a slower link
+        hw = replace(hw, link_bytes_per_s=1e9 * args.link_gbytes)
+    if args.link_latency_us is not None:
+        hw = replace(hw, link_latency_s=1e-6 * args.link_latency_us)
     args.hw = hw
     budget = kv_budget(hw, shape)
     print(f"{args.model} ({shape.params / 1e9:.1f} B parameters, {shape.weight_bytes / 2**30:.1f} GiB) on a simulated "

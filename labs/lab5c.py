@@ -62,10 +62,9 @@ The what-if's clock for self.pp > 1 stages (submit calls this; collect later mov
 it returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes
 through the stages in order: stage s starts when the step has reached it and when it has finished what it was
 given before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy
-until that time; between two stages the activations take one send. With
-    send = self.hardware.link_latency_s + T * self.shape.hidden * self.shape.dtype_bytes / self.hardware.link_bytes_per_s
-           (T: the step's new tokens, the sum of n over step.chunks' (cached, n) pairs)
-    per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp
+until that time; between two stages the activations take one send (cost.send seconds; cost.comm holds the
+pp - 1 sends and TP's all-reduces). With
+    per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * cost.send) / self.pp
 return when the last stage is done.""",
     ),
 )

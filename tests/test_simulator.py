@@ -175,11 +175,18 @@ def test_pipeline_stages_overlap_their_micro_batches_as_gpipe_draws_them():
             piped.collect()
         assert piped.clock.now == pytest.approx(whole.total + (n - 1) * period)
         assert serial.clock.now == pytest.approx(n * whole.total)
-    linked = gpu("a100-40gb")  # NVLink's sends between the stages, and its overhead
-    serial = SimulatedExecutor(1, linked, shape, SimClock(), pp=4)
+    linked = gpu("a100-40gb")  # NVLink's sends between the stages (not inside them), and its overhead
+    whole = step_cost(linked, shape, sampled.chunks, 8, pp=4)
+    assert whole.send > 0 and whole.comm == pytest.approx(3 * whole.send)
+    period = max(whole.overhead, (whole.linear + whole.attention) / 4 + whole.lm_head)
+    piped, serial = (SimulatedExecutor(1, linked, shape, SimClock(), pp=4) for _ in range(2))
     for _ in range(n):
+        piped.submit(sampled)
         serial.execute(sampled)
-    assert serial.clock.now == pytest.approx(n * step_cost(linked, shape, sampled.chunks, 8, pp=4).total)
+    for _ in range(n):
+        piped.collect()
+    assert serial.clock.now == pytest.approx(n * whole.total)
+    assert piped.clock.now == pytest.approx(whole.total + (n - 1) * period)
     assert isinstance(make_engine("vllm", "opt-13b", gpu("a100-40gb"), SimClock(), pp=2), SimulatedPipeline)
 
 

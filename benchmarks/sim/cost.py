@@ -192,6 +192,7 @@ class StepCost:
     lm_head: float
     comm: float
     overhead: float
+    send: float = 0.0  # one of PP's sends between stages (comm holds pp - 1 of them): what a pipeline's executor needs
 
     @property
     def total(self) -> float:
@@ -221,15 +222,17 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     if tp > 1:  # two all-reduces per layer (after attention, after the MLP), ring: 2 (tp - 1) / tp of the bytes
         nbytes = T * h * b * 2 * (tp - 1) / tp
         comm = 2 * L * (hw.link_latency_s + nbytes / hw.link_bytes_per_s)
+    send = 0.0
     if pp > 1:  # each stage hands its activations to the next, point to point
-        comm += (pp - 1) * (hw.link_latency_s + T * h * b / hw.link_bytes_per_s)
+        send = hw.link_latency_s + T * h * b / hw.link_bytes_per_s
+        comm += (pp - 1) * send
     context = sum(c + n for c, n in chunks)
     overhead = hw.step_overhead_s + hw.seq_overhead_s * len(chunks) + hw.token_overhead_s * T
     again = hw.context_overhead_s if hw.shared_context_overhead_s is None else hw.shared_context_overhead_s
     overhead += hw.context_overhead_s * (context - shared) + again * shared
     if hw.cached_chunk_overhead_s:
         overhead += hw.cached_chunk_overhead_s * cached_chunks(chunks)
-    return StepCost(linear, attention, lm_head, comm, overhead)
+    return StepCost(linear, attention, lm_head, comm, overhead, send)
 
 
 def cached_chunks(chunks: list[tuple[int, int]]) -> int:

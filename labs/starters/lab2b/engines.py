@@ -135,23 +135,21 @@ class SimulatedExecutor:
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
         done = self.clock.now + cost.total  # one stage: the step's whole cost, as one sum
         if self.pp > 1:
-            done = self.through_the_stages(step, cost)
+            done = self.through_the_stages(cost)
         self._in_flight.append(done)
         return self.steps + len(self._in_flight) - 1
 
-    def through_the_stages(self, step: SimStep, cost: StepCost) -> float:
-        """When the last of pp stages is done with `step` (engine seconds), each stage taking its share as
-        soon as it is free (`self.stage_free`, updated here) and the step has reached it; the driver's
-        overhead is paid on the engine's clock first."""
-        tokens, hw = sum(n for _, n in step.chunks), self.hardware
-        send = hw.link_latency_s + tokens * self.shape.hidden * self.shape.dtype_bytes / hw.link_bytes_per_s
-        per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp  # layers, TP's sums
+    def through_the_stages(self, cost: StepCost) -> float:
+        """When the last of pp stages is done with a step that costs `cost` (engine seconds), each stage taking
+        its share as soon as it is free (`self.stage_free`, updated here) and the step has reached it; the
+        driver's overhead is paid on the engine's clock first."""
+        per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * cost.send) / self.pp  # layers, TP's
         self.clock.advance(cost.overhead)  # the driver schedules and launches, then hands it to stage 0
         t = self.clock.now
         for s in range(self.pp):
             t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)
             self.stage_free[s] = t
-            t += send if s < self.pp - 1 else 0.0
+            t += cost.send if s < self.pp - 1 else 0.0  # the activations to the next stage
         return t
 
     def collect(self) -> None:

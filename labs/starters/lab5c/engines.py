@@ -135,23 +135,22 @@ class SimulatedExecutor:
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
         done = self.clock.now + cost.total  # one stage: the step's whole cost, as one sum
         if self.pp > 1:
-            done = self.through_the_stages(step, cost)
+            done = self.through_the_stages(cost)
         self._in_flight.append(done)
         return self.steps + len(self._in_flight) - 1
 
-    def through_the_stages(self, step: SimStep, cost: StepCost) -> float:
-        """When the last of pp stages is done with `step` (engine seconds), each stage taking its share as
-        soon as it is free (`self.stage_free`, updated here) and the step has reached it; the driver's
-        overhead is paid on the engine's clock first."""
+    def through_the_stages(self, cost: StepCost) -> float:
+        """When the last of pp stages is done with a step that costs `cost` (engine seconds), each stage taking
+        its share as soon as it is free (`self.stage_free`, updated here) and the step has reached it; the
+        driver's overhead is paid on the engine's clock first."""
         # TODO (lab 5c): SimulatedExecutor.through_the_stages
         # The what-if's clock for self.pp > 1 stages (submit calls this; collect later moves the engine's clock to what
         # it returns). First the driver pays cost.overhead on its own clock (self.clock.advance). Then the step goes
         # through the stages in order: stage s starts when the step has reached it and when it has finished what it was
         # given before (self.stage_free[s]), runs per_stage seconds (the last stage also cost.lm_head), and is then busy
-        # until that time; between two stages the activations take one send. With
-        #     send = self.hardware.link_latency_s + T * self.shape.hidden * self.shape.dtype_bytes / self.hardware.link_bytes_per_s
-        #            (T: the step's new tokens, the sum of n over step.chunks' (cached, n) pairs)
-        #     per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * send) / self.pp
+        # until that time; between two stages the activations take one send (cost.send seconds; cost.comm holds the
+        # pp - 1 sends and TP's all-reduces). With
+        #     per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * cost.send) / self.pp
         # return when the last stage is done.
         raise NotImplementedError("lab 5c: write SimulatedExecutor.through_the_stages")
 
