@@ -296,6 +296,7 @@ def server_flags(args, model: str) -> list[str]:
     return ["--model", model, "--dtype", args.dtype, "--device", args.device, "--kv-cache-memory",
             str(args.kv_cache_memory), "--max-num-seqs", str(args.max_num_seqs), "--seed", str(args.seed),
             "--max-model-len", "-1",  # as offline: every position (the workloads pass the 256-token window)
+            "--stream-interval", str(args.stream_interval),
             "--disable-uvicorn-access-log", "--log-level", "warning"]  # fmt: skip
 
 
@@ -464,6 +465,8 @@ def parser() -> argparse.ArgumentParser:
     a("--max-num-seqs", type=positive_int, default=256, help="batch limit, offline and served (default 256)")
     a("--threads", type=positive_int, default=1, help="torch threads of the engines (default 1)")
     a("--seed", type=nonneg_int, default=0, help="seeds the workloads and the arrivals (default 0)")
+    a("--stream-interval", type=positive_int, default=1,
+      help="the suite's servers' --stream-interval: an event per this many tokens after the first (default 1)")  # fmt: skip
     a("--repeats", type=positive_int, default=None,
       help="offline-vs-HTTP pairs for the overhead ratio, fastest kept (default 3; --quick 1)")  # fmt: skip
     a("--timeout", type=positive_float, default=600.0, help="seconds one request may take (default 600)")

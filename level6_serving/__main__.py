@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
            "`ray start --head` first, or a local one is started)")  # fmt: skip
     a("--enable-expert-parallel", action="store_true",
       help="a mixture of experts: whole experts per TP rank, tokens sent to them (default: every expert sliced)")
+    a("--stream-interval", type=positive_int, default=1,
+      help="a stream's events: the first token at once, then one per this many tokens, and the last (default 1: "
+           "every token; more: fewer events for the event loop, the router and the client to handle)")  # fmt: skip
     a("--max-num-waiting", type=positive_int, default=1024,
       help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
     a("--drain-timeout", type=positive_float, default=30.0,
@@ -237,7 +240,7 @@ def main(argv=None) -> None:
     model = args.model or str(default_model())
     names = args.served_model_name or [args.model or "tiny-shakespeare"]
     try:
-        engine = AsyncLLMEngine.from_engine_args(model, **engine_kwargs(args))
+        engine = AsyncLLMEngine.from_engine_args(model, args.stream_interval, **engine_kwargs(args))
     except ValueError as e:  # e.g. max_model_len beyond the model's: name the flag, one line
         m = re.match(r"(\w+)=", str(e))
         flag = f"argument --{m[1].replace('_', '-')}: " if m else ""

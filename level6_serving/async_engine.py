@@ -24,6 +24,11 @@ loop (the HTTP server's) never waits on a forward pass:
 - A `RequestStream` holds at most one pending output: a new delta is merged into it
   (text and tokens concatenated) when the consumer has not read the last one. A slow
   client costs one output's memory, however far behind it falls, and gets bigger deltas.
+- `stream_interval` (vLLM's `--stream-interval`): the consumer is woken for the first token
+  at once, then only when `stream_interval` new tokens are pending, or the request has
+  finished. Every wake-up is work on the event loop (an SSE event formatted and written, a
+  router relaying it, a client parsing it); at 1 (the default) a step's token is an event of
+  its own, at 10 a stream sends a tenth of the events, and the same text.
 - The engine thread hands outputs over once per step, and waits when the event loop has
   not run the last few hand-overs: a starved event loop slows the engine down instead of
   letting callbacks pile up.
@@ -41,7 +46,8 @@ talks over ZMQ; one thread is enough to keep the event loop free, though both sh
 GIL), and not HTTP-aware (`api_server.py` and `serving.py` are).
 
 Reference: vLLM `v1/engine/async_llm.py` (AsyncLLM.generate, abort on cancellation),
-`v1/engine/output_processor.py` (RequestOutputCollector: merging delta outputs).
+`v1/engine/output_processor.py` (RequestOutputCollector: merging delta outputs; `--stream-interval`,
+vllm-project/vllm#27869, buffers there too).
 """
 
 from __future__ import annotations
@@ -102,11 +108,14 @@ class RequestStream:
     """One request's channel. The event loop puts, the consumer iterates; never more than one
     output is pending (later ones are merged into it)."""
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], on_abandon: Callable[[str], None]):
+    def __init__(self, request_id: str, prompt_token_ids: list[int], on_abandon: Callable[[str], None],
+                 stream_interval: int = 1):  # fmt: skip
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._on_abandon = on_abandon
+        self.stream_interval = stream_interval
         self._pending: RequestOutput | BaseException | None = None
         self._ready = asyncio.Event()
+        self._first_token_out = False  # the first token goes out at once, whatever the interval
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
@@ -116,12 +125,23 @@ class RequestStream:
             self._pending = item
         else:
             merge_delta(self._pending, item)
-        self._ready.set()
+        if self._due():
+            self._ready.set()
+
+    def _due(self) -> bool:
+        """Wake the consumer now? An error or the last output: yes; else with one or more new tokens in the
+        pending delta (in its longest choice) when no token has gone out yet, or `stream_interval` of them."""
+        item = self._pending
+        if self.stream_interval == 1 or isinstance(item, BaseException) or item.finished:
+            return True
+        new = max((len(c.token_ids) for c in item.outputs), default=0)
+        return new >= (self.stream_interval if self._first_token_out else 1)
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         item, self._pending = self._pending, None
         self._ready.clear()
+        self._first_token_out = True
         if isinstance(item, BaseException):
             self.finished = True
             raise item
@@ -147,8 +167,10 @@ class RequestStream:
 class AsyncLLMEngine:
     """`LLMEngine` for asyncio: `generate()` yields delta outputs; the engine runs on a thread."""
 
-    def __init__(self, engine: LLMEngine):
-        self.engine = engine
+    def __init__(self, engine: LLMEngine, stream_interval: int = 1):
+        if stream_interval < 1:
+            raise ValueError(f"stream_interval={stream_interval} must be at least 1 (1: every token an event)")
+        self.engine, self.stream_interval = engine, stream_interval
         # What the server reports, read once from the engine's public attributes (never changed after
         # it is built): handlers read these, not the engine, which belongs to the engine thread.
         self.model_path, self.model_config = engine.model_path, engine.model_config
@@ -177,8 +199,8 @@ class AsyncLLMEngine:
         self.died: asyncio.Event | None = None  # set on the event loop once the engine is dead
 
     @classmethod
-    def from_engine_args(cls, model: str, **engine_kwargs) -> AsyncLLMEngine:
-        return cls(LLMEngine(model, **engine_kwargs))
+    def from_engine_args(cls, model: str, stream_interval: int = 1, **engine_kwargs) -> AsyncLLMEngine:
+        return cls(LLMEngine(model, **engine_kwargs), stream_interval)
 
     # --- lifecycle (call from the event loop) ------------------------------------------------
     def start(self) -> None:
@@ -260,7 +282,7 @@ class AsyncLLMEngine:
         arrival = time.perf_counter()  # TTFT counts from here, not from when the engine thread gets to it
         ids = await self.tokenize(prompt)  # ValueError names the prompt; nothing is queued
         params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        stream = RequestStream(request_id, ids, self._abandon)
+        stream = RequestStream(request_id, ids, self._abandon, self.stream_interval)
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._num_adding += params.n

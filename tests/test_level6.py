@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -330,6 +332,56 @@ def test_random_bytes_do_include_multibyte_characters(llm):
     texts = [offline(llm, "€", max_tokens=40, temperature=1.0, seed=s).outputs[0].text for s in range(8)]
     assert any(ord(ch) > 0x7F and ch != "\ufffd" for t in texts for ch in t)
     assert any("\ufffd" in t for t in texts)  # and bytes that never became a character
+
+
+# --- --stream-interval: fewer events, the same text --------------------------------------------------
+def test_a_stream_interval_wakes_the_reader_for_the_first_token_then_every_n_and_at_the_end():
+    """The channel alone, fed by hand (no engine): what the reader is woken for, and what it reads."""
+    from level6_serving.async_engine import RequestStream
+
+    def out(text: str, finished: bool = False):  # a DELTA output: one token a character
+        choice = SimpleNamespace(index=0, text=text, token_ids=[ord(ch) for ch in text], logprobs=None,
+                                 cumulative_logprob=None, finish_reason="length" if finished else None,
+                                 stop_reason=None)  # fmt: skip
+        return SimpleNamespace(outputs=[choice], finished=finished, metrics=None)
+
+    async def feed():
+        s, woken = RequestStream("r", [1], print, stream_interval=4), []
+        for i, text in enumerate("abcdefghij"):
+            s.put(out(text, finished=i == 9))
+            woken.append(s._ready.is_set())
+            if s._ready.is_set():
+                got = await s.get()
+                woken[-1] = got.outputs[0].text
+        s2 = RequestStream("e", [1], print, stream_interval=4)
+        s2.put(out("x"))
+        await s2.get()
+        s2.put(out("y"))
+        assert not s2._ready.is_set()
+        s2.put(RuntimeError("the engine failed"))  # an error goes out at once, whatever is pending
+        with pytest.raises(RuntimeError):
+            await s2.get()
+        return woken
+
+    woken = asyncio.run(feed())
+    assert woken == ["a", False, False, False, "bcde", False, False, False, "fghi", "j"]
+
+
+def test_a_stream_interval_sends_fewer_events_of_the_same_tokens(server, monkeypatch):
+    """Through HTTP. A reader that falls behind gets bigger deltas whatever the interval (so the first
+    event may hold more than one token here; the test above pins that down): what holds for any reader is
+    at most 1 + ceil(22 / 5) events, none but the first and the last under 5 tokens. Steps slowed by 10 ms
+    keep the reader ahead, so without the interval most events would hold one token and this would fail."""
+    kw = dict(model=NAME, prompt="ROMEO:\n", max_tokens=23, temperature=0, logprobs=1)
+    whole = server.client.completions.create(**kw).choices[0]
+    monkeypatch.setattr(server.engine, "stream_interval", 5)  # what --stream-interval 5 sets
+    engine, step = server.engine.engine, server.engine.engine.step
+    monkeypatch.setattr(engine, "step", lambda: (time.sleep(0.01), step())[1])
+    chunks = [c.choices[0] for c in server.client.completions.create(stream=True, **kw) if c.choices]
+    sizes = [len(c.logprobs.tokens) for c in chunks]
+    assert "".join(c.text for c in chunks) == whole.text and sum(sizes) == 23
+    assert all(n >= 5 for n in sizes[1:-1]) and len(chunks) <= 1 + math.ceil(22 / 5), sizes
+    assert [c.finish_reason for c in chunks] == [None] * (len(chunks) - 1) + ["length"]
 
 
 # --- the other routes -------------------------------------------------------------------------------

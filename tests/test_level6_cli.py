@@ -43,6 +43,7 @@ pytestmark = pytest.mark.level6
     (["--model", "no/such/model"], "--model"),
     (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
     (["--max-num-waiting", "0"], "--max-num-waiting"),
+    (["--stream-interval", "0"], "--stream-interval"),
 ])  # fmt: skip
 def test_a_bad_flag_is_one_line_that_names_it(args, flag, capsys):
     from level6_serving.__main__ import main
