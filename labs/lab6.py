@@ -6,14 +6,16 @@ share, and `completion_events`, what a completions stream sends; the chat stream
 `chat_events` stays as the worked example), the merging of several requests'
 streams, and the three places where a client that leaves must abort its requests at once
 (`merge_streams` cancelling its pumps, `EventStream` abandoning its streams however the
-response ends, `unless_disconnected` racing a plain response against the disconnect).
+response ends, `unless_disconnected` racing a plain response against the disconnect); then, in
+`level6_serving/async_engine.py`, `RequestStream._due`, `--stream-interval`'s rule (wake the
+reader for the first token, then every N tokens, and at the end).
 The checks are level 6's own tests (a real uvicorn, the official `openai` client, raw
 HTTP) and `labs/lab6_checks.py`; the experiment (`labs/lab6_experiment.py`) serves the
 built-in model with the student's file in a server process and measures latency
 against request rate with `benchmarks.serving`.
 
-What it is not: the engine's asyncio wrapper (`async_engine.py`) or the HTTP app
-(`api_server.py`), or the handout (docs/labs/lab6_serving.md).
+What it is not: the rest of the engine's asyncio wrapper (`async_engine.py`: the engine thread,
+the hand-over) or the HTTP app (`api_server.py`), or the handout (docs/labs/lab6_serving.md).
 """
 
 from __future__ import annotations
@@ -81,6 +83,18 @@ self.events(ctx, req, streams, opening, choice, logprobs_asked=req.logprobs is n
     ),
 )
 
+STREAM_PARTS = (
+    Part(
+        "RequestStream._due",
+        """\
+put() merges each step's delta into self._pending, then asks this (only when self.stream_interval > 1) whether
+to wake the reader now. Yes for an exception or a finished output (the last one never waits). Otherwise count
+the new tokens pending: the longest choice's len(c.token_ids) over self._pending.outputs. Before any token has
+gone out (self._first_token_out is False; get() sets it), one token is enough: the time to first token must
+not wait for the interval. After that, wake only when self.stream_interval tokens are pending.""",
+    ),
+)
+
 CHECKS = (
     Check("framing", "a stream is framed as OpenAI frames it (raw bytes)",
           (L6 + "test_stream_is_framed_as_openai_frames_it",),
@@ -126,6 +140,13 @@ CHECKS = (
           "block the event loop while a stream waits for its next output.",
           rule="Concurrent streams each get what they would get alone, the usage counters add up, and nothing blocks "
                "the event loop."),
+    Check("interval", "--stream-interval: the first token at once, then every N tokens, the end and errors at once",
+          (L6 + "test_a_stream_interval_wakes_the_reader_for_the_first_token_then_every_n_and_at_the_end",
+           L6 + "test_a_stream_interval_sends_fewer_events_of_the_same_tokens"),
+          "RequestStream._due: True for an exception or item.finished; else new = max(len(c.token_ids) for c in "
+          "item.outputs) and return new >= (self.stream_interval if self._first_token_out else 1).",
+          rule="Fewer events never cost the first token's latency, never hold back the end of a stream or an "
+               "error, and never lose or reorder a token."),
 )  # fmt: skip
 
 BUGS = (
@@ -144,15 +165,22 @@ BUGS = (
         "        await super().__call__(scope, receive, send)\n",
         ("left-before-first-byte",),
     ),
+    Bug(
+        "first-token-waits",
+        "level6_serving.async_engine",
+        "        return new >= (self.stream_interval if self._first_token_out else 1)\n",
+        "        return new >= self.stream_interval\n",
+        ("interval",),
+    ),
 )
 
 LAB = Lab(
     id="6",
     topic="the streaming server: Server-Sent Events, and aborts on disconnect",
     handout="lab6_serving.md",
-    modules=(Module("level6_serving.serving", PARTS),),
+    modules=(Module("level6_serving.serving", PARTS), Module("level6_serving.async_engine", STREAM_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab6_experiment", (), ("--quick", "--rates", "8", "--num-prompts", "4")),
-    minutes=120,
+    minutes=135,
 )

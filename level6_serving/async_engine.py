@@ -125,14 +125,15 @@ class RequestStream:
             self._pending = item
         else:
             merge_delta(self._pending, item)
-        if self._due():
+        if self.stream_interval == 1 or self._due():
             self._ready.set()
 
     def _due(self) -> bool:
-        """Wake the consumer now? An error or the last output: yes; else with one or more new tokens in the
-        pending delta (in its longest choice) when no token has gone out yet, or `stream_interval` of them."""
+        """With `stream_interval` > 1: wake the consumer now? For an error or the last output, yes; else when
+        the pending delta holds (in its longest choice) a token while none has gone out yet, or
+        `stream_interval` tokens."""
         item = self._pending
-        if self.stream_interval == 1 or isinstance(item, BaseException) or item.finished:
+        if isinstance(item, BaseException) or item.finished:
             return True
         new = max((len(c.token_ids) for c in item.outputs), default=0)
         return new >= (self.stream_interval if self._first_token_out else 1)
