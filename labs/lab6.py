@@ -8,7 +8,7 @@ streams, and the three places where a client that leaves must abort its requests
 (`merge_streams` cancelling its pumps, `EventStream` abandoning its streams however the
 response ends, `unless_disconnected` racing a plain response against the disconnect); then, in
 `level6_serving/async_engine.py`, `RequestStream._due`, `--stream-interval`'s rule (wake the
-reader for the first token, then every N tokens, and at the end).
+reader for a choice's first text, then every N tokens, for a finished choice, and at the end).
 The checks are level 6's own tests (a real uvicorn, the official `openai` client, raw
 HTTP) and `labs/lab6_checks.py`; the experiment (`labs/lab6_experiment.py`) serves the
 built-in model with the student's file in a server process and measures latency
@@ -87,11 +87,13 @@ STREAM_PARTS = (
     Part(
         "RequestStream._due",
         """\
-put() merges each step's delta into self._pending, then asks this (only when self.stream_interval > 1) whether
-to wake the reader now. Yes for an exception or a finished output (the last one never waits). Otherwise count
-the new tokens pending: the longest choice's len(c.token_ids) over self._pending.outputs. Before any token has
-gone out (self._first_token_out is False; get() sets it), one token is enough: the time to first token must
-not wait for the interval. After that, wake only when self.stream_interval tokens are pending.""",
+put() merges each step's delta into self._pending (an error waits in self._error, read after it), then asks
+this (only when self.stream_interval > 1) whether to wake the reader now. Yes for an error or a finished
+output (the last one never waits). Otherwise yes if any choice c of self._pending.outputs has
+self.stream_interval new tokens (len(c.token_ids): tokens, not characters), or has finished
+(c.finish_reason), or has text while none of its text has gone out yet (c.index not in self._started;
+get() adds a choice once it reads text for it): a client's time to first token must not wait for the
+interval. A token that shows no text yet (the start of a stop string, half a character) is not that.""",
     ),
 )
 
@@ -140,13 +142,14 @@ CHECKS = (
           "block the event loop while a stream waits for its next output.",
           rule="Concurrent streams each get what they would get alone, the usage counters add up, and nothing blocks "
                "the event loop."),
-    Check("interval", "--stream-interval: the first token at once, then every N tokens, the end and errors at once",
-          (L6 + "test_a_stream_interval_wakes_the_reader_for_the_first_token_then_every_n_and_at_the_end",
+    Check("interval", "--stream-interval: first text at once, then every N tokens; a finish, the end, errors at once",
+          (L6 + "test_a_stream_interval_wakes_the_reader_for_first_text_every_n_tokens_a_finish_and_an_error",
            L6 + "test_a_stream_interval_sends_fewer_events_of_the_same_tokens"),
-          "RequestStream._due: True for an exception or item.finished; else new = max(len(c.token_ids) for c in "
-          "item.outputs) and return new >= (self.stream_interval if self._first_token_out else 1).",
-          rule="Fewer events never cost the first token's latency, never hold back the end of a stream or an "
-               "error, and never lose or reorder a token."),
+          "RequestStream._due: True if self._error or item.finished; else any(...) over item.outputs of: "
+          "len(c.token_ids) >= self.stream_interval, c.finish_reason is not None, or c.text and c.index not in "
+          "self._started.",
+          rule="Fewer events never delay a choice's first visible text, a finished choice, the end of a stream or "
+               "an error, and never lose or reorder a token."),
 )  # fmt: skip
 
 BUGS = (
@@ -168,8 +171,8 @@ BUGS = (
     Bug(
         "first-token-waits",
         "level6_serving.async_engine",
-        "        return new >= (self.stream_interval if self._first_token_out else 1)\n",
-        "        return new >= self.stream_interval\n",
+        "                   or (c.text and c.index not in self._started) for c in item.outputs)  # fmt: skip\n",
+        "                   for c in item.outputs)  # fmt: skip\n",
         ("interval",),
     ),
 )

@@ -335,40 +335,55 @@ def test_random_bytes_do_include_multibyte_characters(llm):
 
 
 # --- --stream-interval: fewer events, the same text --------------------------------------------------
-def test_a_stream_interval_wakes_the_reader_for_the_first_token_then_every_n_and_at_the_end():
-    """The channel alone, fed by hand (no engine): what the reader is woken for, and what it reads."""
-    from level6_serving.async_engine import RequestStream
+def test_a_stream_interval_wakes_the_reader_for_first_text_every_n_tokens_a_finish_and_an_error():
+    """The channel alone, fed by hand (no engine), at an interval of 4: after each put, whether the reader
+    was woken, and what it read then (per choice: index, text, tokens, finish reason)."""
+    from level6_serving.async_engine import AsyncLLMEngine, RequestStream
 
-    def out(text: str, finished: bool = False):  # a DELTA output: one token a character
-        choice = SimpleNamespace(index=0, text=text, token_ids=[ord(ch) for ch in text], logprobs=None,
-                                 cumulative_logprob=None, finish_reason="length" if finished else None,
-                                 stop_reason=None)  # fmt: skip
-        return SimpleNamespace(outputs=[choice], finished=finished, metrics=None)
+    def delta(*choices, finished=False):  # one step's DELTA output; a choice: (index, text, tokens[, finish])
+        outs = [SimpleNamespace(index=c[0], text=c[1], token_ids=[7] * c[2], logprobs=None, cumulative_logprob=None,
+                                finish_reason=c[3] if len(c) > 3 else None, stop_reason=None) for c in choices]  # fmt: skip
+        return SimpleNamespace(outputs=outs, finished=finished, metrics=None)
 
-    async def feed():
-        s, woken = RequestStream("r", [1], print, stream_interval=4), []
-        for i, text in enumerate("abcdefghij"):
-            s.put(out(text, finished=i == 9))
-            woken.append(s._ready.is_set())
-            if s._ready.is_set():
-                got = await s.get()
-                woken[-1] = got.outputs[0].text
-        return woken
+    def play(deltas) -> list:
+        async def go():
+            s, seen = RequestStream("r", [1], print, stream_interval=4), []
+            for d in deltas:
+                s.put(d)
+                got = s._ready.is_set() and await s.get()
+                seen.append(got and [(c.index, c.text, len(c.token_ids), c.finish_reason) for c in got.outputs])
+            return seen
 
-    async def fail():  # an error goes out at once, whatever is pending
+        return asyncio.run(go())
+
+    # One choice, a character a token: the first at once, then every 4th, and the end.
+    text = play([delta((0, ch, 1), finished=i == 9) for i, ch in enumerate("abcdefghij")])
+    assert [got and got[0][1] for got in text] == ["a", False, False, False, "bcde", False, False, False, "fghi", "j"]
+    # Text held back (a stop string's possible start, half a UTF-8 character): the first *visible* text goes out
+    # at once, with the tokens before it; not a token that shows nothing. Then 4 tokens, not 4 characters.
+    assert play([delta((0, "", 1)), delta((0, "", 1)), delta((0, "Wh", 1)), *(delta((0, w, 1)) for w in ["at ", "is ",
+                 "it", "?"])]) == [False, False, [(0, "Wh", 3, None)], False, False, False, [(0, "at is it?", 4, None)]]  # fmt: skip
+    # Two choices: each one's first text at once; a choice that finishes at once.
+    assert play([delta((0, "a", 1), (1, "", 1)), delta((0, "b", 1), (1, "T", 1)), delta((0, "c", 1), (1, "h", 1)),
+                 delta((0, "d", 1, "stop"), (1, "a", 1))]) == [
+        [(0, "a", 1, None), (1, "", 1, None)], [(0, "b", 1, None), (1, "T", 1, None)], False,
+        [(0, "cd", 2, "stop"), (1, "ha", 2, None)]]  # fmt: skip
+
+    async def fail():  # an error wakes the reader at once, after what was pending: no computed token is lost
         s = RequestStream("e", [1], print, stream_interval=4)
-        s.put(out("x"))
-        if s._ready.is_set():  # the first token went out (the rule above); here only the error matters
-            await s.get()
-        s.put(out("y"))
+        s.put(delta((0, "x", 1)))
+        assert (await s.get()).outputs[0].text == "x"
+        s.put(delta((0, "y", 1)))
         s.put(RuntimeError("the engine failed"))
         assert s._ready.is_set(), "an error must wake the reader at once"
-        with pytest.raises(RuntimeError):
+        assert (await s.get()).outputs[0].text == "y"
+        assert s._ready.is_set(), "the error is still to be read"
+        with pytest.raises(RuntimeError, match="the engine failed"):
             await s.get()
 
-    woken = asyncio.run(feed())
-    assert woken == ["a", False, False, False, "bcde", False, False, False, "fghi", "j"]
     asyncio.run(fail())
+    with pytest.raises(ValueError, match="stream_interval"):  # refused before a model loads (none is there)
+        AsyncLLMEngine.from_engine_args("no/such/model", stream_interval=0)
 
 
 def test_a_stream_interval_sends_fewer_events_of_the_same_tokens(server, monkeypatch):

@@ -28,11 +28,12 @@ loop (the HTTP server's) never waits on a forward pass:
 - A `RequestStream` holds at most one pending output: a new delta is merged into it
   (text and tokens concatenated) when the consumer has not read the last one. A slow
   client costs one output's memory, however far behind it falls, and gets bigger deltas.
-- `stream_interval` (vLLM's `--stream-interval`): the consumer is woken for the first token
-  at once, then only when `stream_interval` new tokens are pending, or the request has
-  finished. Every wake-up is work on the event loop (an SSE event formatted and written, a
-  router relaying it, a client parsing it); at 1 (the default) a step's token is an event of
-  its own, at 10 a stream sends a tenth of the events, and the same text.
+- `stream_interval` (vLLM's `--stream-interval`): the consumer is woken for a choice's first
+  visible text at once, then only when a choice has `stream_interval` new tokens pending, or
+  has finished, or the request has. Every wake-up is work on the event loop (an SSE event
+  formatted and written, a router relaying it, a client parsing it); at 1 (the default) a
+  step's token is an event of its own, at 10 a stream sends about a tenth of the events, and
+  the same text. An error wakes the consumer at once too, after what was pending.
 - The engine thread hands outputs over once per step, and waits when the event loop has
   not run the last few hand-overs: a starved event loop slows the engine down instead of
   letting callbacks pile up.
@@ -110,22 +111,25 @@ def merge_delta(into: RequestOutput, new: RequestOutput) -> None:
 
 class RequestStream:
     """One request's channel. The event loop puts, the consumer iterates; never more than one
-    output is pending (later ones are merged into it)."""
+    output is pending (later ones are merged into it), and an error is read after it."""
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], on_abandon: Callable[[str], None],
                  stream_interval: int = 1):  # fmt: skip
         self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
         self._on_abandon = on_abandon
         self.stream_interval = stream_interval
-        self._pending: RequestOutput | BaseException | None = None
+        self._pending: RequestOutput | None = None
+        self._error: BaseException | None = None
         self._ready = asyncio.Event()
-        self._first_token_out = False  # the first token goes out at once, whatever the interval
+        self._started: set[int] = set()  # choices whose first text has gone out (stream_interval > 1)
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        if isinstance(self._pending, BaseException):
+        if self._error is not None:
             return  # an error is final
-        if self._pending is None or isinstance(item, BaseException):
+        if isinstance(item, BaseException):
+            self._error = item  # read after what is pending: the tokens computed before it are not lost
+        elif self._pending is None:
             self._pending = item
         else:
             merge_delta(self._pending, item)
@@ -133,25 +137,29 @@ class RequestStream:
             self._ready.set()
 
     def _due(self) -> bool:
-        """With `stream_interval` > 1: wake the consumer now? For an error or the last output, yes; else when
-        the pending delta holds (in its longest choice) a token while none has gone out yet, or
-        `stream_interval` tokens."""
+        """With `stream_interval` > 1: wake the consumer now? For an error or the last output, yes. Else for
+        a choice with text pending when none of its text has gone out yet (its first visible token: time to
+        first token never waits), a choice that finished, or `stream_interval` new tokens in a choice."""
         # TODO (lab 6): RequestStream._due
-        # put() merges each step's delta into self._pending, then asks this (only when self.stream_interval > 1) whether
-        # to wake the reader now. Yes for an exception or a finished output (the last one never waits). Otherwise count
-        # the new tokens pending: the longest choice's len(c.token_ids) over self._pending.outputs. Before any token has
-        # gone out (self._first_token_out is False; get() sets it), one token is enough: the time to first token must
-        # not wait for the interval. After that, wake only when self.stream_interval tokens are pending.
+        # put() merges each step's delta into self._pending (an error waits in self._error, read after it), then asks
+        # this (only when self.stream_interval > 1) whether to wake the reader now. Yes for an error or a finished
+        # output (the last one never waits). Otherwise yes if any choice c of self._pending.outputs has
+        # self.stream_interval new tokens (len(c.token_ids): tokens, not characters), or has finished
+        # (c.finish_reason), or has text while none of its text has gone out yet (c.index not in self._started;
+        # get() adds a choice once it reads text for it): a client's time to first token must not wait for the
+        # interval. A token that shows no text yet (the start of a stop string, half a character) is not that.
         raise NotImplementedError("lab 6: write RequestStream._due")
 
     async def get(self) -> RequestOutput:
         await self._ready.wait()
         item, self._pending = self._pending, None
-        self._ready.clear()
-        self._first_token_out = True
-        if isinstance(item, BaseException):
+        if item is None:  # nothing pending: the error
             self.finished = True
-            raise item
+            raise self._error
+        if self._error is None:
+            self._ready.clear()
+        if self.stream_interval > 1:
+            self._started.update(c.index for c in item.outputs if c.text)
         self.finished = item.finished
         return item
 
@@ -175,9 +183,7 @@ class AsyncLLMEngine:
     """`LLMEngine` for asyncio: `generate()` yields delta outputs; the engine runs on a thread."""
 
     def __init__(self, engine: LLMEngine, stream_interval: int = 1):
-        if stream_interval < 1:
-            raise ValueError(f"stream_interval={stream_interval} must be at least 1 (1: every token an event)")
-        self.engine, self.stream_interval = engine, stream_interval
+        self.engine, self.stream_interval = engine, check_stream_interval(stream_interval)
         # What the server reports, read once from the engine's public attributes (never changed after
         # it is built): handlers read these, not the engine, which belongs to the engine thread.
         self.model_path, self.model_config = engine.model_path, engine.model_config
@@ -207,6 +213,7 @@ class AsyncLLMEngine:
 
     @classmethod
     def from_engine_args(cls, model: str, stream_interval: int = 1, **engine_kwargs) -> AsyncLLMEngine:
+        check_stream_interval(stream_interval)  # before the engine loads (and, with TP, starts its ranks)
         return cls(LLMEngine(model, **engine_kwargs), stream_interval)
 
     # --- lifecycle (call from the event loop) ------------------------------------------------
@@ -498,6 +505,12 @@ class AsyncLLMEngine:
         if not whole:
             self.dead = error
             log.error("the engine could not recover (KV blocks lost, a dead worker or a second failure): it is dead")
+
+
+def check_stream_interval(n: int) -> int:
+    if n < 1:
+        raise ValueError(f"stream_interval={n} must be at least 1 (1: every token an event)")
+    return n
 
 
 def max_model_len_in_chars(tokenizer, max_model_len: int) -> int:
