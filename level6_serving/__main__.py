@@ -107,8 +107,8 @@ def parser() -> argparse.ArgumentParser:
     a("--enable-expert-parallel", action="store_true",
       help="a mixture of experts: whole experts per TP rank, tokens sent to them (default: every expert sliced)")
     a("--stream-interval", type=positive_int, default=1,
-      help="a stream's events: the first token at once, then one per this many tokens, and the last (default 1: "
-           "every token; more: fewer events for the event loop, the router and the client to handle)")  # fmt: skip
+      help="a stream's events: each choice's first text at once, then one per this many tokens, and the last "
+           "(default 1: every token; more: fewer events for the event loop, the router and the client to handle)")  # fmt: skip
     a("--max-num-waiting", type=positive_int, default=1024,
       help="queued sequences beyond which requests get 503 + Retry-After (default 1024)")  # fmt: skip
     a("--drain-timeout", type=positive_float, default=30.0,
