@@ -12,6 +12,9 @@ every server a `python -m level6_serving` child with one torch thread per replic
      prefill tokens the replicas computed (`vllm:prompt_tokens_total`, summed; a prefix hit is
      not computed), prefix-cache hits, and p50 TTFT over every turn.
 
+`--stream-interval N` reaches every server on both sides (an event per N tokens after a choice's
+first text: docs/scaling_out.md measures what it moves).
+
 The answers' token ids come from the server's own `/tokenize` (the built-in models' byte-level
 vocabulary turns text back into the same ids).
 
