@@ -24,6 +24,8 @@ Two comparisons beside the same-budget one:
     (`--rate-multiples`) of level 1's capacity (its requests/s with all of them queued at
     once); the table shows the rate at 0.9x, which level 1 can just sustain, and the goals
     read p99 latency there and the highest rate that keeps p99 TTFT under `--ttft-slo`.
+    Each rate runs `--repeats` times too, and each engine keeps its least delayed run (the
+    lowest mean end-to-end latency: the arrivals are the same, so the rest is noise).
 
 By default it runs with one torch thread (the most stable figures on a shared machine,
 and what a tiny model runs fastest with) and writes its JSON, and with `--plots` its
@@ -400,12 +402,20 @@ def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims,
                   f"rates {', '.join(f'{r:.2f}' for r in rates)} req/s")  # fmt: skip
     sweep: dict[str, list] = {n: [] for n in names}
     for i, rate in enumerate(rates):
-        for name in names if i % 2 == 0 else reversed(names):
-            fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
-            fig["request_rate"] = rate
-            sweep[name].append(fig)
-            console.print(f"  {label(name)} at {rate:.2f} req/s: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
-                          f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
+        runs: dict[str, list] = {n: [] for n in names}
+        for rep in range(args.repeats):
+            for name in names if (i + rep) % 2 == 0 else reversed(names):
+                fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
+                fig["request_rate"] = rate
+                runs[name].append(fig)
+                console.print(f"  {label(name)} at {rate:.2f} req/s: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
+                              f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
+        for name in names:  # the least delayed repeat, as the offline workloads keep the fastest: the arrivals
+            # are the same in every repeat, so a run's extra latency is what a neighbour's load added to it
+            best = min(runs[name], key=lambda f: f["e2e_s"]["mean"])
+            best["repeat_e2e_mean_s"] = [f["e2e_s"]["mean"] for f in runs[name]]
+            best["repeat_ttft_mean_s"] = [f["ttft_s"]["mean"] for f in runs[name]]
+            sweep[name].append(best)
     results = {n: next(f for f in sweep[n] if f["request_rate"] == reference) for n in names}
     report.add_ratios(results)
     return {"description": f"{wl.description}, at {reference:.2f} req/s ({REFERENCE_MULTIPLE}x {label(base)}'s capacity)",

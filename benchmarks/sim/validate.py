@@ -337,8 +337,8 @@ def committed_row(committed: dict, name: str, level: str) -> dict | None:
 
 def measure_now(level: str, out: Path, threads: int, quick: bool = False, repeats: int = 1) -> dict:
     """The benchmark's workloads on this machine now for one level, the fastest of `repeats` runs each (no HF,
-    no sweeps; poisson at 0.9x the level's own capacity, once: the harness's base when level 1 does not run):
-    what the level's predictions are held against."""
+    no sweeps; poisson at 0.9x the level's own capacity, the harness's base when level 1 does not run, its
+    least delayed of `repeats` runs): what the level's predictions are held against."""
     from benchmarks import throughput
 
     argv = ["--all", "--engines", level, "--hf-sweep", "none", "--rate-multiples", "0.9",
