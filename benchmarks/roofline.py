@@ -30,6 +30,9 @@ memory-bound: no engine reaches the peak there, which is why batching matters.
      (`kv_read_bandwidth`). The peak above is reached only at batches no engine runs
      at; this floor is the honest "how far from the limit" at the batch an engine had.
 
+Beside them, `read_bandwidth` at the weights' size (`weight_bandwidth` in the results): what
+the simulator's calibration (benchmarks/sim/validate.py) reads the weights at, once a step.
+
 What it is not: a cycle-accurate model, or a memory roofline for the weights (a CPU's
 small-batch decode is partly bound by reading them, which the timed matmuls include).
 
@@ -178,7 +181,14 @@ def measure(
 
 def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
     """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats`)."""
-    x = torch.ones(mb * 2**20 // 4, dtype=torch.float32)
+    return read_bandwidth(mb * 2**20, repeats)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
+    """Bytes/s this machine reads `nbytes` at, read again and again (best of `repeats`): DRAM's rate for a
+    tensor larger than the caches, more for one the last-level cache holds from one read to the next
+    (a tiny model's weights: 24 MB in float32, on a CPU with a 32 MB L3, read at 1.6x DRAM's rate)."""
+    x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     x.sum()
     best = float("inf")
     for _ in range(repeats):

@@ -281,11 +281,12 @@ def run(args, console: Console) -> dict:
         roof = roofline.measure(
             dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5
         )
-        roof.update(bandwidth=roofline.kv_read_bandwidth(), bytes_per_token=bytes_per_token)
+        roof.update(bandwidth=roofline.kv_read_bandwidth(), bytes_per_token=bytes_per_token,
+                    weight_bandwidth=roofline.read_bandwidth(dims.params * dtype.itemsize))  # the simulator's
     console.print(
         "matmul rate: "
         + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"])
-        + f" GFLOP/s; memory read {roof['bandwidth'] / 1e9:.1f} GB/s"
+        + f" GFLOP/s; memory read {roof['bandwidth'] / 1e9:.1f} GB/s ({roof['weight_bandwidth'] / 1e9:.1f} at the weights' size)"
     )
 
     common = dict(

@@ -116,6 +116,7 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys)
     m = data["machine"]
     assert isinstance(m["cpu"], str) and m["cores"] >= 1 and m["torch"] == torch.__version__ and m["date"][:2] == "20"
     assert data["roofline"]["peak_flops_per_s"] > 0 and all(s["flops_per_s"] > 0 for s in data["roofline"]["sweep"])
+    assert data["roofline"]["weight_bandwidth"] > 0  # the weights' read rate, at their size (the simulator's)
     assert data["config"]["quick"] is True
 
     levels = available_levels()

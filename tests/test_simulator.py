@@ -284,6 +284,25 @@ def test_a_batch_one_decode_reads_the_weights():
     assert 8.0e-3 < t < 9.0e-3  # 6.7 B parameters in bf16 over 1.555 TB/s
 
 
+def test_the_weights_are_read_at_their_own_rate_where_a_cache_holds_them():
+    """A CPU's calibration reads the weights at the rate measured at their size (`weight_bytes_per_s`) and the
+    KV at DRAM's: a memory-bound decode's weights cost half at twice the rate; its KV reads, the attention,
+    cost what they did; the validation's hardware takes the rate from the results' roofline."""
+    from benchmarks.sim.validate import cpu_hardware
+
+    shape = model_shape("llama-2-7b")
+    dram = Hardware("cpu", 1e15, 1e11, 1 << 40, compute_efficiency=1.0, memory_efficiency=1.0, step_overhead_s=0.0)
+    cached = replace(dram, weight_bytes_per_s=2e11)
+    rows = [(4000, 1)]  # one decode over a long context: weights and KV both read
+    a, b = step_cost(dram, shape, rows, 1), step_cost(cached, shape, rows, 1)
+    weights = shape.num_layers * shape.layer_params * shape.dtype_bytes
+    assert a.linear - b.linear == pytest.approx(weights / 1e11 / 2, rel=1e-3)
+    assert b.attention == a.attention > 0 and b.lm_head == pytest.approx(a.lm_head / 2)
+    roof = {"sweep": [{"batch": 1, "flops_per_s": 1e10}], "bandwidth": 1e10}
+    assert cpu_hardware(roof).weight_bytes_per_s is None  # a results JSON from before the field: the KV's rate
+    assert cpu_hardware(dict(roof, weight_bandwidth=3e10)).weight_bytes_per_s == 3e10
+
+
 def test_the_kv_budget_is_what_utilization_leaves():
     hw, shape = gpu("a100-40gb"), model_shape("opt-13b")
     budget = kv_budget(hw, shape, gpu_memory_utilization=0.9, activation_reserve=0.05)

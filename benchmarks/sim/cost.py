@@ -13,7 +13,8 @@ A step is a roofline sum over operator classes, each the slower of its compute a
 memory traffic, plus a fixed per-step overhead:
 
     linears    FLOPs 2 * T * P (T new tokens in the step, P weights per rank)
-               bytes  P * b (the weights, read once per step, whatever T) + activations
+               bytes  P * b (the weights, read once per step, whatever T, at their own rate where
+                      it differs: a CPU's cache may hold them) + activations
     attention  FLOPs 4 * Hq * D * L * sum_i n_i * (c_i + (n_i + 1) / 2)  (QK^T and PV, causal)
                bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV; on a
                       machine with `kv_reuse`, a block another request of the step already read
@@ -73,6 +74,10 @@ class Hardware:
     cached_chunk_overhead_s: float = 0.0
     kv_reuse: bool = False  # a KV block read again in one step comes from the cache (a CPU: a tiny model's
     # shared prefix fits in it); GPUs: False, every request's KV from HBM (paged attention reads per request)
+    # the rate the weights are read at once a step, where it is not `bytes_per_s` (None: it is): a CPU's
+    # last-level cache holds a tiny model's weights from one step to the next (24 MB, a 32 MB L3: 1.6x
+    # DRAM's rate, benchmarks/roofline.py `read_bandwidth`), while its KV cache streams from DRAM
+    weight_bytes_per_s: float | None = None
     # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
     # tenfold from 1 row to 1,024 (benchmarks/roofline.py); None: `flops` at any size
     flops_curve: tuple[tuple[int, float], ...] | None = None
@@ -207,17 +212,18 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     b, L, h = shape.dtype_bytes, shape.num_layers, shape.hidden
     T = sum(n for _, n in chunks)
     flops, bw = hw.flops_at(T) * hw.compute_efficiency, hw.bytes_per_s * hw.memory_efficiency
+    w_bw = (hw.weight_bytes_per_s or hw.bytes_per_s) * hw.memory_efficiency  # the weights' own rate
     # linears: weights once per step, activations in and out of each matmul (q/k/v/o and the MLP's)
     w = L * shape.layer_params / tp
     act = T * L * b * (6 * h + (3 if shape.gated_mlp else 2) * shape.intermediate / tp)
-    linear = max(2 * T * w / flops, (w * b + act) / bw)
+    linear = max(2 * T * w / flops, w * b / w_bw + act / bw)
     # attention: QK^T and PV over each request's context (causal inside its new tokens), its KV read once
     per_token = 4 * shape.num_heads * shape.head_dim * L / tp
     attn_flops = sum(per_token * n * (c + (n + 1) / 2) for c, n in chunks)
     kv_read = (sum(c + n for c, n in chunks) - (shared if hw.kv_reuse else 0)) * shape.kv_bytes_per_token / tp
     attention = max(attn_flops / flops, kv_read / bw) if chunks else 0.0
     head_w = shape.vocab * h / tp
-    lm_head = max(2 * num_sampled * head_w / flops, head_w * b / bw) if num_sampled else 0.0
+    lm_head = max(2 * num_sampled * head_w / flops, head_w * b / w_bw) if num_sampled else 0.0
     comm = 0.0
     if tp > 1:  # two all-reduces per layer (after attention, after the MLP), ring: 2 (tp - 1) / tp of the bytes
         nbytes = T * h * b * 2 * (tp - 1) / tp

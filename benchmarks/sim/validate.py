@@ -89,7 +89,9 @@ def conditional_alphas(per_position: list[float]) -> list[float]:
 
 
 def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
-    """This CPU as the benchmark measured it: rates by batch, bandwidth; efficiencies 1 (they are measured);
+    """This CPU as the benchmark measured it: rates by batch, the KV's bandwidth and the weights' (measured at
+    their size, which a cache may hold; a results JSON from before 2026-12-05 has none: the KV's); efficiencies
+    1 (they are measured);
     `overhead`: a calibration's c0 (per step), c1 (per request), c2 (per new token), c3 (per context token),
     c4 (per context token read again in the step), c5 (per chunk after a prefix hit); `kv_reuse`: a block
     read again comes from the cache."""
@@ -99,7 +101,7 @@ def cpu_hardware(roofline: dict, overhead: dict | None = None) -> Hardware:
                     memory_efficiency=1.0, step_overhead_s=o["c0_s"], seq_overhead_s=o["c1_s"],
                     token_overhead_s=o["c2_s"], context_overhead_s=o["c3_s"],
                     shared_context_overhead_s=o.get("c4_s", o["c3_s"]), cached_chunk_overhead_s=o.get("c5_s", 0.0),
-                    kv_reuse=True, flops_curve=curve)  # fmt: skip
+                    kv_reuse=True, flops_curve=curve, weight_bytes_per_s=roofline.get("weight_bandwidth"))  # fmt: skip
 
 
 def exact(n: int) -> SamplingParams:
