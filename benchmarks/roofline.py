@@ -30,11 +30,12 @@ memory-bound: no engine reaches the peak there, which is why batching matters.
      (`kv_read_bandwidth`). The peak above is reached only at batches no engine runs
      at; this floor is the honest "how far from the limit" at the batch an engine had.
 
-Beside them, `read_bandwidth` at the weights' size (`weight_bandwidth` in the results): what
-the simulator's calibration (benchmarks/sim/validate.py) reads the weights at, once a step.
+Beside them, the read rate at the weights' size (`weight_bandwidth` in the results): what the
+simulator's calibration (benchmarks/sim/validate.py) reads the weights at, once a step.
 
-What it is not: a cycle-accurate model, or a memory roofline for the weights (a CPU's
-small-batch decode is partly bound by reading them, which the timed matmuls include).
+What it is not: a cycle-accurate model, or a memory roofline for the weights in the ceiling
+above (a CPU's small-batch decode is partly bound by reading them, which the timed matmuls
+include; the ceiling does not use `weight_bandwidth`).
 
 Reference: Williams, Waterman, Patterson, "Roofline" (CACM 2009); the PaLM paper's MFU
 (Chowdhery et al. 2022, appendix B).
@@ -180,22 +181,34 @@ def measure(
 
 
 def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
-    """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats`)."""
-    return read_bandwidth(mb * 2**20, repeats)
+    """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats` single reads)."""
+    return read_bandwidth(mb * 2**20, repeats, window=0.0)
 
 
-def read_bandwidth(nbytes: int, repeats: int = 5) -> float:
-    """Bytes/s this machine reads `nbytes` at, read again and again (best of `repeats`): DRAM's rate for a
-    tensor larger than the caches, more for one the last-level cache holds from one read to the next
-    (a tiny model's weights: 24 MB in float32, on a CPU with a 32 MB L3, read at 1.6x DRAM's rate)."""
+def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02) -> float:
+    """Bytes/s this machine reads `nbytes` at, read again and again: the best of `repeats` windows of at
+    least `window` seconds (one read of a few MB is a fraction of a millisecond: too short to time alone).
+    DRAM's rate for a tensor larger than the caches, more for one the last-level cache holds from one read
+    to the next (a tiny model's 24 MB of weights, on a 2-core EPYC VM with a 32 MB L3: 1.5-2.5x DRAM's)."""
     x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
     x.sum()
-    best = float("inf")
+    best = 0.0
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t0)
-    return x.numel() * 4 / best
+        n, t0 = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - t0) < window or n == 0:
+            x.sum()
+            n += 1
+        best = max(best, n * x.numel() * 4 / elapsed)
+    return best
+
+
+WEIGHT_PROBE_CAP = 256 << 20  # past this no cache holds the weights: DRAM's rate, kv_read_bandwidth's size
+
+
+def weight_bandwidth(weight_bytes: int) -> float:
+    """The rate a step reads the weights at, measured at their size (at most WEIGHT_PROBE_CAP: a large
+    model's read is DRAM's, and measuring it at its own size would allocate that size again)."""
+    return read_bandwidth(min(weight_bytes, WEIGHT_PROBE_CAP))
 
 
 def rate_at(sweep: list[dict], batch: float) -> float:

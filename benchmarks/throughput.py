@@ -110,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
         "--repeats",
         type=positive_int,
         default=1,
-        help="run every engine this many times, alternating order; keep the fastest run",
+        help="run every engine this many times, alternating order; keep the fastest run (poisson: at each rate, "
+        "the least delayed)",
     )
     p.add_argument("--seed", type=nonneg_int, default=0, help="seeds every workload (default 0)")
     p.add_argument("--threads", type=positive_int, default=1,
@@ -281,10 +282,8 @@ def run(args, console: Console) -> dict:
         roof = roofline.measure(
             dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5
         )
-        # the weights' read rate at their size, for the simulator (past 256 MB no cache holds them: DRAM's)
-        weight_bandwidth = roofline.read_bandwidth(min(dims.params * dtype.itemsize, 256 << 20))
         roof.update(bandwidth=roofline.kv_read_bandwidth(), bytes_per_token=bytes_per_token,
-                    weight_bandwidth=weight_bandwidth)
+                    weight_bandwidth=roofline.weight_bandwidth(dims.params * dtype.itemsize))  # fmt: skip
     console.print(
         "matmul rate: "
         + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"])
@@ -411,7 +410,8 @@ def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims,
                 fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
                 fig["request_rate"] = rate
                 runs[name].append(fig)
-                console.print(f"  {label(name)} at {rate:.2f} req/s: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
+                run = f" (run {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
+                console.print(f"  {label(name)} at {rate:.2f} req/s{run}: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
                               f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
         for name in names:  # the least delayed repeat, as the offline workloads keep the fastest: the arrivals
             # are the same in every repeat, so a run's extra latency is what a neighbour's load added to it

@@ -296,11 +296,21 @@ def test_the_weights_are_read_at_their_own_rate_where_a_cache_holds_them():
     rows = [(4000, 1)]  # one decode over a long context: weights and KV both read
     a, b = step_cost(dram, shape, rows, 1), step_cost(cached, shape, rows, 1)
     weights = shape.num_layers * shape.layer_params * shape.dtype_bytes
-    assert a.linear - b.linear == pytest.approx(weights / 1e11 / 2, rel=1e-3)
+    assert a.linear - b.linear == pytest.approx(weights / 1e11 / 2, rel=1e-9)  # the activations' bytes: DRAM's
     assert b.attention == a.attention > 0 and b.lm_head == pytest.approx(a.lm_head / 2)
     roof = {"sweep": [{"batch": 1, "flops_per_s": 1e10}], "bandwidth": 1e10}
     assert cpu_hardware(roof).weight_bytes_per_s is None  # a results JSON from before the field: the KV's rate
     assert cpu_hardware(dict(roof, weight_bandwidth=3e10)).weight_bytes_per_s == 3e10
+
+
+def test_the_weights_read_rate_is_measured_at_their_size_up_to_the_cap(monkeypatch):
+    from benchmarks import roofline
+
+    sizes = []
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda nbytes: sizes.append(nbytes) or 1e10)
+    roofline.weight_bandwidth(24 << 20)
+    roofline.weight_bandwidth(13 << 30)  # a 7B model in bfloat16: no cache holds it, DRAM's rate at the cap
+    assert sizes == [24 << 20, roofline.WEIGHT_PROBE_CAP] and roofline.WEIGHT_PROBE_CAP == 256 << 20
 
 
 def test_the_kv_budget_is_what_utilization_leaves():

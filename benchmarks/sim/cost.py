@@ -19,7 +19,7 @@ memory traffic, plus a fixed per-step overhead:
                bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV; on a
                       machine with `kv_reuse`, a block another request of the step already read
                       comes from the cache: its bytes are not counted again)
-    lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b
+    lm head    FLOPs 2 * S * V * H for the S rows that sample, its weights V * H * b (at the weights' rate)
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
     PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; this sum
                is one step alone, its stages one after another (the simulated executor,
@@ -30,6 +30,7 @@ memory traffic, plus a fixed per-step overhead:
                and per chunk after a prefix hit (a CPU's attention takes those one row at a time)
 
     t_step = sum over classes of max(FLOPs / (peak * eff_c), bytes / (bandwidth * eff_m)) + comm + overhead
+             (the weights' bytes over their own rate where the hardware has one: `weight_bytes_per_s`)
 
 So a decode step at a small batch costs the weights' read (memory-bound), a large prefill
 costs its FLOPs (compute-bound), and the KV reads grow with every request's context.
@@ -75,8 +76,8 @@ class Hardware:
     kv_reuse: bool = False  # a KV block read again in one step comes from the cache (a CPU: a tiny model's
     # shared prefix fits in it); GPUs: False, every request's KV from HBM (paged attention reads per request)
     # the rate the weights are read at once a step, where it is not `bytes_per_s` (None: it is): a CPU's
-    # last-level cache holds a tiny model's weights from one step to the next (24 MB, a 32 MB L3: 1.6x
-    # DRAM's rate, benchmarks/roofline.py `read_bandwidth`), while its KV cache streams from DRAM
+    # last-level cache holds a tiny model's weights from one step to the next (24 MB, a 32 MB L3: 1.5-2.5x
+    # DRAM's rate, benchmarks/roofline.py `weight_bandwidth`), while its KV cache streams from DRAM
     weight_bytes_per_s: float | None = None
     # measured matmul rates by tokens in the step, ((tokens, FLOP/s), ...) ascending: a CPU's rate climbs
     # tenfold from 1 row to 1,024 (benchmarks/roofline.py); None: `flops` at any size

@@ -6,8 +6,9 @@ real ones with the forward replaced by a cost, so if the cost model is right for
 the simulation must reproduce what the real engines measured there. Here the machine is this
 CPU and the model the built-in one:
 
-  1. the hardware: the matmul rates at each batch size and the memory bandwidth that the
-     benchmark measured (its "roofline" section). Measuring now (the default), each level is
+  1. the hardware: the matmul rates at each batch size and the memory bandwidths (DRAM's, for
+     the KV cache, and the read rate at the weights' size) that the benchmark measured (its
+     "roofline" section). Measuring now (the default), each level is
      measured alone and calibrated right after: a shared machine's speed drifts by tens of per
      cent over the minutes a whole benchmark takes, and a level's prediction should be held
      against the machine its calibration saw;
@@ -372,7 +373,7 @@ def main(argv=None) -> dict:
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1, as the committed run)")
     p.add_argument("--quick", action="store_true", help="measure the benchmark's quick workloads (a smoke run)")
     p.add_argument("--repeats", type=int, default=2, help="runs of each measurement and of each calibration, the "
-                   "fastest kept (default 2, about 25 minutes; 1 halves it, and a shared machine's drift shows)")  # fmt: skip
+                   "fastest kept (poisson's: the least delayed; default 2, about 25 minutes; 1 halves it, and a shared machine's drift shows)")  # fmt: skip
     p.add_argument("--out", default=None, help="the JSON (default: outside the repository; the committed one: "
                    "benchmarks/results/what_if_validation.json)")  # fmt: skip
     args = p.parse_args(argv)
