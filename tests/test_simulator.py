@@ -313,6 +313,17 @@ def test_the_weights_read_rate_is_measured_at_their_size_up_to_the_cap(monkeypat
     assert sizes == [24 << 20, roofline.WEIGHT_PROBE_CAP] and roofline.WEIGHT_PROBE_CAP == 256 << 20
 
 
+def test_the_calibration_mix_decodes_many_short_requests_at_once():
+    """The validation's fit sees large batches over short contexts, where `uniform` and `poisson` decode, and
+    not only over the first crowd's long ones: with those alone a request's fixed cost and its context's
+    rise together and the fit cannot tell them apart (level 0 then undercharged `poisson`'s decodes)."""
+    from benchmarks.sim.validate import calibration_mix
+
+    rounds = calibration_mix()
+    assert max(len(r) for r in rounds if max(len(p) + n for p, n in r) <= 150) >= 32
+    assert calibration_mix() == rounds  # seeded: every calibration fits the same requests
+
+
 def test_the_kv_budget_is_what_utilization_leaves():
     hw, shape = gpu("a100-40gb"), model_shape("opt-13b")
     budget = kv_budget(hw, shape, gpu_memory_utilization=0.9, activation_reserve=0.05)

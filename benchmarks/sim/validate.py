@@ -14,7 +14,7 @@ CPU and the model the built-in one:
      against the machine its calibration saw;
   2. the overhead: each simulated level's real engine runs a calibration workload (its own
      seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, two requests
-     alone, small groups after a prefix hit); for every step the roofline time of what it
+     alone, small groups after a prefix hit, a crowd of short requests); for every step the roofline time of what it
      scheduled is subtracted from the step's wall time, and the rest is fitted as c0 + c1 *
      requests + c2 * new tokens + c3 * context tokens + c4 * context tokens read again in the
      step (in blocks another request read first: a shared prefix, which this CPU reads from its
@@ -118,8 +118,12 @@ def calibration_mix(seed: int = 123) -> list[list[tuple[list[int], int]]]:
     own, outputs of 8-120: with prefix caching their decodes read one copy of it); then two alone
     (batch 1, a long decode each); then twelve small groups (1 to 4 requests) that start with the
     prefix and add 9-96 tokens of their own: each group's prefill is a step of chunks after a prefix
-    hit (c5's only witnesses otherwise are the one or two steps that prefill the 64). The fit sees the
-    batch sizes, contexts and sharing the benchmark's workloads run at, without their requests."""
+    hit (c5's only witnesses otherwise are the one or two steps that prefill the 64); last, a short
+    crowd, 32 requests of 8-48 prompt and 8-96 output tokens at once: batches up to 32 over contexts
+    under 150, where `uniform` and `poisson` decode (the first crowd's contexts run to 580; with only
+    those, a request's fixed cost and its context's cost move together, and the fit could not tell
+    them apart: level 0 charged `poisson`'s short decodes 7-14 % too little). The fit sees the batch
+    sizes, contexts and sharing the benchmark's workloads run at, without their requests."""
     rng = random.Random(seed)
     crowd = [([rng.randrange(32, 127) for _ in range(rng.randint(8, 384))], rng.randint(8, 200)) for _ in range(96)]
     prefix = [rng.randrange(32, 127) for _ in range(256)]
@@ -128,7 +132,8 @@ def calibration_mix(seed: int = 123) -> list[list[tuple[list[int], int]]]:
     alone = [[([rng.randrange(32, 127) for _ in range(rng.randint(8, 48))], 96)] for _ in range(2)]
     hits = [[(prefix + [rng.randrange(32, 127) for _ in range(rng.randint(9, 96))], rng.randint(4, 16))
              for _ in range(k)] for k in (1, 2, 3, 4) * 3]  # fmt: skip
-    return [crowd, [(prefix, 1)], sharing, *alone, *hits]
+    short = [([rng.randrange(32, 127) for _ in range(rng.randint(8, 48))], rng.randint(8, 96)) for _ in range(32)]
+    return [crowd, [(prefix, 1)], sharing, *alone, *hits, short]
 
 
 Pass = tuple[list[tuple[int, int]], int]  # one forward of the draft: (cached, new) per row, logits rows
