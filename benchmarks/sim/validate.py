@@ -12,17 +12,16 @@ CPU and the model the built-in one:
      measured alone and calibrated right after: a shared machine's speed drifts by tens of per
      cent over the minutes a whole benchmark takes, and a level's prediction should be held
      against the machine its calibration saw;
-  2. the overhead: each simulated level's real engine runs a calibration workload (its own
-     seeded requests, not the benchmark's: a crowd, a crowd sharing a prefix, two requests
-     alone, small groups after a prefix hit, a crowd of short requests); for every step the roofline time of what it
-     scheduled is subtracted from the step's wall time, and the rest is fitted as c0 + c1 *
-     requests + c2 * new tokens + c3 * context tokens + c4 * context tokens read again in the
-     step (in blocks another request read first: a shared prefix, which this CPU reads from its
-     cache; zero at levels 0 and 2, which share no blocks) + c5 * chunks after a prefix hit
-     (rows of more than 8 new tokens over a longer cache, which this CPU's attention takes one at
-     a time through SDPA) (nonnegative least squares, relative errors): the Python and dispatch
-     cost a CPU pays per step, per row and per token, and what its attention costs beyond the
-     roofline's bytes;
+  2. the overhead: each simulated level's real engine runs a calibration workload (its own seeded
+     requests, not the benchmark's: a crowd, a crowd sharing a prefix, two requests alone, small
+     groups after a prefix hit, a crowd of short requests); for every step the roofline time of
+     what it scheduled is subtracted from the step's wall time, and the rest is fitted as c0 + c1 *
+     requests + c2 * new tokens + c3 * context tokens + c4 * context tokens read again in the step
+     (in blocks another request read first: a shared prefix, which this CPU reads from its cache;
+     zero at levels 0 and 2, which share no blocks) + c5 * chunks after a prefix hit (rows of more
+     than 8 new tokens over a longer cache, which this CPU's attention takes one at a time through
+     SDPA) (nonnegative least squares, relative errors): the Python and dispatch cost a CPU pays
+     per step, per row and per token, and what its attention costs beyond the roofline's bytes;
      at level 4 also + d0 * the draft's forward passes + d1 * their new tokens, the draft's own
      fixed costs (each pass is a whole forward of its own: a step that guesses pays them, one
      that does not, above `disable_by_batch_size`, does not);
