@@ -192,7 +192,7 @@ def serve_data_parallel(args, argv: list[str]) -> None:
     """N replicas (each `python -m level6_serving` on a free local port), and the router in front."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .api_server import bind, make_server
+    from .api_server import bind, freeze_startup_heap, make_server
     from .process import ServerProcess
     from .router import build_router_app
 
@@ -213,6 +213,7 @@ def serve_data_parallel(args, argv: list[str]) -> None:
               f"on http://{host}:{real_port} (router: {args.router})", file=sys.stderr, flush=True)  # fmt: skip
         server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log,
                              timeout_keep_alive=args.timeout_keep_alive)  # fmt: skip
+        freeze_startup_heap()  # the router relays every token: no full collection over its imports (api_server.py)
         server.run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish (no signal re-raised after)
     finally:  # each drains its own requests (SIGTERM), then exits: all at once
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
@@ -233,7 +234,7 @@ def main(argv=None) -> None:
 
     from ladder.models import default_model
 
-    from .api_server import bind, build_app, make_server
+    from .api_server import bind, build_app, freeze_startup_heap, make_server
     from .async_engine import AsyncLLMEngine
 
     torch.set_num_threads(args.threads)
@@ -262,6 +263,7 @@ def main(argv=None) -> None:
         timeout_keep_alive=args.timeout_keep_alive,
         exit_on_engine_death=args.exit_on_engine_death,
     )
+    freeze_startup_heap()  # the model and the imports: out of every full collection's walk (api_server.py)
     server.run(sockets=[sock])
     # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean exit.
     # An engine that died is not one either: a supervisor restarts a process that exits non-zero.
