@@ -205,6 +205,7 @@ def serve_data_parallel(args, argv: list[str]) -> None:
     try:
         with ThreadPoolExecutor(len(replicas)) as pool:  # they load their models at the same time
             list(pool.map(lambda r: r.start(), replicas))
+        freeze_startup_heap()  # the router relays every token: no full collection over its imports (api_server.py)
         signal.signal(signal.SIGTERM, previous)  # from here the Server's handler takes it
         app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes)
         sock = bind(args.host, args.port)
@@ -213,7 +214,6 @@ def serve_data_parallel(args, argv: list[str]) -> None:
               f"on http://{host}:{real_port} (router: {args.router})", file=sys.stderr, flush=True)  # fmt: skip
         server = make_server(app, args.drain_timeout, args.log_level, access_log=not args.disable_uvicorn_access_log,
                              timeout_keep_alive=args.timeout_keep_alive)  # fmt: skip
-        freeze_startup_heap()  # the router relays every token: no full collection over its imports (api_server.py)
         server.run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish (no signal re-raised after)
     finally:  # each drains its own requests (SIGTERM), then exits: all at once
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short

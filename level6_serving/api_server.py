@@ -376,20 +376,11 @@ def make_server(app: FastAPI, drain_timeout: float = 30.0, log_level: str = "inf
 
 
 def freeze_startup_heap() -> int:
-    """Collect once, then freeze what is alive (`gc.freeze`): the modules, the model and the engine,
-    which a server holds for its whole life, move to a generation the collector never walks again.
-    Returns how many objects were frozen.
-
-    Why: a full collection walks every object the collector tracks, over 200,000 once torch and
-    transformers are imported, and holds the GIL meanwhile: every thread stops, the event loop's
-    /health and streams and the engine's steps with it. Here that was a 0.2 s pause every few
-    seconds to tens of seconds under load (and, most likely, the 0.8 s outlier of the /health
-    test under CI's second worker); after the freeze a full collection walks only what came
-    after, 2 ms in the same load. The price: a reference cycle among frozen objects is never
-    collected, which matters little for what lives as long as the server anyway. Called by
-    `python -m level6_serving` before it serves (not by `ServerThread`, whose process is a
-    test's or a notebook's: freezing theirs is not a server's business). vLLM's entrypoint
-    does the same."""
+    """Collect once, then freeze what is alive (`gc.freeze`): the imports, the model and the engine leave
+    every later full collection's walk, which holds the GIL (0.2 s -> 2 ms here: docs/level6_serving.md).
+    A cycle among frozen objects is never collected: fine for what lives as long as the server. Called
+    by `python -m level6_serving` before it serves, not by `ServerThread` (a test's or a notebook's
+    process is not the server's to freeze). Returns how many objects were frozen."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
