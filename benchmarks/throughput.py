@@ -322,14 +322,15 @@ def run(args, console: Console) -> dict:
         if wl.arrivals is not None:
             data["workloads"][wname] = run_arrivals(args, console, wl, names, new_engine, dims, roof, kv_budget)
             continue
-        runs: dict[str, list] = {n: [] for n in names}
-        for rep in range(args.repeats):
-            for name in names if rep % 2 == 0 else reversed(names):
-                engine = new_engine(name)
-                console.print(f"[cyan]{label(name)}[/] (run {rep + 1}/{args.repeats})")
-                res = engine.run(wl)
-                runs[name].append(report.summarise(res, dims, roof))
-                console.print(f"  {runs[name][-1]['output_tokens_per_s']:.0f} output tok/s in {res.duration:.1f} s")
+        def run_once(name: str, rep: int, wl=wl) -> dict:  # (wl bound here: a closure in a loop)
+            engine = new_engine(name)
+            console.print(f"[cyan]{label(name)}[/] (run {rep + 1}/{args.repeats})")
+            res = engine.run(wl)
+            fig = report.summarise(res, dims, roof)
+            console.print(f"  {fig['output_tokens_per_s']:.0f} output tok/s in {res.duration:.1f} s")
+            return fig
+
+        runs = repeated(names, args.repeats, run_once)
         results = {}
         for name in names:
             # Keep the fastest repeat: a neighbour's load only ever slows a run down, so the
@@ -390,6 +391,16 @@ def level_at_hf_best(console: Console, wl, name: str, sweep: list[dict], bytes_p
     return fig
 
 
+def repeated(names: list[str], repeats: int, run_once, first: int = 0) -> dict[str, list]:
+    """Every engine `repeats` times, `run_once(name, rep)` each, the order reversed every other round
+    (`first` shifts which round goes forward) so a drifting machine's slow minutes fall on each in turn."""
+    runs: dict[str, list] = {n: [] for n in names}
+    for rep in range(repeats):
+        for name in names if (first + rep) % 2 == 0 else reversed(names):
+            runs[name].append(run_once(name, rep))
+    return runs
+
+
 def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims, roof, kv_budget: int) -> dict:
     """The poisson workload: level 1's capacity first, then every engine at each rate."""
     from dataclasses import replace
@@ -404,15 +415,16 @@ def run_arrivals(args, console: Console, wl, names: list[str], new_engine, dims,
                   f"rates {', '.join(f'{r:.2f}' for r in rates)} req/s")  # fmt: skip
     sweep: dict[str, list] = {n: [] for n in names}
     for i, rate in enumerate(rates):
-        runs: dict[str, list] = {n: [] for n in names}
-        for rep in range(args.repeats):
-            for name in names if (i + rep) % 2 == 0 else reversed(names):
-                fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
-                fig["request_rate"] = rate
-                runs[name].append(fig)
-                run = f" (run {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
-                console.print(f"  {label(name)} at {rate:.2f} req/s{run}: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
-                              f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
+
+        def run_once(name: str, rep: int, rate: float = rate) -> dict:  # (rate bound here, as above)
+            fig = report.summarise(new_engine(name).run(wl, rate=rate), dims, roof)
+            fig["request_rate"] = rate
+            run = f" (run {rep + 1}/{args.repeats})" if args.repeats > 1 else ""
+            console.print(f"  {label(name)} at {rate:.2f} req/s{run}: p99 TTFT {fig['ttft_s']['p99']:.2f} s, "
+                          f"p99 e2e {fig['e2e_s']['p99']:.2f} s")  # fmt: skip
+            return fig
+
+        runs = repeated(names, args.repeats, run_once, first=i)
         for name in names:  # the least delayed repeat, as the offline workloads keep the fastest: the arrivals
             # are the same in every repeat, so a run's extra latency is what a neighbour's load added to it
             best = min(runs[name], key=lambda f: f["e2e_s"]["mean"])
