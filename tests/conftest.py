@@ -14,6 +14,7 @@ asks for them gets its own, built from tests/level6_helpers.py (imported only th
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -217,3 +218,19 @@ def server(ckpt):
 
     with serve(ckpt, ENGINE) as s:
         yield s
+
+
+@pytest.fixture
+def slow_steps(server, monkeypatch):
+    """Every step of `server`'s engine takes 20 ms more, for one test: a request of 150 tokens then
+    runs for 3 s at least, so a client that leaves after its first chunks surely leaves before the
+    request ends, however fast the machine and however long this process is held up (a few hundred
+    tokens at full speed take a quarter of a second, less than a busy CI machine can pause a client)."""
+    engine = server.engine.engine
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(engine, "step", slow_step)

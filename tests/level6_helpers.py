@@ -58,6 +58,12 @@ def metrics(url: str) -> dict[str, float]:
     return parse(httpx.get(url + "/metrics").text)
 
 
+def aborted(samples: dict[str, float]) -> float:
+    """Requests the engine finished with finish_reason "abort", so far."""
+    return sum(v for k, v in samples.items()
+               if k.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in k)  # fmt: skip
+
+
 def sse_events(body: str | bytes) -> list[str]:
     """Raw SSE body -> the data of each event; checks OpenAI's framing on the way."""
     if isinstance(body, bytes):
@@ -82,10 +88,14 @@ def failing_add_request(engine):
 
 
 def wait_for(predicate, timeout: float, what: str):
+    """Poll `predicate` until it is true, or fail. The last poll starts at the deadline or just after
+    it: a poll slowed down by a busy machine (an HTTP request) still gets its answer looked at."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:
+        last = time.monotonic() >= deadline
         value = predicate()
         if value:
             return value
+        if last:
+            raise AssertionError(f"{what} did not happen within {timeout} s")
         time.sleep(0.02)
-    raise AssertionError(f"{what} did not happen within {timeout} s")

@@ -35,7 +35,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from level6_helpers import ENGINE, NAME, serve
+from level6_helpers import ENGINE, NAME, aborted, metrics, serve
 from test_equivalence import kv_bytes
 
 import level3_prefix
@@ -292,9 +292,10 @@ def test_the_server_streams_the_feeds_frames_while_it_serves(server):
     assert any(sum(r[6] for r in f["steps"]) for f in frames)  # tokens were made between frames
 
 
-def test_the_page_sees_an_aborted_requests_blocks_come_back(server):
+def test_the_page_sees_an_aborted_requests_blocks_come_back(server, slow_steps):
     """A client that leaves mid-stream: its request is aborted between steps and, nothing else
-    running, no step follows; the stream's idle refresh (IDLE_REFRESH_S) still shows the pool whole."""
+    running, no step follows; the stream's idle refresh (IDLE_REFRESH_S) still shows the pool whole.
+    The steps are slowed (400 tokens take 8 s at least), so the request is surely running when its client leaves."""
     frames: list[dict] = []
     done = threading.Event()
 
@@ -316,6 +317,7 @@ def test_the_page_sees_an_aborted_requests_blocks_come_back(server):
     deadline = time.monotonic() + 10
     while not hub.watched and time.monotonic() < deadline:  # the stream is open before the request
         time.sleep(0.01)
+    aborted_before = aborted(metrics(server.url))
     body = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 400, "stream": True, "ignore_eos": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
         chunks = 0
@@ -326,6 +328,7 @@ def test_the_page_sees_an_aborted_requests_blocks_come_back(server):
                 break  # the client leaves: the server aborts the request
     reader.join(30)
     assert done.is_set() and any(f["running"] for f in frames)
+    assert aborted(metrics(server.url)) - aborted_before == 1  # it was aborted, not finished
     assert frames[-1]["running"] == 0 and frames[-1]["pool"]["num_free"] == frames[-1]["pool"]["num_blocks"]
 
 

@@ -2,7 +2,7 @@
 its blocks are free within a few seconds; the clients that stay are unaffected.
 
 What it is: the level-6 test server (`server` in conftest.py, a thread of this process) with
-every engine step slowed down by 10 ms, so a client surely leaves before its request ends;
+every engine step slowed down by 20 ms (`slow_steps`), so a client surely leaves before its request ends;
 the Prometheus counters say what was aborted, and the KV usage which blocks are still held.
 
 What it is not: a speed test. The deadlines for freeing a disconnected client's blocks (5 s)
@@ -17,31 +17,11 @@ import time
 
 import httpx
 import pytest
-from level6_helpers import NAME, metrics, offline
+from level6_helpers import NAME, aborted, metrics, offline
 
 from level6_serving.metrics import value
 
 pytestmark = pytest.mark.level6
-
-
-def aborted(samples: dict[str, float]) -> float:
-    """Requests the engine finished with finish_reason "abort", so far."""
-    return sum(v for k, v in samples.items()
-               if k.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in k)  # fmt: skip
-
-
-@pytest.fixture
-def slow_steps(server, monkeypatch):
-    """Every engine step takes 10 ms more: a request of 150 tokens then runs for 1.5 s at
-    least, so its client surely leaves before it ends, however fast the machine."""
-    engine = server.engine.engine
-    step = engine.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    monkeypatch.setattr(engine, "step", slow_step)
 
 
 # --- disconnects ---------------------------------------------------------------------------------
@@ -97,7 +77,7 @@ def test_disconnected_clients_are_aborted_and_free_their_blocks(server, llm, slo
 
 
 def test_a_non_streaming_client_that_gives_up_aborts_its_request(server, slow_steps):
-    body = {"model": NAME, "prompt": "KENT:\n", "max_tokens": 480, "temperature": 0}  # 4.8 s at least
+    body = {"model": NAME, "prompt": "KENT:\n", "max_tokens": 480, "temperature": 0}  # 9.6 s at least
     before = metrics(server.url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=body, timeout=httpx.Timeout(10, read=0.3))
