@@ -8,8 +8,8 @@ What it is: what a user of level 6 does, in one run of well under a minute on a 
      each stream arrived: the engine batches them step by step, so the streams advance
      together, and short ones leave early (a picture, outside the repository by default;
      `--plot PATH` to choose);
-  4. open a long stream and walk away after a few chunks: /metrics shows the request
-     aborted and its KV blocks free;
+  4. open a long stream (nearly the whole context) and walk away after a few chunks: /metrics
+     shows the request aborted and its KV blocks free;
   5. read the Prometheus counters, and check that they add up to what the clients received;
   6. send SIGTERM: the server drains and exits 0. Nothing is left running, whatever happens,
      and its log (a scratch file) is removed with it. The last lines say how to start a
@@ -31,7 +31,7 @@ from rich.table import Table
 
 from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure
 
-from .metrics import parse, value
+from .metrics import aborted, parse, value
 from .process import ServerProcess
 
 MODULE = "level6_serving.demo"
@@ -45,6 +45,8 @@ CURL = ("and send it a request from another terminal: curl http://127.0.0.1:8000
 def parser():
     p = demo_parser(__doc__, MODULE)
     p.add_argument("--clients", type=positive_int, default=16, help="concurrent streaming clients (default 16)")
+    p.add_argument("--max-model-len", type=positive_int, default=512,
+                   help="the server's context length; the abandoned stream asks for nearly all of it (default 512)")  # fmt: skip
     p.add_argument(
         "--plot", type=Path, default=None, help="where to save the stream timeline (default: outside the repository)"
     )
@@ -57,7 +59,7 @@ def main(argv=None) -> dict:
     args.plot = plot_path(args.plot, "level6_streams.png")
     console = Console()
     flags = ["--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads), "--seed", str(args.seed),
-             "--max-model-len", "512", "--disable-uvicorn-access-log"] + (["--model", args.model] if args.model else [])  # fmt: skip
+             "--max-model-len", str(args.max_model_len), "--disable-uvicorn-access-log"] + (["--model", args.model] if args.model else [])  # fmt: skip
     server = ServerProcess(flags)
     console.print(f"[bold]$ python -m level6_serving --port 0 {' '.join(flags)}[/]\n"
                   f"(log, removed when the server stops: {server.log})")  # fmt: skip
@@ -126,7 +128,9 @@ async def talk(url: str, args, console: Console) -> dict:
 
     # 3. a client that walks away
     console.rule("[bold]3. a client that disconnects mid-answer")
-    body = {"model": model, "prompt": "KING LEAR:\n", "max_tokens": 400, "stream": True, "ignore_eos": True}
+    aborted_before = aborted(parse((await http.get("/metrics")).text))
+    long = args.max_model_len - 32  # the prompt is a dozen tokens
+    body = {"model": model, "prompt": "KING LEAR:\n", "max_tokens": long, "stream": True, "ignore_eos": True}
     async with http.stream("POST", "/v1/completions", json=body) as r:
         seen = 0
         async for line in r.aiter_lines():
@@ -142,8 +146,10 @@ async def talk(url: str, args, console: Console) -> dict:
                                "client left: the server did not abort it (see the server log)")  # fmt: skip
         await asyncio.sleep(0.005)
     freed = time.perf_counter() - t_close
-    kv = value(parse((await http.get("/metrics")).text), "vllm:kv_cache_usage_perc")
-    console.print(f"{1000 * freed:.0f} ms later: running = 0, vllm:kv_cache_usage_perc = {kv:.3f} (blocks free)")
+    after_abort = parse((await http.get("/metrics")).text)
+    kv, gone = value(after_abort, "vllm:kv_cache_usage_perc"), aborted(after_abort) - aborted_before
+    console.print(f"{1000 * freed:.0f} ms later: running = 0, vllm:kv_cache_usage_perc = {kv:.3f} (blocks free); "
+                  f"requests finished as aborted: {gone:.0f} (of {long} tokens asked for)")  # fmt: skip
 
     # 4. the counters add up
     console.rule("[bold]4. /metrics")
@@ -161,7 +167,7 @@ async def talk(url: str, args, console: Console) -> dict:
     await http.aclose()
     await client.close()
     return {"tokens": tokens, "tokens_per_s": tokens / wall, "freed_seconds": freed, "kv_after_abort": kv,
-            "generation_tokens_counted": gen}  # fmt: skip
+            "aborted": gone, "generation_tokens_counted": gen}  # fmt: skip
 
 
 def client_table(results: list[tuple[int, str]], arrivals: list[list[float]], limit: int = SHOW_CLIENTS) -> Table:

@@ -104,3 +104,9 @@ def parse(text: str) -> dict[str, float]:
 def value(samples: dict[str, float], name: str) -> float:
     """The sum of every series of `name` (whatever its labels)."""
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+def aborted(samples: dict[str, float]) -> float:
+    """Requests finished with finish_reason "abort" (their clients left, or the server stopped them)."""
+    return sum(v for k, v in samples.items()
+               if k.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in k)  # fmt: skip

@@ -58,12 +58,6 @@ def metrics(url: str) -> dict[str, float]:
     return parse(httpx.get(url + "/metrics").text)
 
 
-def aborted(samples: dict[str, float]) -> float:
-    """Requests the engine finished with finish_reason "abort", so far."""
-    return sum(v for k, v in samples.items()
-               if k.startswith("vllm:request_success_total{") and 'finished_reason="abort"' in k)  # fmt: skip
-
-
 def sse_events(body: str | bytes) -> list[str]:
     """Raw SSE body -> the data of each event; checks OpenAI's framing on the way."""
     if isinstance(body, bytes):

@@ -35,7 +35,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from level6_helpers import ENGINE, NAME, aborted, metrics, serve
+from level6_helpers import ENGINE, NAME, metrics, serve
 from test_equivalence import kv_bytes
 
 import level3_prefix
@@ -44,6 +44,7 @@ from level0_naive import SamplingParams
 from level2_continuous.observers import KVSnapshot, RequestBlocks
 from level6_serving import dashboard
 from level6_serving.dashboard import CACHED, FREE, SHARED, USED, DashboardFeed, DashboardHub, block_states, build_frame
+from level6_serving.metrics import aborted
 
 pytestmark = pytest.mark.level6
 REPO = Path(__file__).resolve().parent.parent

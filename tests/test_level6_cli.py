@@ -195,14 +195,19 @@ async def drive_process(server: ServerProcess, model: str) -> None:
 
 
 # --- the demo and the benchmark client ------------------------------------------------------------------
-def test_demo_runs_and_leaves_nothing_behind(ckpt, tmp_path, capsys):
+def test_demo_runs_and_leaves_nothing_behind(checkpoint_factory, tmp_path, capsys):
     from level6_serving import demo
 
+    # The abandoned stream must still be running when its client leaves: on this checkpoint 400 tokens
+    # take 0.28 s (a held-up client would find them done, and nothing to abort); 8,000 about 8 s.
+    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=8192)
     plot = tmp_path / "streams.png"
-    res = demo.main(["--model", str(ckpt), "--clients", "4", "--max-tokens", "12", "--plot", str(plot)])
+    res = demo.main(["--model", str(model), "--clients", "4", "--max-tokens", "12", "--plot", str(plot),
+                     "--max-model-len", "8192"])  # fmt: skip
     out = capsys.readouterr().out
     assert res["exit_code"] == 0 and "exit status 0" in out
     assert res["tokens"] > 0 and res["freed_seconds"] < 1.0 and res["kv_after_abort"] == 0.0
+    assert res["aborted"] == 1  # the request whose client left, and only it
     assert res["generation_tokens_counted"] >= res["tokens"]
     assert plot.stat().st_size > 10_000
 

@@ -17,9 +17,9 @@ import time
 
 import httpx
 import pytest
-from level6_helpers import NAME, aborted, metrics, offline
+from level6_helpers import NAME, metrics, offline
 
-from level6_serving.metrics import value
+from level6_serving.metrics import aborted, value
 
 pytestmark = pytest.mark.level6
 
