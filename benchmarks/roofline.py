@@ -180,9 +180,12 @@ def measure(
     }
 
 
-def kv_read_bandwidth(mb: int = 256, repeats: int = 5) -> float:
+DRAM_PROBE_BYTES = 256 << 20  # larger than any CPU's last-level cache: what is read at this size comes from DRAM
+
+
+def kv_read_bandwidth(nbytes: int = DRAM_PROBE_BYTES, repeats: int = 5) -> float:
     """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats` single reads)."""
-    return read_bandwidth(mb * 2**20, repeats, window=0.0)
+    return read_bandwidth(nbytes, repeats, window=0.0)
 
 
 def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02) -> float:
@@ -202,13 +205,10 @@ def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02) -> float
     return best
 
 
-WEIGHT_PROBE_CAP = 256 << 20  # past this no cache holds the weights: DRAM's rate, kv_read_bandwidth's size
-
-
 def weight_bandwidth(weight_bytes: int) -> float:
-    """The rate a step reads the weights at, measured at their size (at most WEIGHT_PROBE_CAP: a large
+    """The rate a step reads the weights at, measured at their size (at most DRAM_PROBE_BYTES: a large
     model's read is DRAM's, and measuring it at its own size would allocate that size again)."""
-    return read_bandwidth(min(weight_bytes, WEIGHT_PROBE_CAP))
+    return read_bandwidth(min(weight_bytes, DRAM_PROBE_BYTES))
 
 
 def rate_at(sweep: list[dict], batch: float) -> float:
