@@ -19,9 +19,11 @@ each as a user (or an operator's supervisor) meets it:
   - 405 keeps its Allow header and says invalid_request_error.
 
 What it is not: a speed test. The latency bounds (2 s to notice a dead rank, 1 s for a
-413, 100 ms p99 for /health) are ten times or more what they take here, so a busy
-machine cannot fail them short of a pause of the whole process (a full garbage collection
-was one: the freeze above); each names the mechanism it guards.
+413) are ten times or more what they take here; each names the mechanism it guards.
+/health's are two: its median under 50 ms, and no ping as slow as a blocked event loop
+would make it (1.5 s; tokenizing one 5 MB prompt takes 3.7 s). Its p99, about 10-25 ms
+here, is printed, not asserted: a busy 2-core machine stalls a healthy server's ping too
+(0.17 and 0.43 s in one suite run beside another busy process, 0.8 s once in CI).
 """
 
 from __future__ import annotations
@@ -228,6 +230,13 @@ def p99(samples: list[float]) -> float:
     return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
+def not_blocked(latencies: list[float]) -> bool:
+    """/health answered in milliseconds as a rule (median under 50 ms), and never waited as long as
+    a loop blocked by one big prompt would make it wait (1.5 s). Why not "p99 under 100 ms", which
+    holds on a quiet machine: the module's docstring."""
+    return statistics.median(latencies) < 0.05 and max(latencies) < 1.5
+
+
 POLLER = """
 import sys, threading, time, httpx
 done = threading.Event()
@@ -305,8 +314,9 @@ def test_health_answers_in_milliseconds_while_eight_5_MB_prompts_are_processed(p
     """Eight 5 MB prompts: each body is read, parsed on the front-end thread (it is large),
     and refused by its length in characters, before any tokenizer sees it. /health is
     polled from a process of its own, so the test's own client does not slow the poller.
-    (One ping took 0.8 s here once, under CI's second worker; a full collection of the
-    server's heap is one candidate, which the server now avoids: the tests above.)"""
+    (One ping took 0.8 s once, under CI's second worker; a full collection of the server's
+    heap was one candidate, which the server now avoids: the tests above. Pings of 0.17 and
+    0.43 s came later in a frozen server, in a suite run beside a busy process: the machine.)"""
     body = json.dumps({"prompt": "To be, or not to be: " * 250_000, "max_tokens": 4}).encode()
     assert len(body) > 5_000_000
 
@@ -331,7 +341,7 @@ def test_health_answers_in_milliseconds_while_eight_5_MB_prompts_are_processed(p
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "prompt" and err["code"] == "context_length_exceeded", err
         assert "was not tokenized" in err["message"]
-    assert len(latencies) >= 20 and p99(latencies) < 0.1, sorted(latencies)[-5:]
+    assert len(latencies) >= 20 and not_blocked(latencies), sorted(latencies)[-5:]
     print(
         f"/health during eight 5 MB prompts: p50 {statistics.median(latencies) * 1000:.1f} ms, "
         f"p99 {p99(latencies) * 1000:.1f} ms, max {max(latencies) * 1000:.1f} ms over {len(latencies)} pings"
@@ -370,7 +380,7 @@ def test_tokenizing_runs_off_the_event_loop(ckpt, monkeypatch):
     latencies = latencies_of(latencies)
     assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
     assert len(on_loop) == 8 and not any(on_loop)  # every call on the front-end thread, none on the server's
-    assert len(latencies) >= 10 and p99(latencies) < 0.1, sorted(latencies)[-5:]
+    assert len(latencies) >= 10 and not_blocked(latencies), sorted(latencies)[-5:]
 
 
 # --- connections stay usable -------------------------------------------------------------------------
