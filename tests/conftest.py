@@ -8,7 +8,8 @@ derandomized (each test's examples seeded by the test itself, no example databas
 run of the suite tries the same examples, so a red run is a change's doing, not a draw's;
 `HYPOTHESIS_PROFILE=thorough` draws 200 fresh ones per test to look for new failures. The
 level-6 fixtures (`ckpt`, `llm`, `server`) are module-scoped: each level-6 test file that
-asks for them gets its own, built from tests/level6_helpers.py (imported only then).
+asks for them gets its own, built from tests/level6_helpers.py (imported only then);
+`slow_steps` slows `server`'s engine for one test, so a request surely outlasts its client.
 """
 
 from __future__ import annotations
