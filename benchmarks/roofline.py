@@ -183,32 +183,40 @@ def measure(
 DRAM_PROBE_BYTES = 256 << 20  # larger than any CPU's last-level cache: what is read at this size comes from DRAM
 
 
-def kv_read_bandwidth(nbytes: int = DRAM_PROBE_BYTES, repeats: int = 5) -> float:
-    """Bytes/s this machine reads a tensor much larger than its caches at (best of `repeats` single reads)."""
-    return read_bandwidth(nbytes, repeats, window=0.0)
+CPU = torch.device("cpu")
 
 
-def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02) -> float:
-    """Bytes/s this machine reads `nbytes` at, read again and again: the best of `repeats` windows of at
+def kv_read_bandwidth(nbytes: int = DRAM_PROBE_BYTES, repeats: int = 5, device: torch.device = CPU) -> float:
+    """Bytes/s `device` reads a tensor much larger than its caches at: on a CPU the best of `repeats`
+    single reads; on a GPU (a 256 MB read is tens of microseconds, near a launch's cost) of 20 ms windows."""
+    return read_bandwidth(nbytes, repeats, window=0.0 if device.type == "cpu" else 0.02, device=device)
+
+
+def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02, device: torch.device = CPU) -> float:
+    """Bytes/s `device` reads `nbytes` at, read again and again: the best of `repeats` windows of at
     least `window` seconds (one read of a few MB is a fraction of a millisecond: too short to time alone).
     DRAM's rate for a tensor larger than the caches, more for one the last-level cache holds from one read
-    to the next (a tiny model's 24 MB of weights, on a 2-core EPYC VM with a 32 MB L3: 1.5-2.5x DRAM's)."""
-    x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32)
+    to the next (a tiny model's 24 MB of weights, on a 2-core EPYC VM with a 32 MB L3: 1.5-2.5x DRAM's).
+    On a GPU the reads are queued and the window closes when they have run (not run on a GPU yet)."""
+    x = torch.ones(max(nbytes // 4, 1), dtype=torch.float32, device=device)
+    finish = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     x.sum()
+    finish()
     best = 0.0
     for _ in range(repeats):
         n, t0 = 0, time.perf_counter()
-        while (elapsed := time.perf_counter() - t0) < window or n == 0:
+        while time.perf_counter() - t0 < window or n == 0:
             x.sum()
             n += 1
-        best = max(best, n * x.numel() * 4 / elapsed)
+        finish()
+        best = max(best, n * x.numel() * 4 / (time.perf_counter() - t0))
     return best
 
 
-def weight_bandwidth(weight_bytes: int) -> float:
+def weight_bandwidth(weight_bytes: int, device: torch.device = CPU) -> float:
     """The rate a step reads the weights at, measured at their size (at most DRAM_PROBE_BYTES: a large
-    model's read is DRAM's, and measuring it at its own size would allocate that size again)."""
-    return read_bandwidth(min(weight_bytes, DRAM_PROBE_BYTES))
+    model's read is DRAM's (HBM's), and measuring it at its own size would allocate that size again)."""
+    return read_bandwidth(min(weight_bytes, DRAM_PROBE_BYTES), device=device)
 
 
 def rate_at(sweep: list[dict], batch: float) -> float:

@@ -282,8 +282,8 @@ def run(args, console: Console) -> dict:
         roof = roofline.measure(
             dims, dtype, device, batches, window=0.03 if args.quick else 0.25, repeats=3 if args.quick else 5
         )
-        roof.update(bandwidth=roofline.kv_read_bandwidth(), bytes_per_token=bytes_per_token,
-                    weight_bandwidth=roofline.weight_bandwidth(dims.params * dtype.itemsize))  # fmt: skip
+        roof.update(bandwidth=roofline.kv_read_bandwidth(device=device), bytes_per_token=bytes_per_token,
+                    weight_bandwidth=roofline.weight_bandwidth(dims.params * dtype.itemsize, device))  # fmt: skip
     console.print(
         "matmul rate: "
         + ", ".join(f"B={s['batch']}: {s['flops_per_s'] / 1e9:.1f}" for s in roof["sweep"])

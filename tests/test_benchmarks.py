@@ -104,8 +104,9 @@ def test_flops_match_the_training_script(checkpoint_factory):
 def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys, monkeypatch):
     model = checkpoint_factory("llama", tokenizer=True)
     out, img = tmp_path / "quick.json", tmp_path / "img"
-    sizes, measure = [], roofline.weight_bandwidth  # what the weights' read rate is measured at
-    monkeypatch.setattr(roofline, "weight_bandwidth", lambda nbytes: sizes.append(nbytes) or measure(nbytes))
+    sizes, measure = [], roofline.weight_bandwidth  # what the weights' read rate is measured at, and where
+    monkeypatch.setattr(roofline, "weight_bandwidth",
+                        lambda nbytes, device: sizes.append((nbytes, device.type)) or measure(nbytes, device))  # fmt: skip
     threads = torch.get_num_threads()
     try:
         throughput.main(["--quick", "--model", str(model), "--workload", "spread", "--workload", "chat", "--num-requests", "6",
@@ -119,7 +120,7 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys,
     assert isinstance(m["cpu"], str) and m["cores"] >= 1 and m["torch"] == torch.__version__ and m["date"][:2] == "20"
     assert data["roofline"]["peak_flops_per_s"] > 0 and all(s["flops_per_s"] > 0 for s in data["roofline"]["sweep"])
     itemsize = torch.empty(0, dtype=getattr(torch, data["roofline"]["dtype"])).element_size()
-    assert sizes == [roofline.Dims.from_checkpoint(str(model)).params * itemsize]  # the weights' size (the simulator's)
+    assert sizes == [(roofline.Dims.from_checkpoint(str(model)).params * itemsize, "cpu")]  # the weights' size, the run's device
     assert data["roofline"]["weight_bandwidth"] > 0
     assert data["config"]["quick"] is True
 

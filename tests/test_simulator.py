@@ -307,7 +307,7 @@ def test_the_weights_read_rate_is_measured_at_their_size_up_to_the_cap(monkeypat
     from benchmarks import roofline
 
     sizes = []
-    monkeypatch.setattr(roofline, "read_bandwidth", lambda nbytes: sizes.append(nbytes) or 1e10)
+    monkeypatch.setattr(roofline, "read_bandwidth", lambda nbytes, device: sizes.append(nbytes) or 1e10)
     roofline.weight_bandwidth(24 << 20)
     roofline.weight_bandwidth(13 << 30)  # a 7B model in bfloat16: no cache holds it, DRAM's rate at the cap
     assert sizes == [24 << 20, roofline.DRAM_PROBE_BYTES] and roofline.DRAM_PROBE_BYTES == 256 << 20
