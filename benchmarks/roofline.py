@@ -180,7 +180,7 @@ def measure(
     }
 
 
-DRAM_PROBE_BYTES = 256 << 20  # larger than any CPU's last-level cache: what is read at this size comes from DRAM
+DRAM_PROBE_BYTES = 256 << 20  # larger than most CPUs' last-level cache (and a GPU's L2): read from DRAM (HBM)
 
 
 CPU = torch.device("cpu")
@@ -188,7 +188,7 @@ CPU = torch.device("cpu")
 
 def kv_read_bandwidth(nbytes: int = DRAM_PROBE_BYTES, repeats: int = 5, device: torch.device = CPU) -> float:
     """Bytes/s `device` reads a tensor much larger than its caches at: on a CPU the best of `repeats`
-    single reads; on a GPU (a 256 MB read is tens of microseconds, near a launch's cost) of 20 ms windows."""
+    single reads; on a GPU, where one 256 MB read takes under a tenth of a millisecond, of 20 ms windows."""
     return read_bandwidth(nbytes, repeats, window=0.0 if device.type == "cpu" else 0.02, device=device)
 
 
@@ -215,7 +215,8 @@ def read_bandwidth(nbytes: int, repeats: int = 5, window: float = 0.02, device: 
 
 def weight_bandwidth(weight_bytes: int, device: torch.device = CPU) -> float:
     """The rate a step reads the weights at, measured at their size (at most DRAM_PROBE_BYTES: a large
-    model's read is DRAM's (HBM's), and measuring it at its own size would allocate that size again)."""
+    model's read is DRAM's (HBM's), and measuring it at its own size would allocate that size again).
+    On a GPU a model of a few MB is read in about a kernel launch's time: its figure is the launches'."""
     return read_bandwidth(min(weight_bytes, DRAM_PROBE_BYTES), device=device)
 
 

@@ -54,6 +54,11 @@ at_least_one = _number(float, lambda v: v >= 1, "a number >= 1")  # a count that
 fraction = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
 
 
+def int_at_least(n: int):
+    """An integer flag with a floor of its own (`int_at_least(64)`)."""
+    return _number(int, lambda v: v >= n, f"an integer >= {n}")
+
+
 class LadderParser(argparse.ArgumentParser):
     """argparse, but a bad flag is answered in one line (`--help` still shows everything)."""
 

@@ -29,7 +29,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure
+from ladder.cli import demo_parser, int_at_least, parse_demo_args, plot_path, positive_int, prompts_for, save_figure
 
 from .metrics import aborted, parse, value
 from .process import ServerProcess
@@ -45,7 +45,7 @@ CURL = ("and send it a request from another terminal: curl http://127.0.0.1:8000
 def parser():
     p = demo_parser(__doc__, MODULE)
     p.add_argument("--clients", type=positive_int, default=16, help="concurrent streaming clients (default 16)")
-    p.add_argument("--max-model-len", type=positive_int, default=512,
+    p.add_argument("--max-model-len", type=int_at_least(64), default=512,
                    help="the server's context length; the abandoned stream asks for nearly all of it (default 512)")  # fmt: skip
     p.add_argument(
         "--plot", type=Path, default=None, help="where to save the stream timeline (default: outside the repository)"

@@ -107,6 +107,9 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys,
     sizes, measure = [], roofline.weight_bandwidth  # what the weights' read rate is measured at, and where
     monkeypatch.setattr(roofline, "weight_bandwidth",
                         lambda nbytes, device: sizes.append((nbytes, device.type)) or measure(nbytes, device))  # fmt: skip
+    kv_devices, kv_measure = [], roofline.kv_read_bandwidth  # and the KV's
+    monkeypatch.setattr(roofline, "kv_read_bandwidth",
+                        lambda device: kv_devices.append(device.type) or kv_measure(device=device))  # fmt: skip
     threads = torch.get_num_threads()
     try:
         throughput.main(["--quick", "--model", str(model), "--workload", "spread", "--workload", "chat", "--num-requests", "6",
@@ -120,7 +123,9 @@ def test_quick_run_writes_well_formed_json(checkpoint_factory, tmp_path, capsys,
     assert isinstance(m["cpu"], str) and m["cores"] >= 1 and m["torch"] == torch.__version__ and m["date"][:2] == "20"
     assert data["roofline"]["peak_flops_per_s"] > 0 and all(s["flops_per_s"] > 0 for s in data["roofline"]["sweep"])
     itemsize = torch.empty(0, dtype=getattr(torch, data["roofline"]["dtype"])).element_size()
-    assert sizes == [(roofline.Dims.from_checkpoint(str(model)).params * itemsize, "cpu")]  # the weights' size, the run's device
+    device = torch.device(data["config"]["device"]).type
+    assert sizes == [(roofline.Dims.from_checkpoint(str(model)).params * itemsize, device)]  # the weights' size, the run's device
+    assert kv_devices == [device]
     assert data["roofline"]["weight_bandwidth"] > 0
     assert data["config"]["quick"] is True
 

@@ -199,7 +199,8 @@ def test_demo_runs_and_leaves_nothing_behind(checkpoint_factory, tmp_path, capsy
     from level6_serving import demo
 
     # The abandoned stream must still be running when its client leaves: on this checkpoint 400 tokens
-    # take 0.28 s (a held-up client would find them done, and nothing to abort); 8,000 about 8 s.
+    # take about 0.3 s (a held-up client would find them done, and nothing to abort); 8,000 about 8 s
+    # (measured with tests/test_level6_dp.py's float64 settings).
     model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=8192)
     plot = tmp_path / "streams.png"
     res = demo.main(["--model", str(model), "--clients", "4", "--max-tokens", "12", "--plot", str(plot),

@@ -25,11 +25,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from level6_helpers import ENGINE, NAME, offline
+from level6_helpers import ENGINE, NAME, offline, wait_for
 
 from level6_serving import router as router_module
 from level6_serving.api_server import ServerThread
-from level6_serving.metrics import parse, value
+from level6_serving.metrics import aborted, parse, value
 from level6_serving.process import ServerProcess
 from level6_serving.router import CHUNK_CHARS, Replica, Router, build_router_app, chunk_hashes, merge_metrics
 
@@ -228,6 +228,8 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(long_ckpt
             while reps[1].in_flight and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert reps[1].in_flight == 0  # an abandoned stream gives its place back
+            wait_for(lambda: aborted(parse(httpx.get(r1.url + "/metrics").text)) == 1, 10,
+                     "replica 1 aborting the abandoned request")  # the router hung up on it too  # fmt: skip
             whole = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "b", "max_tokens": 2}, timeout=60)
             assert whole.status_code == 200 and whole.json()["choices"]  # replica 0, read whole, sent on
             events = []

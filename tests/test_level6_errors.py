@@ -138,7 +138,7 @@ def test_the_spec_s_nullable_and_numeric_forms_and_vllm_s_extras_are_accepted(se
 def test_a_tiny_temperature_is_clamped_not_a_nan_that_fails_the_batch(server, llm, slow_steps):
     """1e-38 would make logits / t overflow to inf and the draw NaN, failing every request in the
     batch; it is clamped to 0.01 (as vLLM does), sharper than any near-tie here: greedy's text.
-    The steps are slowed, so the neighbour (30 steps, 0.6 s) is surely still running beside it."""
+    The steps are slowed, so the neighbour (30 steps, 0.6 s at least) is running when it comes."""
     want = offline(llm, "ROMEO:\n", max_tokens=8, temperature=0).outputs[0].text
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": "KENT:\n", "max_tokens": 30, "stream": True}) as other:  # fmt: skip
@@ -202,7 +202,7 @@ def test_the_openai_client_reads_our_errors(server):
 
 
 def test_an_exception_inside_one_request_is_a_500_for_it_only(server, monkeypatch, slow_steps):
-    engine = server.engine.engine  # its steps slowed: the neighbour (40 steps, 0.8 s) surely runs beside
+    engine = server.engine.engine  # its steps slowed: the neighbour (40 steps, 0.8 s at least) runs beside
     monkeypatch.setattr(engine, "add_request", failing_add_request(engine))
     with httpx.stream("POST", server.url + "/v1/completions", timeout=60,
                       json={"prompt": "KENT:\n", "max_tokens": 40, "temperature": 0, "stream": True}) as other:  # fmt: skip
