@@ -9,7 +9,8 @@ run of the suite tries the same examples, so a red run is a change's doing, not 
 `HYPOTHESIS_PROFILE=thorough` draws 200 fresh ones per test to look for new failures. The
 level-6 fixtures (`ckpt`, `llm`, `server`) are module-scoped: each level-6 test file that
 asks for them gets its own, built from tests/level6_helpers.py (imported only then);
-`slow_steps` slows `server`'s engine for one test, so a request surely outlasts its client.
+`slow_steps` slows `server`'s engine for one test, so a request surely outlasts its client,
+and `long_ckpt` has room for answers that do in a server of a process of its own.
 """
 
 from __future__ import annotations
@@ -219,6 +220,17 @@ def server(ckpt):
 
     with serve(ckpt, ENGINE) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def long_ckpt(checkpoint_factory) -> Path:
+    """`ckpt` with room for level6_helpers.LONG_CONTEXT (8,192) positions, for a server in a process of its
+    own whose answer must still be running when the test acts (its client leaves, or a process is killed).
+    On this checkpoint 400 tokens stream in about 0.3 s here, less than a busy CI machine can hold up the
+    test's client, which then finds the answer ended whole; 8,000 take about 8 s (1 KB of cache a token)."""
+    from level6_helpers import LONG_CONTEXT
+
+    return checkpoint_factory("llama", tokenizer=True, max_position_embeddings=LONG_CONTEXT)
 
 
 @pytest.fixture

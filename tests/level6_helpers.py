@@ -30,6 +30,7 @@ from level6_serving.metrics import parse
 # float64: equal texts then mean equal tokens, not luck at a near-tie
 ENGINE = dict(dtype="float64", max_model_len=512, seed=0, kv_cache_memory=16 << 20)
 NAME = "tiny"  # the served model name
+LONG_CONTEXT = 8192  # positions of `long_ckpt` (conftest.py): answers that outlast a held-up client
 
 
 @contextlib.contextmanager

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from level6_helpers import NAME, offline, wait_for
+from level6_helpers import LONG_CONTEXT, NAME, offline, wait_for
 
 from ladder.models import REPO
 from level6_serving.metrics import parse, value
@@ -195,16 +195,12 @@ async def drive_process(server: ServerProcess, model: str) -> None:
 
 
 # --- the demo and the benchmark client ------------------------------------------------------------------
-def test_demo_runs_and_leaves_nothing_behind(checkpoint_factory, tmp_path, capsys):
+def test_demo_runs_and_leaves_nothing_behind(long_ckpt, tmp_path, capsys):
     from level6_serving import demo
 
-    # The abandoned stream must still be running when its client leaves: on this checkpoint 400 tokens
-    # take about 0.3 s (a held-up client would find them done, and nothing to abort); 8,000 about 8 s
-    # (measured with tests/test_level6_dp.py's float64 settings).
-    model = checkpoint_factory("llama", tokenizer=True, max_position_embeddings=8192)
-    plot = tmp_path / "streams.png"
-    res = demo.main(["--model", str(model), "--clients", "4", "--max-tokens", "12", "--plot", str(plot),
-                     "--max-model-len", "8192"])  # fmt: skip
+    plot = tmp_path / "streams.png"  # the abandoned stream asks for nearly all of long_ckpt's positions
+    res = demo.main(["--model", str(long_ckpt), "--clients", "4", "--max-tokens", "12", "--plot", str(plot),
+                     "--max-model-len", str(LONG_CONTEXT)])  # fmt: skip
     out = capsys.readouterr().out
     assert res["exit_code"] == 0 and "exit status 0" in out
     assert res["tokens"] > 0 and res["freed_seconds"] < 1.0 and res["kv_after_abort"] == 0.0

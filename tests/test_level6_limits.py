@@ -110,15 +110,9 @@ def test_a_rank_killed_while_idle_is_503_within_2_s_naming_it_and_metrics_still_
     print(f"a rank killed while idle: /health 503 after {noticed:.2f} s")
 
 
-@pytest.fixture(scope="module")
-def long_ckpt(checkpoint_factory):
-    """`ckpt` with room for 4,096 positions: an answer the kill surely interrupts. At TP=2, 400 tokens
-    stream in about 4 s here, so a client held up that long would find the answer ended whole; 4,000
-    take ten times that or more (each step reads a longer context)."""
-    return checkpoint_factory("llama", tokenizer=True, max_position_embeddings=4096)
-
-
 def test_a_rank_killed_mid_stream_ends_the_stream_with_an_error_and_the_server_exits_1(long_ckpt):
+    """An answer the kill surely interrupts: at TP=2, 400 tokens stream in about 4 s here, so a client held
+    up that long would find the answer ended whole; 4,000 take ten times that or more."""
     flags = ["--model", str(long_ckpt), *TP2, "--max-model-len", "4096"]  # the last --max-model-len counts
     with ServerProcess(flags) as server:  # --exit-on-engine-death is the default
         (rank,) = rank_pids(server.proc.pid)
