@@ -32,6 +32,7 @@ import httpx
 
 from level6_serving.metrics import parse, value
 
+from .serving_client import bench, run_requests, summarise
 from .workloads import Request, make_workload
 
 
@@ -44,8 +45,6 @@ def counters(url: str) -> dict[str, float]:
 
 def play_chat(url: str, wl, args) -> tuple[list, float]:
     """Every turn of every conversation, a turn's requests all at once; returns their results and seconds."""
-    from .serving import run_requests
-
     results, seconds, reqs = [], 0.0, list(wl.first)
     turns = [None, *wl.follow_ups]
     for t, turn in enumerate(turns):
@@ -70,7 +69,6 @@ def run(args, console, flags: list[str]) -> dict:
     from level6_serving.process import ServerProcess
 
     from .roofline import Dims
-    from .serving import bench, summarise
 
     n, dp = args.num_prompts or (16 if args.quick else 64), args.data_parallel_size
     vocab = Dims.from_checkpoint(flags[flags.index("--model") + 1]).vocab

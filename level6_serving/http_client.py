@@ -1,7 +1,7 @@
 """A bare HTTP/1.1 POST on asyncio's streams, for the two relays of streamed tokens on one machine.
 
 What it is: the data-parallel router's call to a replica (`router.py`) and the serving benchmark's
-client (`benchmarks/serving.py`): one connection per request (`Connection: close`), http or https;
+client (`benchmarks/serving_client.py`): one connection per request (`Connection: close`), http or https;
 it yields the status, then the headers (lower-cased names), then the body's pieces as they arrive,
 de-chunked (whatever has arrived, at once: a reader that falls behind gets fewer, larger pieces).
 It parses only the framing. Both are hot paths, one piece per streamed token, and httpx spends
