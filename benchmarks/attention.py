@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from level1_paged import cpu_attention
+from features.cpu_kernels import attention as cpu_attention
 from level1_paged.attention_ref import paged_attention_ref, paged_attention_torch
 
 

@@ -118,7 +118,7 @@ def step_cost(model: str, batch: int, steps: int, repeats: int) -> dict:
             engine = LLMEngine(model, max_model_len=512, max_num_seqs=batch, seed=0)
             if masked and out["compile_ms"] is None:
                 t0 = time.perf_counter()
-                engine.structured.compile(spec)
+                engine.request_preparer.compile(spec)
                 out["compile_ms"] = (time.perf_counter() - t0) * 1e3
             for i in range(batch):
                 engine.add_request(str(i), f"ROMEO {i}:\n", SamplingParams(

@@ -98,7 +98,7 @@ def run_layout(model: str, ep: bool, batches: list[int], max_tokens: int, dtype:
 
 def model_bytes(cfg, ep: bool, step_tokens: list[int], b: int) -> float:
     """The docstring's formula for the MoE block's bytes, summed over the steps (2 ranks)."""
-    L, d, k, N = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.hidden_size, cfg.num_experts_per_tok, 2
+    L, d, k, N = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_layers)), cfg.hidden_size, cfg.moe.num_experts_per_tok, 2
     if ep:
         return sum(L * ((2 * d * b + 8) * k * T * (N - 1) / N + N * math.ceil(T / N) * (N - 1) * d * b
                         + N * (N - 1) * 8) for T in step_tokens)  # fmt: skip

@@ -255,7 +255,7 @@ def main(argv=None) -> dict:
     dims, bandwidth = Dims.from_checkpoint(args.model), kv_read_bandwidth()
     for r in rows:
         r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth))
-    from level1_paged import cpu_attention
+    from features.cpu_kernels import attention as cpu_attention
 
     backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")
     title = (f"{args.level}, {args.workload} prompts, {args.dtype}, attention {backend}, "

@@ -95,7 +95,7 @@ def run_offline(engine, args, pace) -> int:
     """The workload's rounds on `engine` (chat: each turn once the last is answered; poisson: at its
     arrival times); returns how many requests finished."""
     from benchmarks.workloads import Request, make_workload
-    from level0_naive.sampling import SamplingParams
+    from level0_naive.sampling_params import SamplingParams
 
     wl = make_workload(args.workload, args.requests, engine.model_config.vocab_size, args.seed)
     finished, counter = 0, iter(range(10**9))
@@ -137,7 +137,7 @@ def sim_engine(args):
 def run_simulated(engine, args) -> int:
     """A paper trace arriving at `args.rate`, the simulated clock kept `args.speed` times the wall's."""
     from benchmarks.sim.serve import play, trace
-    from level0_naive.sampling import RequestOutputKind, SamplingParams
+    from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
     reqs = trace(args.workload, args.requests, args.rate, args.seed)
     wall0, step = time.monotonic(), engine.step

@@ -3,7 +3,7 @@
 What it is: the lab's definition (see `labs/spec.py`): `ReferenceGrammar.allowed` (which
 tokens may come next, the plain way: every token tried against a partial match) and
 `Grammar.mask_after` (a speculative draft's look-ahead: consume the guesses, ask, roll
-back) in `level0_naive/structured.py`; the checks (the structured-output tests, where the
+back) in `features/structured_outputs/grammar.py`; the checks (the structured-output tests, where the
 reference masker is compared with xgrammar token for token, and `labs/lab0b_checks.py`);
 two planted bugs; the experiment (`labs/lab0b_experiment.py`: the reference masker's cost
 against xgrammar's, and outputs the student's masker constrained).
@@ -70,10 +70,10 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("stop-always-allowed", "level0_naive.structured",
+    Bug("stop-always-allowed", "features.structured_outputs.grammar",
         "                mask[t] = complete\n",
         "                mask[t] = True\n", ("stop-rule", "same-as-the-engines")),
-    Bug("no-rollback", "level0_naive.structured",
+    Bug("no-rollback", "features.structured_outputs.grammar",
         "        finally:\n            self.rollback(took)\n",
         "        finally:\n            pass\n", ("rollback",)),
 )  # fmt: skip
@@ -82,7 +82,7 @@ LAB = Lab(
     id="0b",
     topic="structured outputs: from a grammar to a token mask",
     handout="lab0b_structured.md",
-    modules=(Module("level0_naive.structured", PARTS),),
+    modules=(Module("features.structured_outputs.grammar", PARTS),),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab0b_experiment", (), ("--steps", "5")),

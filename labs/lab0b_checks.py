@@ -14,9 +14,9 @@ from __future__ import annotations
 import regex
 import torch
 
+from features.structured_outputs import StructuredOutputManager, StructuredOutputsParams
 from ladder.models import default_model
 from level0_naive.loader import load_tokenizer
-from level0_naive.structured import StructuredOutputManager, StructuredOutputsParams
 
 EOS = 257
 

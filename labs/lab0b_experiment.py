@@ -28,8 +28,8 @@ def main(argv=None) -> dict:
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=30, help="tokens per random walk (default 30)")
     args = p.parse_args(argv)
+    from features.structured_outputs import StructuredOutputManager, StructuredOutputsParams
     from level0_naive.loader import load_tokenizer
-    from level0_naive.structured import StructuredOutputManager, StructuredOutputsParams
     from level2_continuous import LLM, SamplingParams
 
     tok = load_tokenizer(default_model())

@@ -1,14 +1,14 @@
-"""Lab 0c: the sampler's filters and penalties (level 0's `sampling.py`).
+"""Lab 0c: the sampler's filters and penalties (level 0's `sampler.py` and `logits_processors.py`).
 
-What it is: the lab's definition (see `labs/spec.py`): in `level0_naive/sampling.py`,
+What it is: the lab's definition (see `labs/spec.py`): in `level0_naive/logits_processors.py`,
 `apply_penalties` (repetition over the prompt and the output, presence and frequency over the
-output), `filter_logits` (top-k, then top-p, then min-p, on one row: the definition) and
-`filter_logits_batch` (the same for a batch whose rows each have their own settings: what the
-engines run); the checks (tests/test_sampling.py, and labs/lab0c_checks.py against Hugging
+output); in `level0_naive/sampler.py`, `filter_logits` (top-k, then top-p, then min-p, on one
+row: the definition) and `filter_logits_batch` (the same for a batch whose rows each have their
+own settings: what the engines run); the checks (tests/test_sampling.py, and labs/lab0c_checks.py against Hugging
 Face's processors); three planted bugs; the experiment (labs/lab0c_experiment.py: the built-in
 model sampled under each setting, diversity against likelihood).
 
-What it is not: the draw (`sampler.py`: one generator per request), the batch twin of the
+What it is not: the draw (`Sampler.draw`: one generator per request), the batch twin of the
 penalties (`Penalties.batch`, read, not written) or the handout (docs/labs/lab0c_sampler.md).
 """
 
@@ -19,7 +19,7 @@ from .spec import Bug, Check, Experiment, Lab, Module, Part
 S = "tests/test_sampling.py::"
 OWN = "labs/lab0c_checks.py::"
 
-PARTS = (
+PENALTY_PARTS = (
     Part(
         "apply_penalties",
         """\
@@ -29,6 +29,9 @@ if it is positive and multiplied by it otherwise. Then presence and frequency (O
 subtract p.frequency_penalty x (times the token was generated) + p.presence_penalty x (1 if it was at all).
 Return a new tensor; leave `logits` as it was.""",
     ),
+)
+
+SAMPLER_PARTS = (
     Part(
         "filter_logits",
         """\
@@ -73,13 +76,13 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("top-p-drops-crossing", "level0_naive.sampling",
+    Bug("top-p-drops-crossing", "level0_naive.sampler",
         "        keep_sorted = mass_before < top_p  # the token that crosses top_p is kept\n",
         "        keep_sorted = sorted_p.cumsum(0) < top_p\n", ("filters", "batch")),
-    Bug("repetition-divides-all", "level0_naive.sampling",
+    Bug("repetition-divides-all", "level0_naive.logits_processors",
         "        penalised = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)\n",
         "        penalised = logits / p.repetition_penalty\n", ("penalties", "batch")),
-    Bug("min-p-absolute", "level0_naive.sampling",
+    Bug("min-p-absolute", "level0_naive.sampler",
         "        keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values\n",
         "        keep &= probs >= min_p[:, None]\n", ("batch",)),
 )  # fmt: skip
@@ -88,7 +91,7 @@ LAB = Lab(
     id="0c",
     topic="the sampler: top-k, top-p, min-p and the penalties, one row and a batch",
     handout="lab0c_sampler.md",
-    modules=(Module("level0_naive.sampling", PARTS),),
+    modules=(Module("level0_naive.logits_processors", PENALTY_PARTS), Module("level0_naive.sampler", SAMPLER_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab0c_experiment", (), ("--samples", "2", "--max-tokens", "8")),

@@ -21,7 +21,9 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from level0_naive.sampling import SamplingParams, SamplingState, apply_penalties, filter_logits
+from level0_naive.logits_processors import SamplingState, apply_penalties
+from level0_naive.sampler import filter_logits
+from level0_naive.sampling_params import SamplingParams
 
 SETTINGS = [(0, 0.9, 0.0), (5, 1.0, 0.0), (0, 1.0, 0.2), (8, 0.7, 0.05), (3, 0.3, 0.5), (0, 0.05, 0.0), (1, 1.0, 0.0)]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 from level2_continuous.kv_cache_manager import SimpleKVCacheManager
 from level2_continuous.request import Request, RequestStatus
 from level2_continuous.scheduler import Scheduler

@@ -55,7 +55,7 @@ def run_one(llm, prompts, params) -> dict:
 def main(argv=None) -> list[dict]:
     args = parser().parse_args(argv)
     from benchmarks.workloads import make_workload
-    from level0_naive.sampling import SamplingParams
+    from level0_naive.sampling_params import SamplingParams
     from level1_paged import LLM as StaticLLM
     from level2_continuous import LLM
 

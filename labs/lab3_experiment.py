@@ -51,7 +51,7 @@ def system_prompt(n: int) -> str:
 
 
 def run_one(model, prompts, args, caching: bool) -> dict:
-    from level0_naive.sampling import SamplingParams
+    from level0_naive.sampling_params import SamplingParams
     from level3_prefix import LLM
 
     # -1: every position; the longer system prompts run past the built-in model's 256-token window

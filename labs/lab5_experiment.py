@@ -51,7 +51,7 @@ def delta(before: dict, after: dict, kind: str) -> list:
 def main(argv=None) -> list[dict]:
     args = parser().parse_args(argv)
     from level0_naive.loader import load_metadata
-    from level0_naive.sampling import SamplingParams
+    from level0_naive.sampling_params import SamplingParams
     from level5_multigpu import LLM
     from level5_multigpu.parallel_state import predicted_seconds
 

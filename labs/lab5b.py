@@ -1,13 +1,13 @@
 """Lab 5b: a mixture of experts, and the permutation that sends tokens to their experts.
 
-What it is: the lab's definition (see `labs/spec.py`): in `level0_naive/moe.py`, `dispatch` (the
+What it is: the lab's definition (see `labs/spec.py`): in `features/moe/layer.py`, `dispatch` (the
 (token, expert) slots sorted by expert, and how many each expert gets) and `combine` (each
 expert output weighted and added back to its token). The same two functions run the experts
 in one process (one matmul per expert over contiguous rows) and decide, under expert
-parallelism, which rank each row is sent to (`level5_multigpu/moe.py`). The checks are the
+parallelism, which rank each row is sent to (`features/moe/parallel.py`). The checks are the
 level's own tests (`tests/test_moe.py`, `tests/test_level0.py`, `tests/test_level5_moe.py`,
 `tests/test_equivalence.py`); three planted bugs; the experiment (`python -m
-level5_multigpu.moe_demo`: one process, TP=2 and EP on the built-in mixture, with the student's
+features.moe.demo`: one process, TP=2 and EP on the built-in mixture, with the student's
 permutation).
 
 What it is not: the router or the experts (read, not written), or the handout
@@ -63,14 +63,14 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("descending", "level0_naive.moe",
+    Bug("descending", "features.moe.layer",
         "    order = torch.argsort(flat, stable=True)  # [T*k]\n",
         "    order = torch.argsort(flat, stable=True, descending=True)  # [T*k]\n",
         ("permutation", "expert-parallel")),
-    Bug("unpermuted-weights", "level0_naive.moe",
+    Bug("unpermuted-weights", "features.moe.layer",
         "    scaled = rows * weights.reshape(-1)[order].unsqueeze(1)  # [T*k, d]\n",
         "    scaled = rows * weights.reshape(-1).unsqueeze(1)  # [T*k, d]\n", ("permutation", "paths")),
-    Bug("wrong-token", "level0_naive.moe",
+    Bug("wrong-token", "features.moe.layer",
         "    return out.index_add_(0, order // k, scaled)\n",
         "    return out.index_add_(0, order % num_tokens, scaled)\n", ("permutation", "paths")),
 )  # fmt: skip
@@ -79,10 +79,10 @@ LAB = Lab(
     id="5b",
     topic="a mixture of experts: the permutation that sends tokens to their experts, on one rank or many",
     handout="lab5b_moe.md",
-    modules=(Module("level0_naive.moe", PARTS),),
+    modules=(Module("features.moe.layer", PARTS),),
     checks=CHECKS,
     bugs=BUGS,
-    experiment=Experiment("level5_multigpu.moe_demo", ("--requests", "8"),
+    experiment=Experiment("features.moe.demo", ("--requests", "8"),
                           ("--requests", "2", "--max-tokens", "4", "--no-progress")),  # fmt: skip
     minutes=60,
 )

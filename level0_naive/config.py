@@ -14,15 +14,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cpu_ops import OPS_NAMES
-from .structured import BACKENDS
-
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
     "float64": torch.float64, "fp64": torch.float64, "double": torch.float64,
 }  # fmt: skip
+OPS_NAMES = ("auto", "cpu", "torch")
 
 
 @dataclass
@@ -37,11 +35,11 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
     seed: int = 0  # seeds every unseeded sampling request, so whole runs repeat
-    ops: str = "auto"  # the model's norms and RoPE: auto (compiled on a CPU when it builds) | cpu | torch (cpu_ops.py)
-    # A request's tokens and logprobs bit for bit the same whatever else is in the batch (invariant_ops.py,
-    # docs/batch_invariance.md); the default comes from LADDER_BATCH_INVARIANT=1, as vLLM's VLLM_BATCH_INVARIANT.
+    # The settings a room answers (ladder/rooms.py says which room, docs/engine_core.md draws them):
+    ops: str = "auto"  # the model's norms and RoPE: torch (ops.py) | cpu | auto (compiled on a CPU when it builds)
+    # the same bits for a request alone or in any batch; the default from LADDER_BATCH_INVARIANT=1 (vLLM's name)
     batch_invariant: bool = field(default_factory=lambda: os.environ.get("LADDER_BATCH_INVARIANT", "0") == "1")
-    structured_outputs_backend: str = "auto"  # auto | xgrammar | guidance | reference (structured.py says which does what)
+    structured_outputs_backend: str = "auto"  # which compiler a request's structured_outputs gets
 
     def __post_init__(self):
         if self.max_num_seqs < 1:
@@ -52,9 +50,6 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
-        if self.structured_outputs_backend not in BACKENDS:
-            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} is not one of: "
-                             f"{', '.join(BACKENDS)}")  # fmt: skip
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:

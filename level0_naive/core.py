@@ -4,7 +4,9 @@ What it is: `EngineBase`, the constructor and the small services that level 0's 
 engine and level 2's continuous engine share: the configuration, the loaded model and
 tokenizer, `max_model_len`, the KV budget and the bytes one cached token costs, the
 `InputProcessor` (prompts -> validated sequences), the `OutputProcessor` (sequences ->
-outputs), the sampling stage, and the statistics. An engine subclass adds the loop
+outputs), the sampling stage, and the statistics. The ops, the sampler and the request
+preparer are where rooms plug in: the engine asks `ladder/rooms.py` for them by the
+settings' values (`ops=`, `batch_invariant=`, `structured_outputs_backend=`). An engine subclass adds the loop
 (`run`) and its KV cache, and says whether a request could ever fit (`check_fits`).
 
 The engine's `clock` (default `time.perf_counter`) is what every request's times (arrival,
@@ -25,20 +27,19 @@ from collections.abc import Callable
 
 import torch
 
+from ladder import rooms
 from ladder.progress import GenerateProgress
 
 from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
-from .cpu_ops import resolve_ops
 from .inputs import InputProcessor
-from .invariant_ops import invariant_ops
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
+from .logits_processors import DEFAULT_PROCESSORS
 from .metrics import Metric
 from .ops import Ops
 from .outputs import OutputProcessor, Sequence, logprob_entries
 from .sampler import Sampler
 from .stats import EngineStats
-from .structured import StructuredOutputManager
 
 
 class EngineBase:
@@ -67,17 +68,19 @@ class EngineBase:
         self.kv_budget = resolve_kv_budget(self.config, self.device)
         self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()
-        self.structured = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size,
-                                                  self.loaded.eos_token_ids, self.config.structured_outputs_backend)  # fmt: skip
+        # what prepares a request that asks for a room: structured outputs' compiler (ladder/rooms.py)
+        self.request_preparer = rooms.request_preparer(self.tokenizer, self.model_config.vocab_size,
+                                                       self.loaded.eos_token_ids, self.config.structured_outputs_backend)
         self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device,
-                                     self.sequence_class, self.check_fits, self.clock, self.structured)  # fmt: skip
+                                     self.sequence_class, self.check_fits, self.clock, (self.request_preparer,))  # fmt: skip
         self.outputs = OutputProcessor()
         self.sampler = self.make_sampler()
 
     def make_sampler(self) -> Sampler:
-        """The sampler and its logits processors (a level or a mode adds its own); batch_invariant=True
-        keys its draws by position (sampling.keyed_gumbel)."""
-        return Sampler(keyed_draws=self.config.batch_invariant)
+        """The sampler and its logits processors: level 0's, then the rooms' (ladder/rooms.py), whose
+        sampler class replaces level 0's where a setting asks (`batch_invariant=True`)."""
+        sampler_class = rooms.sampler_class(self.config.batch_invariant) or Sampler
+        return sampler_class([*DEFAULT_PROCESSORS, *rooms.logits_processors()])
 
     @property
     def model_path(self):
@@ -85,11 +88,9 @@ class EngineBase:
         return self.loaded.path
 
     def make_ops(self) -> Ops:
-        """What the model's linears, norms, RoPE and SwiGLU compute with (ops.py; `ops=`: cpu_ops.resolve_ops;
-        `batch_invariant=True`: invariant_ops.InvariantOps, which says why when it cannot run here)."""
-        if self.config.batch_invariant:
-            return invariant_ops(self.device, self.dtype)
-        return resolve_ops(self.config.ops, self.device)
+        """What the model's linears, norms, RoPE and SwiGLU compute with: ops.py's, or a room's kernels
+        (`ops=`, `batch_invariant=`: ladder/rooms.py says which, and why when they cannot run here)."""
+        return rooms.ops(self.config.ops, self.config.batch_invariant, self.device, self.dtype)
 
     def load_model(self) -> LoadedModel:
         """Weights, config and tokenizer (level 5's ranks each load only their shard)."""

@@ -17,7 +17,7 @@ from ladder.cli import demo_parser, parse_demo_args, positive_int, prompts_for, 
 from ladder.models import default_model
 
 from .llm import LLM
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 
 
 def parser():

@@ -4,7 +4,9 @@ What it is: `InputProcessor`, shared by `LLM.generate` and `LLMEngine.add_reques
 tokenizes text prompts (or checks token ids against the vocabulary, as it does
 `stop_token_ids`), refuses an empty prompt or one that leaves no room to generate, asks
 the engine whether the request could ever fit its KV cache, gives each of the `n`
-samples its own seeded generator, and names things with two separate counters: request
+samples its own seeded generator, runs the engine's request preparers (a room's work for
+the requests that ask for it: structured outputs compile their spec and give each sample its
+constraint; ladder/rooms.py), and names things with two separate counters: request
 ids ("0", "1", "2", ... for `generate`) and sequence ids (one per sample, what KV
 managers key on). Ids and seeds are handed out only once every prompt of a call has
 passed every check, so a refused call changes nothing.
@@ -23,21 +25,21 @@ from collections.abc import Callable
 import torch
 
 from .outputs import Sequence
-from .sampling import SamplingParams
-from .structured import StructuredOutputManager
+from .sampling_params import SamplingParams
 
 Prompt = str | list[int]
+RequestPreparer = Callable[[list[Sequence], int], None]  # (a checked request's samples, its index) -> None
 
 
 class InputProcessor:
     def __init__(self, loaded, max_model_len: int, seed: int, device: torch.device, sequence_class: type[Sequence],
                  check_fits: Callable[[Sequence, int], None], clock: Callable[[], float] = time.perf_counter,
-                 structured: StructuredOutputManager | None = None):  # fmt: skip
+                 preparers: tuple[RequestPreparer, ...] = ()):  # fmt: skip
         self.tokenizer, self.vocab_size = loaded.tokenizer, loaded.config.vocab_size
         self.eos_token_ids, self.path = loaded.eos_token_ids, loaded.path
         self.max_model_len, self.device = max_model_len, device
         self.sequence_class, self.check_fits, self.clock = sequence_class, check_fits, clock
-        self.structured = structured  # compiles a request's structured_outputs (structured.py)
+        self.preparers = tuple(preparers)  # each may raise ValueError for a request it cannot serve
         self._rng = torch.Generator().manual_seed(seed)  # seeds every unseeded sampling request
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
@@ -86,11 +88,8 @@ class InputProcessor:
         rest = (text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer)
         group = [self.sequence_class(-1, "", j, *rest, clock=self.clock) for j in range(params.n)]
         self.check_fits(group[0], i)
-        if params.structured_outputs is not None:  # compiled once (a bad schema is a ValueError here), a state each
-            if self.structured is None:
-                raise ValueError(f"sampling_params.structured_outputs for prompt {i}: this engine has no grammar compiler")
-            for seq in group:
-                seq.grammar = self.structured.grammar(params.structured_outputs)
+        for prepare in self.preparers:
+            prepare(group, i)
         return group
 
     def _number(self, group: list[Sequence], request_id: str | None = None) -> list[Sequence]:

@@ -24,7 +24,7 @@ from .engine import NaiveEngine
 from .inputs import Prompt
 from .metrics import Metric
 from .outputs import RequestOutput
-from .sampling import SamplingParams
+from .sampling_params import SamplingParams
 from .stats import EngineStats, Timer
 
 

@@ -24,39 +24,31 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from ladder import rooms
 from ladder.models import resolve_path
 
 from .model import ModelConfig, Transformer, rope_inv_freq
 from .ops import DEFAULT_OPS, Ops
 
-# model_type -> what differs from plain Llama
+# model_type -> what differs from plain Llama. A room adds more (ladder/rooms.py: the mixtures of experts).
 SUPPORTED = {
     "llama": {},
     "mistral": {},
     "qwen2": {"qkv_bias": True},
     "qwen3": {"qk_norm": True},
-    "mixtral": {"norm_topk_prob": True},  # mixtures of experts (moe.py)
-    "qwen2_moe": {"qkv_bias": True},
-    "qwen3_moe": {"qk_norm": True},
 }
-# Mixtral names its MoE block and experts its own way; the model uses Qwen-MoE's names (moe.py).
-MIXTRAL_NAMES = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
 
 
 def our_name(name: str, model_type: str) -> str:
-    """A checkpoint's tensor name -> the model's."""
-    if model_type == "mixtral" and ".block_sparse_moe." in name:
-        for theirs, ours in MIXTRAL_NAMES:
-            name = name.replace(theirs, ours)
-    return name
+    """A checkpoint's tensor name -> the model's: the same, unless the type's room renames it."""
+    room = rooms.architecture(model_type)
+    return name if room is None else room.our_name(name, model_type)
 
 
 def checkpoint_name(name: str, model_type: str) -> str:
     """The model's tensor name -> the checkpoint's (level 5 reads slices by the checkpoint's names)."""
-    if model_type == "mixtral" and ".mlp." in name:
-        for theirs, ours in MIXTRAL_NAMES:
-            name = name.replace(ours, theirs)
-    return name
+    room = rooms.architecture(model_type)
+    return name if room is None else room.checkpoint_name(name, model_type)
 
 
 @dataclass
@@ -73,11 +65,11 @@ class LoadedModel:
 def model_config_from_hf(hf: dict) -> ModelConfig:
     """Translate a Hugging Face `config.json` dict into our `ModelConfig`."""
     mtype = hf.get("model_type")
-    if mtype not in SUPPORTED:
+    room = rooms.architecture(mtype)
+    if mtype not in SUPPORTED and room is None:
         arch = (hf.get("architectures") or [mtype])[0]
-        raise ValueError(
-            f"unsupported architecture {arch!r} (model_type={mtype!r}); supported model types: {', '.join(SUPPORTED)}"
-        )
+        known = ", ".join([*SUPPORTED, *rooms.ARCHITECTURES])
+        raise ValueError(f"unsupported architecture {arch!r} (model_type={mtype!r}); supported model types: {known}")
     # transformers >= 5 writes `rope_parameters`; older checkpoints `rope_theta` + `rope_scaling`.
     rope = dict(hf.get("rope_parameters") or {})
     rope_theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
@@ -86,7 +78,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     if rope.get("rope_type", rope.get("type", "default")) == "default":
         rope = None
     heads = hf["num_attention_heads"]
-    extra = SUPPORTED[mtype]
+    extra = SUPPORTED[mtype] if room is None else room.ARCHITECTURES[mtype]
     max_pos = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", mtype in ("mistral", "mixtral")) else None
     if window:
@@ -111,13 +103,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         o_bias=attention_bias,
         mlp_bias=bool(hf.get("mlp_bias", False)),
         qk_norm=extra.get("qk_norm", False),
-        num_experts=hf.get("num_local_experts") or hf.get("num_experts") or 0,
-        num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
-        moe_intermediate_size=hf.get("moe_intermediate_size") or hf["intermediate_size"],  # Mixtral: the same
-        norm_topk_prob=extra.get("norm_topk_prob", False) or bool(hf.get("norm_topk_prob", False)),
-        shared_expert_intermediate_size=hf.get("shared_expert_intermediate_size") or 0,
-        decoder_sparse_step=hf.get("decoder_sparse_step") or 1,
-        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        moe=None if room is None else room.config_from_hf(hf, mtype),
     )
 
 

@@ -2,9 +2,9 @@
 
 What it is: Llama 2/3 (with Llama-3 and linear RoPE scaling), Mistral, Qwen2/2.5 (QKV
 bias) and Qwen3 (per-head q/k RMSNorm), with grouped-query attention, RoPE, RMSNorm,
-SwiGLU and tied or untied embeddings; and their mixtures of experts, Mixtral, Qwen2-MoE
-and Qwen3-MoE, whose MLP is a router over SwiGLU experts (`moe.py`). Parameter names equal Hugging Face's, so a
-checkpoint's state dict loads as it is (see `loader.py`).
+SwiGLU and tied or untied embeddings. Parameter names equal Hugging Face's, so a
+checkpoint's state dict loads as it is (see `loader.py`). A checkpoint whose MLPs are
+mixtures of experts brings its layer in `ModelConfig.moe` (a room's: ladder/rooms.py).
 
 What it is not: it never owns a KV cache and never decides how attention reads one.
 Every layer hands its new q, k, v to an *attention backend* object the engine passes in
@@ -31,7 +31,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from .moe import SparseMoE
 from .ops import DEFAULT_OPS, Ops, apply_rope  # noqa: F401 (apply_rope: HF's RoPE, ops.py)
 
 
@@ -55,18 +54,7 @@ class ModelConfig:
     o_bias: bool = False  # Llama/Qwen3 `attention_bias`: bias on o as well
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
-    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; moe.py). num_experts 0: every MLP is dense.
-    num_experts: int = 0
-    num_experts_per_tok: int = 0  # k: the experts each token goes through
-    moe_intermediate_size: int = 0  # each expert's SwiGLU width
-    norm_topk_prob: bool = False  # renormalise the k routing weights to sum to 1 (Mixtral: always)
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a shared expert every token takes (0: none)
-    decoder_sparse_step: int = 1  # every this-many-th layer is MoE (Qwen's; the others dense)
-    mlp_only_layers: tuple[int, ...] = ()  # layers kept dense whatever the step
-
-    def is_moe_layer(self, layer: int) -> bool:
-        """As the checkpoints' own code decides it (transformers' Qwen2MoeDecoderLayer)."""
-        return self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+    moe: object | None = None  # a mixture of experts' settings, which build its layers' MLPs (a room's); None: dense
 
 
 class AttentionBackend(Protocol):
@@ -162,7 +150,7 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), the middle computed by `self.ops.silu_mul`. Also each
-    expert of a mixture (moe.py), `intermediate_size` then the expert's width."""
+    expert of a mixture, `intermediate_size` then the expert's width."""
 
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
         super().__init__()
@@ -182,7 +170,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SparseMoE(cfg, MLP, Linear) if cfg.is_moe_layer(layer) else MLP(cfg)  # [T, hidden] -> same
+        self.mlp = MLP(cfg) if cfg.moe is None else cfg.moe.mlp(cfg, layer, MLP, Linear)  # [T, hidden] -> same
 
     def forward(self, x, cos, sin, attn):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)  # pre-norm residual

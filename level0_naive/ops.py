@@ -10,9 +10,8 @@ Every linear layer (q, k, v, o, gate, up, down, the LM head), every RMSNorm, eve
 attention layer's RoPE and every MLP's activation calls `self.ops.<op>`, and so do level
 5's sharded layers; `Transformer.set_ops(ops)` hands one object to all of them. As
 attention goes through the backend the engine passes in, these go through this seam, so
-a level or a mode swaps other kernels in (the compiled CPU fast path, `cpu_ops.py`; the
-fixed reduction order of batch invariance, `invariant_ops.py`) by subclassing `Ops`,
-without touching `model.py`:
+other kernels swap in by subclassing `Ops`, without touching `model.py` (the rooms do:
+compiled CPU kernels, fixed-order ones; ladder/rooms.py maps `ops=` to them):
 
     class Float64Ops(Ops):
         def linear(self, x, weight, bias=None):
@@ -30,7 +29,7 @@ checkpoint names; an op receives them as arguments.
 
 Reference: vLLM's `LinearMethodBase.apply(layer, x, bias)` (`model_executor/layers/linear.py`),
 the per-layer seam quantisation plugs into; Thinking Machines, "Defeating Nondeterminism in
-LLM Inference" (2025), on why matmul and RMSNorm are the kernels to make batch-invariant.
+LLM Inference" (2025), on why matmul and RMSNorm are the kernels whose results move with the batch.
 """
 
 from __future__ import annotations

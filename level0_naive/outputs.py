@@ -1,11 +1,12 @@
 """What a request is while it runs (`Sequence`), and what the caller gets back (`RequestOutput`).
 
-What it is: plain data plus the stop rules every level shares: EOS, `stop_token_ids`,
-`stop` strings (removed from the text unless asked to keep them), `max_tokens` and the
-context length; and the `OutputProcessor`, which turns sequences into outputs of the
-kind each request asked for (`RequestOutputKind`: cumulative, delta, final only). Text
-comes from each sequence's `IncrementalDetokenizer`, so a step decodes only new tokens,
-and a streaming output holds back what may still turn out to be part of a stop string.
+What it is: plain data; `Sequence.append_token`, where a sampled token joins its sample (the
+stop rules it then applies are `stop_checker.py`'s); and the `OutputProcessor`, which turns
+sequences into outputs of the kind each request asked for (`RequestOutputKind`: cumulative,
+delta, final only). Text comes from each sequence's `IncrementalDetokenizer`, so a step
+decodes only new tokens, and a streaming output holds back what may still turn out to be part
+of a stop string. A sequence may carry a constraint on its tokens (`Constraint`: a room's,
+set when the request is prepared; structured outputs through ladder/rooms.py).
 The output types mirror vLLM's (`RequestOutput` holding one `CompletionOutput` per
 sample, `n` of them), so code written against vLLM reads the same.
 
@@ -20,12 +21,26 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
-from .detokenizer import IncrementalDetokenizer, find_stop, stop_holdback
-from .sampling import RequestOutputKind, SamplingParams, SamplingState, top_logprobs
-from .structured import Grammar
+from .detokenizer import IncrementalDetokenizer, stop_holdback
+from .logits_processors import SamplingState
+from .sampling_params import RequestOutputKind, SamplingParams
+from .stop_checker import check_stop, cut_at_stop
+
+
+class Constraint(Protocol):
+    """What a room may require of a sample's tokens (ladder/rooms.py); level 0 only asks two things."""
+
+    def accept(self, token: int) -> bool:
+        """Take one more token; False if the constraint forbids it (the sampler's mask should have)."""
+        ...
+
+    def is_terminated(self) -> bool:
+        """The output is complete: the sample stops."""
+        ...
 
 
 @dataclass
@@ -98,7 +113,7 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt's logits come in
-    grammar: Grammar | None = None  # structured outputs: accepts every appended token (structured.py)
+    constraint: Constraint | None = None  # accepts every appended token (a room's: ladder/rooms.py)
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None
@@ -179,7 +194,7 @@ class Sequence:
 
     def sampling_state(self) -> SamplingState:
         return SamplingState(
-            self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids, self.grammar
+            self.params, self.prompt_token_ids, self.output_token_ids, self.generator, self.eos_token_ids, self.constraint
         )
 
     # --- one new token -----------------------------------------------------
@@ -193,45 +208,11 @@ class Sequence:
         if logprob is not None and self.logprobs is not None:
             self.logprobs.append(logprob)
             self.cumulative_logprob += logprob[token].logprob
-        if self.grammar is not None and not self.grammar.accept(token):
-            raise RuntimeError(f"token {token} was sampled where the grammar forbids it (a bug: the mask let it through)")
-        self._check_stop(token)
+        if self.constraint is not None and not self.constraint.accept(token):
+            raise RuntimeError(f"token {token} was sampled where the constraint forbids it (a bug: the mask let it through)")
+        check_stop(self, token)
         if self.is_finished:
             self._end()
-
-    def _check_stop(self, token: int) -> None:
-        p, n_out = self.params, len(self.output_token_ids)
-        if self.grammar is not None and self.grammar.is_terminated():  # the structured output is complete
-            self.finish_reason, self.stop_reason = "stop", None
-            return
-        if n_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                self.finish_reason, self.stop_reason = "stop", None
-                return
-            if token in p.stop_token_ids:
-                self.finish_reason, self.stop_reason = "stop", token
-                return
-        if p.stop and self._check_stop_strings(search=n_out >= p.min_tokens):
-            return
-        if (p.max_tokens is not None and n_out >= p.max_tokens) or self.num_tokens >= self.max_len:
-            self.finish_reason = "length"
-
-    def _check_stop_strings(self, search: bool) -> bool:
-        """Decode the new token and look for a stop string ending in the new text only (as
-        vLLM does, text produced before `min_tokens` is never searched)."""
-        checked = len(self.detok.text)
-        if not self.detok.update() or not search:
-            return False
-        return self._cut_at_stop(checked)
-
-    def _cut_at_stop(self, checked: int) -> bool:
-        hit = find_stop(self.detok.text, self.params.stop, checked)
-        if hit is None:
-            return False
-        at, stop = hit
-        self.detok.truncate(at + len(stop) if self.params.include_stop_str_in_output else at)
-        self.finish_reason, self.stop_reason = "stop", stop
-        return True
 
     def finish(self, reason: str) -> None:
         """End it from outside (an abort); a stop rule ends it from `append_token`."""
@@ -243,7 +224,7 @@ class Sequence:
         if self.detok is not None and not isinstance(self.stop_reason, str):
             checked = len(self.detok.text)
             if self.detok.finish() and self.params.stop:  # bytes held back for an incomplete character
-                self._cut_at_stop(checked)  # come out now; a stop string may end in them
+                cut_at_stop(self, checked)  # come out now; a stop string may end in them
 
     def visible_text(self) -> str:
         """The text an output may show now: all of it once finished; while running, minus
@@ -270,6 +251,24 @@ class Sequence:
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
+
+
+def top_logprobs(
+    logits: torch.Tensor, chosen: torch.Tensor, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Logprobs of the raw model distribution (before penalties/temperature, as vLLM V1 reports).
+
+    logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]).
+    Rank 1 is the most likely token.
+    """
+    logp = torch.log_softmax(logits, dim=-1)  # [B, V], float32 or wider (compute_logits sees to it)
+    chosen_lp = logp.gather(1, chosen[:, None])[:, 0]  # [B]
+    rank = (logp > chosen_lp[:, None]).sum(-1) + 1  # [B]
+    top = logp.topk(min(n, logp.shape[-1]), dim=-1) if n else None
+    if top is None:
+        empty = torch.empty(logits.shape[0], 0)
+        return chosen_lp, rank, empty.long(), empty
+    return chosen_lp, rank, top.indices, top.values
 
 
 def logprob_entries(

@@ -1,216 +1,102 @@
-"""The sampler: logits in, tokens out, through a chain of logits processors.
+"""The sampler: logits in, tokens out. Where temperature, top-k, top-p and min-p are applied.
 
 What it is: `Sampler`, the one component every level samples with, in two stages so that
 speculative decoding (level 4) can reuse the first for its draft's q and its target's p:
 
     logits [B, V] --probabilities()--> probs [B, V] --draw()--> tokens [B]
-                   each processor that applies,     one multinomial draw per row from
-                   then temperature, top-k, top-p,  the request's own generator; a
-                   min-p (a greedy row: one-hot     greedy row takes its argmax
-                   at the argmax)
+                   the logits processors that       one multinomial draw per row from
+                   apply (logits_processors.py),    the request's own generator; a
+                   then / temperature, top-k,       greedy row takes its argmax
+                   top-p, min-p (a greedy row:
+                   one-hot at the argmax)
 
-A `LogitsProcessor` (vLLM's idea) changes logits given each row's history:
-`MinTokens` bans EOS and the stop tokens before `min_tokens`, `Penalties` applies
-repetition, presence and frequency penalties, `GrammarMask` keeps a structured output
-inside its grammar (structured.py). Each says from the params alone whether
-it can touch a row (`applies`: `min_tokens` with `ignore_eos` and no stop ids bans
-nothing, so it does not apply), so a batch where none applies to any greedy row takes
+and the filter itself, twice, kept side by side and tested equal (tests/test_sampling.py):
+`filter_logits`, one row (the definition, the one to read first; `probabilities_loop` runs
+every row through it), and `filter_logits_batch`, every row at once with its own settings
+(what `probabilities` runs). A batch where every row is greedy and no processor applies takes
 the fast path, one `argmax`.
 
-Two ways through stage 1, kept side by side and tested equal (tests/test_sampling.py):
-`probabilities_loop`, one row at a time through each processor's `__call__` and
-`sampling.filter_logits` (the reference, the one to read first), and `probabilities`,
-the whole batch at once: each processor's `batch` (a processor without one is run row by
-row), per-row temperatures as a column, `sampling.filter_logits_batch`.
+Each request draws from its own `torch.Generator`, so a seeded request gives the same tokens
+whatever batch it lands in. A room may swap the draw of a sampled row (`draw_row`) and add
+processors to the chain (`ladder/rooms.py`).
 
-A later mode adds a processor (a grammar's mask, a fixed draw order) without touching
-the engine: `Sampler([*DEFAULT_PROCESSORS, MyMask()])`.
-Each request draws from its own `torch.Generator`, so a seeded request gives the same
-tokens whatever batch it lands in. With `keyed_draws` (`batch_invariant=True`) a sampled
-row's token is argmax(log p + Gumbel noise keyed by the request's seed and the token's
-position), an exact sample that does not depend on how many draws came before it.
+What it is not: fused. `probabilities` is a dozen tensor ops over the batch, and the draw is
+one `multinomial` per sampled row; vLLM's `v1/sample/sampler.py` draws the whole batch with
+one exponential race on the GPU.
 
-What it is not: fused. `probabilities` is a dozen tensor ops over the batch, and the draw
-is one `multinomial` per sampled row (each request has its own generator); vLLM's
-`v1/sample/sampler.py` draws the whole batch with one exponential race on the GPU.
-
-Reference: vLLM `v1/sample/sampler.py`, `v1/sample/logits_processor/`; Hugging Face's
-`LogitsProcessor`s (`RepetitionPenaltyLogitsProcessor`, `MinNewTokensLengthLogitsProcessor`).
+Reference: vLLM `v1/sample/sampler.py` and `v1/sample/ops/topk_topp_sampler.py`; Holtzman et
+al., "The Curious Case of Neural Text Degeneration" (2020) for top-p; Nguyen et al. (2024) for min-p.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
 
 import torch
 
-from .sampling import (
-    SamplingParams,
-    SamplingState,
-    apply_penalties,
-    filter_logits,
-    filter_logits_batch,
-    keyed_gumbel,
-)
-from .structured import BitmaskGrammar, unpack
+from .logits_processors import DEFAULT_PROCESSORS, LogitsProcessor, SamplingState
+from .sampling_params import SamplingParams
 
 
-class LogitsProcessor(Protocol):
-    def applies(self, params: SamplingParams) -> bool:
-        """Can it change a row with these params at all? (False for every row: the fast path.)"""
-        ...
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """logits [V] (already divided by temperature) -> logits [V] with disallowed tokens at -inf.
 
-    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-        """row [V] -> row [V]."""
-        ...
-
-    # Optional: `batch(logits [B, V], states) -> logits [B, V]`, the same for every row at once
-    # (rows it does not apply to unchanged). Without it, `Sampler.probabilities` calls the
-    # processor row by row.
-
-
-class MinTokens:
-    """Before `min_tokens` are out, EOS (unless `ignore_eos`) and `stop_token_ids` cannot be drawn."""
-
-    def applies(self, params: SamplingParams) -> bool:
-        # With ignore_eos and no stop ids there is nothing to ban: the row stays plain.
-        return params.min_tokens > 0 and bool(params.stop_token_ids or not params.ignore_eos)
-
-    @staticmethod
-    def banned(st: SamplingState) -> list[int]:
-        """The ids this row may not draw now (none once min_tokens are out)."""
-        p = st.params
-        if len(st.output_token_ids) >= p.min_tokens:
-            return []
-        # every id is < V: InputProcessor refuses a request whose stop_token_ids are not
-        return p.stop_token_ids + ([] if p.ignore_eos else st.eos_token_ids)
-
-    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-        banned = self.banned(st)
-        return row.index_fill(0, torch.tensor(banned, device=row.device), float("-inf")) if banned else row
-
-    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """logits [B, V] -> logits [B, V] with every row's banned ids at -inf (one index_put)."""
-        rows, cols = [], []
-        for i, st in enumerate(states):
-            if self.applies(st.params):
-                banned = self.banned(st)
-                rows += [i] * len(banned)
-                cols += banned
-        if not rows:
-            return logits
-        where = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-        return logits.index_put(where, torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device))
+    Applied in HF's and vLLM's order: keep the k most likely (top_k > 0); then, of what
+    is left, the smallest set of most likely tokens whose renormalised probability
+    reaches top_p (the token that crosses the line is kept); then drop tokens below
+    min_p times the top probability (a ratio, so renormalising does not change it).
+    """
+    V = logits.shape[-1]
+    if top_k and top_k < V:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [V], over what top-k left
+    keep = torch.ones(V, dtype=torch.bool, device=logits.device)
+    if top_p < 1:
+        sorted_p, order = probs.sort(descending=True, stable=True)  # stable: ties in id order, as the batch twin
+        mass_before = sorted_p.cumsum(0) - sorted_p  # probability of strictly better tokens
+        keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
+        keep &= torch.zeros_like(keep).scatter(0, order, keep_sorted)
+    if min_p > 0:
+        keep &= probs >= min_p * probs.max()
+    return logits.masked_fill(~keep, float("-inf"))
 
 
-class Penalties:
-    """Repetition (over prompt + output), presence and frequency (over the output) penalties."""
+def filter_logits_batch(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+) -> torch.Tensor:
+    """`filter_logits` for every row at once, each with its own settings.
 
-    def applies(self, params: SamplingParams) -> bool:
-        return params.needs_penalties
-
-    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-        return apply_penalties(row, st)
-
-    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """logits [B, V] -> penalised logits [B, V]: `apply_penalties` for every row at once.
-
-        Rows the penalties do not apply to get factor 1 and weights 0, which leave them
-        bit for bit as they were (x * 1, x - 0)."""
-        B, V = logits.shape
-        dev, dt = logits.device, logits.dtype
-        rows = [i for i, st in enumerate(states) if self.applies(st.params)]
-        if not rows:
-            return logits
-        params = [st.params for st in states]
-        column = lambda values: torch.tensor(values, dtype=dt, device=dev)[:, None]  # [B, 1]
-        rep = [p.repetition_penalty for p in params]
-        if any(r != 1 for r in rep):
-            seen_r = [i for i in rows for _ in states[i].prompt_token_ids + states[i].output_token_ids]
-            seen_c = [t for i in rows for t in states[i].prompt_token_ids + states[i].output_token_ids]
-            seen = torch.zeros(B, V, dtype=torch.bool, device=dev)
-            seen[
-                torch.tensor(seen_r, dtype=torch.long, device=dev), torch.tensor(seen_c, dtype=torch.long, device=dev)
-            ] = True
-            seen &= column([r != 1 for r in rep]).bool()
-            r = column(rep)
-            logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
-        if any(p.presence_penalty or p.frequency_penalty for p in params):
-            out_r = [i for i in rows for _ in states[i].output_token_ids]
-            out_c = [t for i in rows for t in states[i].output_token_ids]
-            counts = torch.zeros(B, V, dtype=dt, device=dev)
-            if out_r:
-                idx = (torch.tensor(out_r, device=dev), torch.tensor(out_c, device=dev))
-                counts.index_put_(idx, torch.ones(len(out_r), dtype=dt, device=dev), accumulate=True)  # [B, V]
-            logits = logits - column([p.frequency_penalty for p in params]) * counts
-            logits = logits - column([p.presence_penalty for p in params]) * (counts > 0).to(dt)
-        return logits
-
-
-class GrammarMask:
-    """Structured outputs: tokens the request's grammar forbids next go to -inf (structured.py).
-
-    The row's state is the grammar after the output tokens it has accepted and then any the
-    row's history has beyond them (a speculative draft's guesses: consumed for the question,
-    then rolled back). Applied last, after the other processors: if they left no allowed token
-    (min_tokens banning the stop token a finished grammar insists on), the grammar wins."""
-
-    def applies(self, params: SamplingParams) -> bool:
-        return params.structured_outputs is not None
-
-    @staticmethod
-    def mask(st: SamplingState, vocab_size: int) -> torch.Tensor:
-        """bool [V]: what may come next in this row."""
-        g = st.grammar
-        return g.mask_after(st.output_token_ids[g.num_accepted :], vocab_size)
-
-    def __call__(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-        allowed = self.mask(st, row.shape[-1]).to(row.device)  # [V]
-        return self._apply(row[None], allowed[None])[0]
-
-    @staticmethod
-    def _apply(rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """rows [R, V], allowed bool [R, V] -> rows with the rest at -inf; a row another processor left
-        nothing of (min_tokens banning the stop token a finished grammar insists on) keeps the grammar's."""
-        masked = rows.masked_fill(~allowed, float("-inf"))
-        empty = torch.isinf(masked).all(-1)  # [R]
-        if empty.any():
-            masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], float("-inf"))
-        return masked
-
-    def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Every row at once: xgrammar's states write one shared bitmask, unpacked in one go; a row
-        with guesses past its accepted tokens, or a reference grammar, asks for its own mask."""
-        rows = [i for i, st in enumerate(states) if self.applies(st.params)]
-        if not rows:
-            return logits
-        V = logits.shape[-1]
-        allowed = torch.empty(len(rows), V, dtype=torch.bool)  # [R, V]
-        fast = [j for j, i in enumerate(rows) if isinstance(states[i].grammar, BitmaskGrammar)
-                and states[i].grammar.num_accepted == len(states[i].output_token_ids)]  # fmt: skip
-        if fast:
-            bitmask = torch.empty(len(fast), states[rows[fast[0]]].grammar.bitmask.shape[1], dtype=torch.int32)
-            for k, j in enumerate(fast):
-                states[rows[j]].grammar.fill(bitmask, k)
-            banned = torch.stack([states[rows[j]].grammar.banned_or_none() for j in fast])  # [F, V]
-            allowed[fast] = unpack(bitmask, V) & ~banned
-        for j in sorted(set(range(len(rows))) - set(fast)):
-            allowed[j] = self.mask(states[rows[j]], V)
-        logits = logits.clone()
-        logits[rows] = self._apply(logits[rows], allowed.to(logits.device))
-        return logits
-
-
-DEFAULT_PROCESSORS: tuple[LogitsProcessor, ...] = (MinTokens(), Penalties(), GrammarMask())
+    logits [B, V] (already divided by each row's temperature); top_k [B] long (0: off);
+    top_p [B], min_p [B] in logits' dtype -> logits [B, V] with disallowed tokens at -inf.
+    Row i's result equals ``filter_logits(logits[i], top_k[i], top_p[i], min_p[i])``
+    (tests/test_sampling.py): a per-row k becomes a per-row threshold read from one sort,
+    and a row whose setting is off keeps every token, as its twin would.
+    """
+    B, V = logits.shape
+    if bool(((top_k > 0) & (top_k < V)).any()):
+        k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [B]; V keeps everything
+        kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [B, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)  # [B, V], over what top-k left
+    keep = torch.ones(B, V, dtype=torch.bool, device=logits.device)
+    if bool((top_p < 1).any()):
+        sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
+        mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V]: probability of strictly better tokens
+        keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1)[:, None]  # a row with top_p 1 keeps all
+        keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
+    if bool((min_p > 0).any()):
+        keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 class Sampler:
-    def __init__(self, processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS, keyed_draws: bool = False):
-        """`keyed_draws` (batch_invariant=True): a sampled row's token is argmax(log p + noise), the
-        noise a function of the request's seed and the token's position (sampling.keyed_gumbel)."""
+    # True where a sampled row's token is a function of its seed and position alone (a room's draw:
+    # ladder/rooms.py); level 4 then verifies a guess against the target's own draw at its position.
+    draws_by_position = False
+
+    def __init__(self, processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS):
         self.processors = tuple(processors)
-        self.keyed_draws = keyed_draws
 
     def is_plain_greedy(self, params: SamplingParams) -> bool:
         """Greedy with nothing that reshapes the logits: the row's token is its raw argmax."""
@@ -278,22 +164,22 @@ class Sampler:
         return probs
 
     def draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Stage 2. probs [B, V] -> one token per row [B] (long), each from its own generator (or,
-        with keyed draws, from noise keyed by its seed and position)."""
+        """Stage 2. probs [B, V] -> one token per row [B] (long): a greedy row's argmax, a sampled
+        row's `draw_row`."""
         out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
         for i, st in enumerate(states):
-            if st.params.greedy:
-                out[i] = probs[i].argmax()
-            elif self.keyed_draws:
-                position = len(st.prompt_token_ids) + len(st.output_token_ids)  # of the token being drawn
-                noise = keyed_gumbel(st.generator.initial_seed(), position, probs.shape[-1], probs.dtype, probs.device)
-                out[i] = (probs[i].log() + noise).argmax()  # probability 0: log 0 = -inf, never drawn
-            else:
-                out[i] = torch.multinomial(probs[i], 1, generator=st.generator)[0]
+            out[i] = probs[i].argmax() if st.params.greedy else self.draw_row(probs[i], st)
         return out
+
+    def draw_row(self, probs: torch.Tensor, st: SamplingState) -> torch.Tensor:
+        """probs [V] of a sampled row -> its token: one multinomial draw from the request's own generator."""
+        return torch.multinomial(probs, 1, generator=st.generator)[0]
 
     def sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """logits [B, V] (float32+) -> next tokens [B] (long). One row per state."""
         if all(self.is_plain_greedy(st.params) for st in states):
             return logits.argmax(dim=-1)  # the fast path: plain greedy
         return self.draw(self.probabilities(logits, states), states)
+
+
+__all__ = ["Sampler", "filter_logits", "filter_logits_batch", "SamplingState"]

@@ -33,6 +33,7 @@ from typing import NamedTuple
 
 import torch
 
+from ladder import rooms
 from level0_naive.model import ModelConfig
 
 from .block_allocator import BlockAllocator, OutOfBlocks
@@ -114,32 +115,18 @@ class AttentionImpl(NamedTuple):
 def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
     """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
 
-    'auto' is the Triton kernel on CUDA, and on a CPU the compiled kernel
-    (cpu_attention.py) if it builds here, else the torch backend. With
-    `batch_invariant`, the compiled kernel for every query (it adds every sum in a
-    fixed order; the routing of long chunks to SDPA would not), or a ValueError."""
-    from . import cpu_attention
+    'auto' is the Triton kernel on CUDA; on a CPU, and for 'cpu' or `batch_invariant`, the
+    compiled CPU kernel is a room's (ladder/rooms.py), and 'auto' falls back to the torch
+    backend where it cannot be built."""
     from .attention_ref import paged_attention_ref, paged_attention_torch, write_kv_cache
 
-    if batch_invariant:
-        if name not in ("auto", "cpu") or device.type != "cpu":
-            raise ValueError(
-                f"batch_invariant=True attends with the compiled CPU kernel (attention_backend 'auto' or 'cpu' on a "
-                f"CPU), not attention_backend={name!r} on {device.type}"
-            )
-        cpu_attention.LIBRARY.require("batch_invariant=True")
-        return AttentionImpl(cpu_attention.write_kv_cpu, cpu_attention.kernel)
-
+    if batch_invariant or name == "cpu" or (name == "auto" and device.type == "cpu"):
+        found = rooms.attention(name, device, batch_invariant)  # (write_kv, attend), or None
+        if found is not None:
+            return AttentionImpl(*found)
+        name = "torch"
     if name == "auto":
-        if device.type == "cuda":
-            name = "triton"
-        else:
-            name = "cpu" if cpu_attention.available() else "torch"
-    if name == "cpu":
-        if device.type != "cpu":
-            raise ValueError(f"attention_backend='cpu' runs on CPU tensors, not {device.type}")
-        cpu_attention.require()  # built, or a RuntimeError with the reason
-        return AttentionImpl(cpu_attention.write_kv_cpu, cpu_attention.paged_attention_cpu)
+        name = "triton"  # on CUDA
     if name == "torch":
         return AttentionImpl(write_kv_cache, paged_attention_torch)
     if name == "ref":

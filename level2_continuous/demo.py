@@ -41,7 +41,7 @@ from ladder.cli import (
 )
 from ladder.models import default_model
 from level0_naive.llm import LLM as NaiveLLM
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 from level1_paged.engine import LLM as StaticLLM
 
 from .engine import LLM as ContinuousLLM

@@ -39,7 +39,7 @@ from level0_naive.core import EngineBase
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.metrics import Gauge, Metric
 from level0_naive.outputs import RequestOutput
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import Timer
 from level1_paged.engine import PagedEngineConfig
 from level1_paged.paged_cache import check_fits_in_pool, num_blocks_for_budget

@@ -19,7 +19,7 @@ from rich.text import Text
 
 from ladder.cli import demo_parser, parse_demo_args, positive_int, torch_threads
 from ladder.models import default_model
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 
 from .beam_search import BeamSearchParams, beam_search
 from .engine import LLM

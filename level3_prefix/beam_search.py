@@ -45,7 +45,7 @@ from typing import ClassVar
 
 import torch
 
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 from level1_paged.paged_cache import blocks_for
 from level1_paged.worker import ModelInput
 

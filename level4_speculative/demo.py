@@ -38,7 +38,7 @@ from rich.text import Text
 
 from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
 from ladder.models import BUILTIN_DRAFT, default_model
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 from level3_prefix.engine import LLM as PrefixLLM
 
 from .engine import LLM, SpecDecodeStats

@@ -266,7 +266,7 @@ class SpeculativeEngine(PrefixCachingEngine):
                 continue
             states = [draft_state(req, draft[i, :j].tolist()) for j in range(k + 1)]
             p[i, : k + 1] = self.sampler.probabilities(rows[i], states)  # processed exactly as the draft's q was
-            if req.params.greedy or self.sampler.keyed_draws:
+            if req.params.greedy or self.sampler.draws_by_position:
                 # greedy: the argmax. Keyed draws (batch_invariant): the target's own sample at each position,
                 # argmax(log p + noise keyed by the position), the noise the draft sampled its guess with; a
                 # guess is accepted iff it is that sample, so what is emitted at a position never depends on

@@ -44,8 +44,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from level0_naive.logits_processors import SamplingState
 from level0_naive.sampler import Sampler
-from level0_naive.sampling import SamplingState
 from level1_paged.worker import ModelInput, Worker
 from level2_continuous.scheduler import SchedulerOutput
 
@@ -65,10 +65,11 @@ class Proposer(Protocol):
 
 
 def draft_state(req: SpecRequest, drafts: list[int]) -> SamplingState:
-    """The sampling state of the position after `drafts`: penalties, min-tokens and a grammar see
-    the drafts as if they were output already, for the draft's q and the target's p alike."""
+    """The sampling state of the position after `drafts`: penalties, min-tokens and a constraint (a
+    structured output's grammar) see the drafts as if they were output already, for the draft's q and
+    the target's p alike."""
     return SamplingState(
-        req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids, req.grammar
+        req.params, req.prompt_token_ids, req.output_token_ids + drafts, req.generator, req.eos_token_ids, req.constraint
     )
 
 

@@ -15,7 +15,7 @@ rank a process of its own on this CPU, talking over gloo. It prints
     `--plot PATH` to choose; `python -m ladder.figures` regenerates the committed
     `docs/img/level5_pipeline.png`).
 
-`--moe` runs the mixture-of-experts demo instead (`moe_demo.py`: TP against expert
+`--moe` runs the mixture-of-experts demo instead (its room's, `features/moe/demo.py`: TP against expert
 parallelism on the built-in `tiny-shakespeare-moe`, and its routing).
 
 What it is not: a speed demonstration. On a CPU a gloo message costs about a millisecond
@@ -33,9 +33,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from ladder import rooms
 from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
 from ladder.models import default_model
-from level0_naive.sampling import SamplingParams
+from level0_naive.sampling_params import SamplingParams
 
 from .engine import LLM
 from .parallel_state import predicted_seconds
@@ -46,7 +47,7 @@ LAYOUTS = [(1, 1), (2, 1), (1, 2), (2, 2)]
 def parser():
     p = demo_parser(__doc__, "level5_multigpu.demo")
     p.add_argument("--requests", type=positive_int, default=8, help="how many requests (default 8)")
-    p.add_argument("--moe", action="store_true", help="run the mixture-of-experts demo instead (moe_demo.py)")
+    p.add_argument("--moe", action="store_true", help="run the mixture-of-experts demo instead (features/moe/demo.py)")
     p.add_argument("--pipeline-partition", type=partition_arg, default=None,
                    help="layers per stage for the PP=2 layouts, e.g. 4,2 (default: as even as possible)")  # fmt: skip
     p.add_argument(
@@ -75,10 +76,8 @@ def main(argv=None) -> dict:
     import sys
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--moe" in argv:  # the mixture-of-experts demo, with the rest of the flags
-        from . import moe_demo
-
-        return moe_demo.main([a for a in argv if a != "--moe"])
+    if "--moe" in argv:  # the mixture-of-experts demo (its room's), with the rest of the flags
+        return rooms.load("moe").demo_main([a for a in argv if a != "--moe"])
     p = parser()
     args = parse_demo_args(p, argv)
     if args.pipeline_partition:  # checked before any rank starts

@@ -66,7 +66,7 @@ class ParallelEngineConfig(SpeculativeEngineConfig):
     distributed_backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU | "gloo" | "nccl"
     pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
     distributed_timeout_s: float = 120.0  # a rank silent for this long is declared dead
-    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank, all-to-all (moe.py); else sliced
+    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank, all-to-all (features/moe); else sliced
 
     def __post_init__(self):
         super().__post_init__()

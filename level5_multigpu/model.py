@@ -7,8 +7,8 @@ and replaces, module by module, what tensor parallelism splits:
     model.embed_tokens      -> VocabParallelEmbedding     (first stage only)
     layers[i].self_attn     -> ParallelAttention           [q|k|v] by heads, o row-parallel
     layers[i].mlp           -> ParallelMLP                 [gate|up] per segment, down row-parallel
-                               (a mixture of experts: moe.py, every expert sliced, or whole experts
-                               per rank with `expert_parallel`)
+                               (a mixture of experts: its room's, `cfg.moe.sharded_mlp`: every
+                               expert sliced, or whole experts per rank with `expert_parallel`)
     layers[i].*_layernorm   -> RMSNorm, replicated         (small: every rank of the stage has it)
     model.norm, lm_head     -> RMSNorm, ParallelLMHead     (last stage only)
 
@@ -51,7 +51,6 @@ from .layers import (
     kv_heads_of_rank,
     vocab_shard,
 )
-from .moe import ExpertParallelMoE, TensorParallelMoE
 from .parallel_state import Comm
 
 
@@ -130,9 +129,8 @@ class StageModel(Transformer):
             )
             layer.self_attn = ParallelAttention(local, QKVParallelLinear.load(reader, f"{p}.self_attn", cfg, tp, r), o,
                                                 cfg.num_heads // tp, k1 - k0, cfg.head_dim, *qk)  # fmt: skip
-            if cfg.is_moe_layer(i):  # a mixture of experts: sliced over the ranks, or whole experts per rank
-                layer.mlp = (ExpertParallelMoE if expert_parallel and tp > 1 else TensorParallelMoE)(
-                    cfg, reader, f"{p}.mlp", comm)
+            if cfg.moe is not None and cfg.moe.is_moe_layer(i):  # experts: sliced, or whole ones per rank
+                layer.mlp = cfg.moe.sharded_mlp(cfg, reader, f"{p}.mlp", comm, expert_parallel)
             else:
                 down = RowParallelLinear(reader.read(f"{p}.mlp.down_proj.weight", cols=_split(cfg.intermediate_size, tp, r)),
                                          _maybe(reader, f"{p}.mlp.down_proj.bias"), comm)  # fmt: skip

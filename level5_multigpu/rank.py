@@ -33,10 +33,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ladder import rooms
 from ladder.models import resolve_path
 from level0_naive.config import EngineConfig, resolve_kv_budget
-from level0_naive.cpu_ops import resolve_ops
-from level0_naive.invariant_ops import invariant_ops
 from level0_naive.loader import model_config_from_hf
 from level1_paged.paged_cache import PagedAttention, blocks_in_budget
 from level1_paged.worker import ModelInput, Worker
@@ -62,7 +61,7 @@ class ParallelSpec:
     partition: list[int] | None  # layers per stage (None: as even as possible)
     block_size: int
     attention_backend: str
-    ops: str  # level 0's `ops=` (cpu_ops.resolve_ops), resolved on each rank
+    ops: str  # level 0's `ops=` (ladder/rooms.py), resolved on each rank
     batch_invariant: bool  # fixed-order ops, attention and all-reduce on every rank
     kv_cache_memory: int | None
     gpu_memory_utilization: float
@@ -70,7 +69,7 @@ class ParallelSpec:
     timeout_s: float
     extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
     ranks_started_by: str = "mp"  # "mp" | "torchrun" | "ray"
-    expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (moe.py)
+    expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (features/moe)
 
     @classmethod
     def from_config(
@@ -167,7 +166,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     path = resolve_path(spec.model)
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
-    ops = invariant_ops(device, spec.dtype) if spec.batch_invariant else resolve_ops(spec.ops, device)
+    ops = rooms.ops(spec.ops, spec.batch_invariant, device, spec.dtype)
     stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0

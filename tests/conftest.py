@@ -62,8 +62,8 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _workers)))
 def pytest_configure(config):
     """Build the compiled CPU kernels (about a second each, once per machine) before any test
     runs, so no timed test or server start-up in a subprocess pays for the build."""
-    from level0_naive import cpu_ops
-    from level1_paged import cpu_attention
+    from features.cpu_kernels import attention as cpu_attention
+    from features.cpu_kernels import ops as cpu_ops
 
     cpu_attention.available()
     cpu_ops.LIBRARY.available()
@@ -93,7 +93,7 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"num_key_value_heads": 2, "sliding_window": None}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {"num_key_value_heads": 2, "tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"num_key_value_heads": 2}),
-    # Mixtures of experts: 4 experts, 2 per token (level0_naive/moe.py)
+    # Mixtures of experts: 4 experts, 2 per token (features/moe/layer.py)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_key_value_heads": 2, "num_local_experts": 4,
                                                         "num_experts_per_tok": 2, "sliding_window": None}),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {  # a shared expert; layer 1 kept dense

@@ -31,9 +31,9 @@ import level1_paged
 import level2_continuous
 import level3_prefix
 import level4_speculative
+from features.batch_invariance.ops import LIBRARY, InvariantOps, invariant_ops
 from level0_naive import SamplingParams
 from level0_naive.config import EngineConfig
-from level0_naive.invariant_ops import LIBRARY, InvariantOps, invariant_ops
 from level0_naive.ops import DEFAULT_OPS
 
 pytestmark = pytest.mark.skipif(not LIBRARY.available(), reason=f"the compiled kernels did not build: {LIBRARY.error}")
@@ -188,7 +188,7 @@ def test_keyed_draws_with_speculation_sample_the_target_exactly(negative_control
     from scipy.stats import chisquare
     from transformers import AutoModelForCausalLM
 
-    from level0_naive import sampler as sampler_module
+    from features.batch_invariance import sampler as sampler_module
 
     kw = dict(vocab_size=4, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
               head_dim=8, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip

@@ -62,7 +62,7 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
     ("level4_speculative.demo", ["--draft-model", "nowhere"], "--draft-model"),
     ("level5_multigpu.demo", ["--pipeline-partition", "9,9"], "--pipeline-partition"),
     ("level5_multigpu.demo", ["--requests", "-1"], "--requests"),
-    ("level5_multigpu.moe_demo", ["--requests", "0"], "--requests"),
+    ("features.moe.demo", ["--requests", "0"], "--requests"),
     ("benchmarks.parallel", ["--tp-batches", "1,x"], "--tp-batches"),
     ("level6_serving", ["--port", "99999"], "--port"),
     ("level6_serving", ["--max-num-seqs", "0"], "--max-num-seqs"),
@@ -160,7 +160,7 @@ SMALL = {  # the demos' own defaults for every path, with a tiny workload so the
     "level3_prefix.demo": ["--max-tokens", "2"],
     "level4_speculative.demo": ["--max-tokens", "12", "--max-k", "2", "-k", "2", "--batch-size", "2"],
     "level5_multigpu.demo": ["--max-tokens", "4", "--requests", "2"],
-    "level5_multigpu.moe_demo": ["--max-tokens", "4", "--requests", "2"],
+    "features.moe.demo": ["--max-tokens", "4", "--requests", "2"],
     "level6_serving.demo": ["--max-tokens", "6", "--clients", "2"],
 }
 
@@ -209,7 +209,7 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
     level5 = outputs["level5_multigpu.demo"]  # (tests/test_demos.py runs no level-5 demo of its own: 40 s)
     assert "identical text in all four layouts: True" in level5
     assert (env_out / "level5_pipeline.png").stat().st_size > 10_000
-    moe = outputs["level5_multigpu.moe_demo"]
+    moe = outputs["features.moe.demo"]
     assert "identical text in all three layouts: True" in moe and "all_to_all" in moe
     assert (env_out / "moe_routing.png").stat().st_size > 10_000
     level6 = outputs["level6_serving.demo"]

@@ -102,7 +102,7 @@ def test_beam_demo(tiny, capsys):
 def test_batch_invariance_demo(tiny, tmp_path):
     """Copies of one prompt in different batches: one logprob sequence with the mode; one decode step
     alone and among 15 others parts at a matmul in the default mode and nowhere with the mode."""
-    from level1_paged import invariance
+    from features.batch_invariance import demo as invariance
 
     plot = tmp_path / "layers.png"
     res = invariance.main(["--model", str(tiny), "--copies", "4", "--max-tokens", "6", "--plot", str(plot)])

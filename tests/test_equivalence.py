@@ -189,7 +189,7 @@ def test_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_
 @settings(max_examples=6)
 @given(workload=workloads(), arch=st.sampled_from(["mixtral", "qwen2_moe", "qwen3_moe"]), data=st.data())
 def test_moe_greedy_output_equals_the_oracle(make, workload, arch, data, checkpoint_factory, oracle):
-    """Mixtures of experts (level0_naive/moe.py) at every level: routing is per token, so no
+    """Mixtures of experts (features/moe/layer.py) at every level: routing is per token, so no
     batching, chunking, preemption, prefix hit or speculation may change a token."""
     check_against_oracle(make, workload, arch, data, checkpoint_factory, oracle)
 
@@ -224,7 +224,7 @@ LAYOUTS = {  # name: (tensor_parallel_size, pipeline_parallel_size, speculate wi
     "tp2-spec": (2, 1, True),
     "pp2-spec": (1, 2, True),  # the drafts of each micro-batch in flight are kept apart
 }
-MOE_LAYOUTS = {  # mixtures of experts (level5_multigpu/moe.py): every expert sliced, or whole experts per rank
+MOE_LAYOUTS = {  # mixtures of experts (features/moe/parallel.py): every expert sliced, or whole experts per rank
     "moe-tp2": (2, 1, False),
     "moe-ep2": (2, 1, False),  # enable_expert_parallel: tokens go to their experts' ranks (all-to-all)
     "moe-ep2-pp2": (2, 2, False),

@@ -49,7 +49,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux); the torch backends are tested elsewhere")
 
-from level1_paged import cpu_attention  # noqa: E402
+from features.cpu_kernels import attention as cpu_attention  # noqa: E402
 from level1_paged.attention_ref import (  # noqa: E402
     paged_attention_ref,
     paged_attention_torch,
@@ -347,14 +347,14 @@ def test_without_a_compiler_auto_falls_back_to_torch_with_one_log_line(monkeypat
     monkeypatch.setattr(library, "build", no_compiler)
     library.reset()
     try:
-        with caplog.at_level("WARNING", logger="level0_naive.native"):
+        with caplog.at_level("WARNING", logger="features.cpu_kernels.native"):
             impls = [attention_impl("auto", torch.device("cpu")) for _ in range(3)]
         with pytest.raises(RuntimeError, match="command not found"):
             attention_impl("cpu", torch.device("cpu"))
     finally:
         library.reset()  # the next test loads the built library again
     assert all(impl.attend is paged_attention_torch and impl.write_kv is write_kv_cache for impl in impls)
-    lines = [r.getMessage() for r in caplog.records if r.name == "level0_naive.native"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "features.cpu_kernels.native"]
     assert len(lines) == 1 and "c++: command not found" in lines[0] and "torch path" in lines[0]
 
 

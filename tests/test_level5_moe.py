@@ -1,4 +1,4 @@
-"""Level 5 with a mixture of experts (level5_multigpu/moe.py): where the experts live, what travels.
+"""Level 5 with a mixture of experts (features/moe/parallel.py): where the experts live, what travels.
 
 What it is (the greedy equivalence against the oracle, TP=2, EP=2 and EP=2 x PP=2 on Mixtral and
 Qwen2-MoE checkpoints, is in test_equivalence.py):
@@ -21,12 +21,12 @@ import pytest
 import torch
 from test_level5 import NoComm, full
 
+from features.moe.parallel import ExpertParallelMoE, TensorParallelMoE
 from level0_naive import SamplingParams
 from level0_naive.loader import checkpoint_name, load_metadata
 from level5_multigpu import LLM
 from level5_multigpu.layers import ShardReader
 from level5_multigpu.model import StageModel
-from level5_multigpu.moe import ExpertParallelMoE, TensorParallelMoE
 from level5_multigpu.parallel_state import Topology, fit_alpha_beta, waited
 
 pytestmark = pytest.mark.level5
@@ -51,7 +51,7 @@ def test_tp_slices_every_expert_and_ep_places_whole_ones(checkpoint_factory, arc
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}.mlp"
             blocks = [s.model.layers[i].mlp for s in ranks]
-            if not cfg.is_moe_layer(i):  # qwen2_moe's layer 1 is dense: level 5's ParallelMLP
+            if not cfg.moe.is_moe_layer(i):  # qwen2_moe's layer 1 is dense: level 5's ParallelMLP
                 assert not any(isinstance(b, (TensorParallelMoE, ExpertParallelMoE)) for b in blocks)
                 continue
             assert all(isinstance(b, ExpertParallelMoE if ep else TensorParallelMoE) for b in blocks)
@@ -59,20 +59,20 @@ def test_tp_slices_every_expert_and_ep_places_whole_ones(checkpoint_factory, arc
                 assert torch.equal(b.gate.weight, ck(f"{p}.gate.weight"))  # the router: on every rank
             if ep:
                 held = {b.first + j: e for b in blocks for j, e in enumerate(b.experts)}
-                assert sorted(held) == list(range(cfg.num_experts))  # each expert once
+                assert sorted(held) == list(range(cfg.moe.num_experts))  # each expert once
                 for e, expert in held.items():
                     gate, up = expert.gate_up.weight.chunk(2)
                     assert torch.equal(gate, ck(f"{p}.experts.{e}.gate_proj.weight"))
                     assert torch.equal(up, ck(f"{p}.experts.{e}.up_proj.weight"))
                     assert torch.equal(expert.down_proj.weight, ck(f"{p}.experts.{e}.down_proj.weight"))
             else:
-                for e in range(cfg.num_experts):
+                for e in range(cfg.moe.num_experts):
                     gate, up = zip(*(b.experts[e].gate_up.weight.chunk(2) for b in blocks))
                     assert torch.equal(torch.cat(gate), ck(f"{p}.experts.{e}.gate_proj.weight"))
                     assert torch.equal(torch.cat(up), ck(f"{p}.experts.{e}.up_proj.weight"))
                     down = torch.cat([b.experts[e].down_proj.weight for b in blocks], dim=1)
                     assert torch.equal(down, ck(f"{p}.experts.{e}.down_proj.weight"))
-            if cfg.shared_expert_intermediate_size:
+            if cfg.moe.shared_expert_intermediate_size:
                 w = [b.shared_expert.down_proj.weight for b in blocks]
                 want = ck(f"{p}.shared_expert.down_proj.weight")
                 assert torch.equal(w[0], want) and torch.equal(w[1], want) if ep else torch.equal(torch.cat(w, 1), want)
@@ -121,7 +121,7 @@ def test_ep_sends_tokens_and_tp_sums_activations(checkpoint_factory):
     for layer in ref.model.model.layers:
         choices = layer.mlp.last_ids  # [7, k]
         owner_of_token = torch.tensor([0] * 4 + [1] * 3)[:, None]  # rows 0-3 on rank 0, 4-6 on rank 1
-        off_rank += int((choices // (cfg.num_experts // 2) != owner_of_token).sum())
+        off_rank += int((choices // (cfg.moe.num_experts // 2) != owner_of_token).sum())
     row, eid = cfg.hidden_size * 8, 8  # a float64 row, an int64 expert id
     assert ep["all_to_all"][1] == off_rank * (row + eid) + off_rank * row  # dispatch (rows + ids), combine (rows)
 

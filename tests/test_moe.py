@@ -1,4 +1,4 @@
-"""Mixtures of experts (level0_naive/moe.py): routing, the two expert paths, the permutation.
+"""Mixtures of experts (features/moe/layer.py): routing, the two expert paths, the permutation.
 
 What it is:
   - routing ties: two experts with identical router rows tie on every token; our top-k picks
@@ -24,17 +24,19 @@ from hypothesis import given
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 
+from features.moe.config import MoEConfig
+from features.moe.layer import SparseMoE, combine, dispatch, route
 from level0_naive.loader import checkpoint_name, load_model, our_name
 from level0_naive.model import MLP, Linear, ModelConfig
-from level0_naive.moe import SparseMoE, combine, dispatch, route
 
 pytestmark = pytest.mark.level0
 
 
 def small_moe(num_experts=4, k=2, d=16, ff=24, seed=0, shared=0) -> SparseMoE:
+    moe = MoEConfig(num_experts=num_experts, num_experts_per_tok=k, moe_intermediate_size=ff, norm_topk_prob=True,
+                    shared_expert_intermediate_size=shared)
     cfg = ModelConfig(vocab_size=VOCAB, hidden_size=d, intermediate_size=ff, num_layers=1, num_heads=2,
-                      num_kv_heads=2, head_dim=8, num_experts=num_experts, num_experts_per_tok=k,
-                      moe_intermediate_size=ff, norm_topk_prob=True, shared_expert_intermediate_size=shared)  # fmt: skip
+                      num_kv_heads=2, head_dim=8, moe=moe)  # fmt: skip
     torch.manual_seed(seed)
     moe = SparseMoE(cfg, MLP, Linear).to(torch.float64)
     for p in moe.parameters():

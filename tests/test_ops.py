@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from conftest import VOCAB
 
-from level0_naive import cpu_ops, load_model
+from features.cpu_kernels import ops as cpu_ops
+from level0_naive import load_model
 from level0_naive.kv_cache import Slab, SlabAttention
 from level0_naive.model import apply_rope
 from level0_naive.ops import DEFAULT_OPS, Ops
@@ -249,12 +250,12 @@ def test_ops_setting_resolves_as_documented(monkeypatch, caplog):
     monkeypatch.setattr(cpu_ops.LIBRARY, "build", no_compiler)
     cpu_ops.LIBRARY.reset()
     try:
-        with caplog.at_level("WARNING", logger="level0_naive.native"):
+        with caplog.at_level("WARNING", logger="features.cpu_kernels.native"):
             assert cpu_ops.resolve_ops("auto", cpu) is DEFAULT_OPS  # a missing compiler is never an error ...
             assert cpu_ops.resolve_ops("auto", cpu) is DEFAULT_OPS
         with pytest.raises(RuntimeError, match="ops='cpu'.*command not found"):  # ... unless asked for by name
             cpu_ops.resolve_ops("cpu", cpu)
     finally:
         cpu_ops.LIBRARY.reset()
-    lines = [r.getMessage() for r in caplog.records if r.name == "level0_naive.native"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "features.cpu_kernels.native"]
     assert len(lines) == 1 and "cpu_ops.cpp" in lines[0] and "command not found" in lines[0]

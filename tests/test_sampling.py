@@ -7,8 +7,9 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from level0_naive.sampler import Sampler
-from level0_naive.sampling import SamplingParams, SamplingState, apply_penalties, filter_logits
+from level0_naive.logits_processors import SamplingState, apply_penalties
+from level0_naive.sampler import Sampler, filter_logits
+from level0_naive.sampling_params import SamplingParams
 
 sample = Sampler().sample
 

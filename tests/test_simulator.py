@@ -259,7 +259,7 @@ def test_a_chunk_after_a_prefix_hit_pays_its_own_row_cost():
     """A CPU's attention sends a query of more than LONG_QUERY tokens over a longer cache to SDPA alone, row by
     row: the cost model charges such a row `cached_chunk_overhead_s`, and no other kind of row."""
     from benchmarks.sim.cost import CACHED_CHUNK
-    from level1_paged.cpu_attention import LONG_QUERY
+    from features.cpu_kernels.attention import LONG_QUERY
 
     assert CACHED_CHUNK == LONG_QUERY  # the model follows the backend's rule
     shape, per_row = model_shape("llama-2-7b"), 5e-4

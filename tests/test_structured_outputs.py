@@ -28,8 +28,8 @@ import regex
 import level2_continuous
 import level3_prefix
 import level4_speculative
+from features.structured_outputs import StructuredOutputManager
 from level0_naive import SamplingParams, StructuredOutputsParams
-from level0_naive.structured import StructuredOutputManager
 
 pytest.importorskip("xgrammar", reason="structured outputs use xgrammar")
 
@@ -121,9 +121,9 @@ def test_the_batched_mask_equals_the_row_by_row_one(model):
     with no grammar."""
     import torch
 
+    from features.structured_outputs import GrammarMask
     from level0_naive.loader import load_tokenizer
-    from level0_naive.sampler import GrammarMask
-    from level0_naive.sampling import SamplingState
+    from level0_naive.logits_processors import SamplingState
 
     tok = load_tokenizer(model)
     xgr, ref, llg = (StructuredOutputManager(tok, 259, [257], b) for b in ("xgrammar", "reference", "guidance"))
@@ -204,6 +204,6 @@ def test_bad_specs_are_value_errors_naming_the_field(model):
     xgr = level2_continuous.LLM(model, dtype="float32", structured_outputs_backend="xgrammar")
     with pytest.raises(ValueError, match=r"structured_outputs.json is not supported by xgrammar: the schema.properties.title"):
         xgr.generate(["x"], SamplingParams(structured_outputs=spec), progress=False)
-    assert llm.llm_engine.structured.backend_for(spec) == "guidance"
+    assert llm.llm_engine.request_preparer.backend_for(spec) == "guidance"
     del bounded["properties"]["title"]["maxLength"]  # a pattern alone, and a property named "pattern": xgrammar's
-    assert llm.llm_engine.structured.backend_for(StructuredOutputsParams(json=bounded)) == "xgrammar"
+    assert llm.llm_engine.request_preparer.backend_for(StructuredOutputsParams(json=bounded)) == "xgrammar"

@@ -50,7 +50,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 HERE = Path(__file__).parent
-# level1_paged.cpu_attention.LONG_QUERY (a test holds them equal; this file stays free of torch): a query of
+# features.cpu_kernels.attention.LONG_QUERY (a test holds them equal; this file stays free of torch): a query of
 # more tokens over a longer cache goes to SDPA row by row
 CACHED_CHUNK = 8
 
@@ -71,7 +71,7 @@ class Hardware:
     context_overhead_s: float = 0.0  # per token of context attended over (a CPU's attention, below its roofline)
     shared_context_overhead_s: float | None = None  # per context token read again in a step (None: as above)
     # per chunk after a prefix hit (more than CACHED_CHUNK new tokens over a longer cached context): a CPU
-    # sends such a row to SDPA alone, one gather and call per row and layer (level1_paged/cpu_attention.py)
+    # sends such a row to SDPA alone, one gather and call per row and layer (features/cpu_kernels/attention.py)
     cached_chunk_overhead_s: float = 0.0
     kv_reuse: bool = False  # a KV block read again in one step comes from the cache (a CPU: a tiny model's
     # shared prefix fits in it); GPUs: False, every request's KV from HBM (paged attention reads per request)

@@ -38,7 +38,7 @@ import random
 from dataclasses import dataclass
 
 from ladder.progress import GenerateProgress
-from level0_naive.sampling import RequestOutputKind, SamplingParams
+from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
 from .cost import Hardware, gpu, kv_budget, model_shape
 from .engines import (

@@ -50,7 +50,7 @@ import torch
 
 from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
-from level0_naive.sampling import RequestOutputKind, SamplingParams
+from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
 from .cost import Hardware, ModelShape, cached_chunks, step_cost
 from .engines import (

@@ -1,6 +1,6 @@
 """The CPU fast path of the ops seam: RMSNorm and RoPE compiled, the matmuls left to PyTorch.
 
-What it is: `CpuOps`, an `Ops` (ops.py) whose `rms_norm` and `rope` are one call each into
+What it is: `CpuOps`, an `Ops` (level0_naive/ops.py) whose `rms_norm` and `rope` are one call each into
 `cpu_ops.cpp` (its header says why and how exact), and `resolve_ops(name, device)`, what
 an engine's `ops=` setting means:
 
@@ -10,7 +10,8 @@ an engine's `ops=` setting means:
 
 `linear` stays PyTorch's (oneDNN/MKL at these shapes is at the machine's matmul rate:
 `python -m benchmarks.profile`), and so does `silu_mul` (PyTorch's vectorised SiLU is
-faster than cpu_ops.cpp's beyond one row; invariant_ops.py uses the compiled one for its
+faster than cpu_ops.cpp's beyond one row; the batch-invariant ops (features/batch_invariance)
+use the compiled one for its
 single code path). What is not float32 or bfloat16, or not laid out as the kernels
 expect, goes to the default twin: float64 keeps HF's exact formulas (the equivalence
 tests' dtype), float16 and strided tensors are rare here.
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import torch
 
+from level0_naive.ops import DEFAULT_OPS, Ops
+
 from .native import NativeLibrary
-from .ops import DEFAULT_OPS, Ops
 
 SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}  # what cpu_ops.cpp takes
 NORM = {torch.float32, torch.bfloat16}  # CpuOps' compiled norms (float64: the torch formula, HF's bits)
@@ -53,7 +55,7 @@ def _row_stride(x: torch.Tensor) -> int | None:
 class CpuOps(Ops):
     """PyTorch's matmuls, compiled RMSNorm and RoPE (cpu_ops.cpp); the default formulas where they do not apply."""
 
-    norm_dtypes = NORM  # the batch-invariant ops (invariant_ops.py) add float64
+    norm_dtypes = NORM  # the batch-invariant ops (features/batch_invariance/ops.py) add float64
 
     def __init__(self, asked_for: str = "ops='cpu'"):
         self.lib = LIBRARY.require(asked_for)
@@ -81,7 +83,7 @@ class CpuOps(Ops):
         return out
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] -> rotated copies (ops.apply_rope's bits)."""
+        """q [T, Hq, D], k [T, Hkv, D], cos/sin [T, D/2] -> rotated copies (level 0's apply_rope's bits)."""
         if q.dtype not in SUFFIX or not all(t.dtype == q.dtype and t.device.type == "cpu" for t in (k, cos, sin)):
             return super().rope(q, k, cos, sin)
         rows = [_row_stride(t) for t in (q, k)]

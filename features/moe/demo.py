@@ -1,10 +1,10 @@
-"""`python -m level5_multigpu.moe_demo` (or `python -m level5_multigpu.demo --moe`): a mixture of
+"""`python -m features.moe.demo` (or `python -m level5_multigpu.demo --moe`): a mixture of
 experts in one process, with every expert sliced over two ranks, and with whole experts per rank.
 
 What it is: the built-in mixture (`tiny-shakespeare-moe`: 8 experts, 2 per token, Mixtral's
 layout) greedy on the same prompts in three layouts,
 
-    one process       level 0's SparseMoE
+    one process       SparseMoE (layer.py) in level 0's model
     TP=2              every expert sliced over 2 ranks; one all-reduce per MoE layer
     TP=2 + EP         4 whole experts per rank; tokens dispatched to their experts' ranks and
                       combined back (all-to-alls: the row counts, the rows, their expert ids, the
@@ -38,10 +38,9 @@ from rich.table import Table
 
 from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
 from ladder.models import BUILTIN_MOE
-from level0_naive.sampling import SamplingParams
-
-from .engine import LLM
-from .parallel_state import counters, predicted_seconds, waited
+from level0_naive.sampling_params import SamplingParams
+from level5_multigpu.engine import LLM
+from level5_multigpu.parallel_state import counters, predicted_seconds, waited
 
 LAYOUTS = {"one process": dict(tensor_parallel_size=1), "TP=2": dict(tensor_parallel_size=2),
            "TP=2 + EP": dict(tensor_parallel_size=2, enable_expert_parallel=True)}  # fmt: skip
@@ -50,7 +49,7 @@ LINE = "ROMEO:\nBut, soft! what light through yonder window breaks?"
 
 
 def parser():
-    p = demo_parser(__doc__, "level5_multigpu.moe_demo")
+    p = demo_parser(__doc__, "features.moe.demo")
     p.add_argument("--requests", type=positive_int, default=8, help="how many requests (default 8)")
     p.add_argument("--plot", type=Path, default=None, help="where to draw the routing (default: outside the repository)")
     p.set_defaults(max_tokens=32, temperature=0.0, dtype="float64", model=None)
@@ -139,7 +138,7 @@ def route_line(model: str, line: str) -> dict:
     slab = Slab(loaded.config, len(ids), torch.float32, "cpu")
     loaded.model(torch.tensor(ids), torch.arange(len(ids)), SlabAttention([slab], torch.tensor([0, len(ids)])))
     layers = [layer.mlp.last_ids.tolist() for layer in loaded.model.model.layers if hasattr(layer.mlp, "last_ids")]
-    E = loaded.config.num_experts
+    E = loaded.config.moe.num_experts
     load = [[sum(e == x for tok in choices for e in tok) / (len(choices) * len(choices[0])) for x in range(E)]
             for choices in layers]  # fmt: skip
     return {"chars": [loaded.tokenizer.decode([t]) for t in ids], "choices": layers, "load": load, "num_experts": E}

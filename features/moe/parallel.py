@@ -1,6 +1,6 @@
 """A mixture of experts on several ranks: expert parallelism beside tensor parallelism.
 
-What it is: the two ways to spread level 0's `SparseMoE` (level0_naive/moe.py) over a TP group,
+What it is: the two ways to spread `SparseMoE` (layer.py) over one of level 5's TP groups,
 chosen by `enable_expert_parallel`. Attention stays tensor-parallel either way, so every rank
 enters the MoE block with the same hidden states x [T, d] and must leave it with the same output.
 
@@ -22,7 +22,7 @@ enters the MoE block with the same hidden states x [T, d] and must leave it with
         experts 0-1 on what arrived                  experts 2-3 on what arrived
            ... all-to-all back (combine), weighted sum per token, all-gather -> [T, d] on both
 
-The sort by expert and its inverse are level 0's `dispatch` and `combine`; since each rank's
+The sort by expert and its inverse are layer.py's `dispatch` and `combine`; since each rank's
 experts are contiguous, rows sorted by expert are rows sorted by destination rank. A shared
 expert (Qwen2-MoE) is sliced like a dense MLP under TP, and replicated under EP (each rank runs
 it on its own token slice). Every message is counted in `Comm.stats` (all_to_all: the bytes sent
@@ -44,10 +44,10 @@ import torch
 from torch import nn
 
 from level0_naive.model import MLP
-from level0_naive.moe import combine, dispatch, moe_grouped, route, run_sorted
+from level5_multigpu.layers import ColumnParallelLinear, MergedColumnParallelLinear, ShardReader, _split
+from level5_multigpu.parallel_state import Comm
 
-from .layers import ColumnParallelLinear, MergedColumnParallelLinear, ShardReader, _split
-from .parallel_state import Comm
+from .layer import combine, dispatch, moe_grouped, route, run_sorted
 
 
 class ExpertSlice(MLP):
@@ -84,12 +84,12 @@ class TensorParallelMoE(nn.Module):
     def __init__(self, cfg, reader: ShardReader, prefix: str, comm: Comm):
         super().__init__()
         tp, r = comm.topo.tp, comm.topo.tp_rank
-        self.comm, self.top_k, self.normalize = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
+        self.comm, self.top_k, self.normalize = comm, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob
         self.gate = replicated(reader, f"{prefix}.gate.weight")  # the router [E, d], on every rank
-        self.experts = nn.ModuleList(load_slice(reader, f"{prefix}.experts.{e}", cfg.moe_intermediate_size, tp, r)
-                                     for e in range(cfg.num_experts))  # fmt: skip
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = load_slice(reader, f"{prefix}.shared_expert", cfg.shared_expert_intermediate_size, tp, r)
+        self.experts = nn.ModuleList(load_slice(reader, f"{prefix}.experts.{e}", cfg.moe.moe_intermediate_size, tp, r)
+                                     for e in range(cfg.moe.num_experts))  # fmt: skip
+        if cfg.moe.shared_expert_intermediate_size:
+            self.shared_expert = load_slice(reader, f"{prefix}.shared_expert", cfg.moe.shared_expert_intermediate_size, tp, r)
             self.shared_expert_gate = replicated(reader, f"{prefix}.shared_expert_gate.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,16 +106,16 @@ class ExpertParallelMoE(nn.Module):
     def __init__(self, cfg, reader: ShardReader, prefix: str, comm: Comm):
         super().__init__()
         tp, r = comm.topo.tp, comm.topo.tp_rank
-        if cfg.num_experts % tp:
-            raise ValueError(f"expert parallelism: {cfg.num_experts} experts do not divide by tensor_parallel_size={tp}")
-        self.comm, self.top_k, self.normalize = comm, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.per_rank = cfg.num_experts // tp
+        if cfg.moe.num_experts % tp:
+            raise ValueError(f"expert parallelism: {cfg.moe.num_experts} experts do not divide by tensor_parallel_size={tp}")
+        self.comm, self.top_k, self.normalize = comm, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob
+        self.per_rank = cfg.moe.num_experts // tp
         self.first = r * self.per_rank  # this rank's experts: [first, first + per_rank)
         self.gate = replicated(reader, f"{prefix}.gate.weight")
-        self.experts = nn.ModuleList(load_whole(reader, f"{prefix}.experts.{e}", cfg.moe_intermediate_size)
+        self.experts = nn.ModuleList(load_whole(reader, f"{prefix}.experts.{e}", cfg.moe.moe_intermediate_size)
                                      for e in range(self.first, self.first + self.per_rank))  # fmt: skip
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = load_whole(reader, f"{prefix}.shared_expert", cfg.shared_expert_intermediate_size)
+        if cfg.moe.shared_expert_intermediate_size:
+            self.shared_expert = load_whole(reader, f"{prefix}.shared_expert", cfg.moe.shared_expert_intermediate_size)
             self.shared_expert_gate = replicated(reader, f"{prefix}.shared_expert_gate.weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

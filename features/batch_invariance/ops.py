@@ -1,12 +1,13 @@
 """Batch-invariant ops: every row's result depends on that row alone, never on the batch.
 
-What it is: `InvariantOps`, the ops (ops.py) that `batch_invariant=True` gives the model,
+What it is: `InvariantOps`, the ops (level0_naive/ops.py's seam) that `batch_invariant=True` gives the model,
 each beside its default twin and named for what it fixes:
 
     linear     invariant_ops.cpp: each output one sum over k = 0 .. K-1 in order, with the
                weight packed once per matrix; PyTorch's matmul changes its algorithm (and
                so its order of additions) with the number of rows
-    rms_norm   cpu_ops.cpp: a fixed order of its own for the sum of squares, in every dtype
+    rms_norm   features/cpu_kernels' cpu_ops.cpp: a fixed order of its own for the sum of squares,
+               in every dtype
     silu_mul   cpu_ops.cpp: one code path for every element; PyTorch computes a tensor's
                last few elements with a scalar SiLU that rounds differently from its vector one
     rope       CpuOps' (cpu_ops.cpp), bit for bit PyTorch's: elementwise and already invariant
@@ -14,7 +15,7 @@ each beside its default twin and named for what it fixes:
 Attention is the backend's part (the mode asks the engine for one that adds every sum in a
 fixed order), and the sampler's: a row's probabilities come from its own logits, and with
 the mode a sampled token is argmax(log p + noise keyed by the request's seed and the
-token's position) (sampling.keyed_gumbel).
+token's position) (sampler.py: `KeyedSampler`).
 
 Why: a request's tokens and logprobs should not depend on what else the server is doing.
 docs/batch_invariance.md has the worked example, the measured cost and what it does not
@@ -34,8 +35,8 @@ from pathlib import Path
 
 import torch
 
-from .cpu_ops import SUFFIX, CpuOps
-from .native import NativeLibrary
+from features.cpu_kernels.native import NativeLibrary
+from features.cpu_kernels.ops import SUFFIX, CpuOps
 
 LIBRARY = NativeLibrary(
     Path(__file__).with_name("invariant_ops.cpp"),

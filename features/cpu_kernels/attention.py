@@ -1,12 +1,13 @@
-"""Level 1's compiled CPU backend: ``cpu_attention.cpp`` built once, or one line saying why not.
+"""The compiled CPU attention backend: ``cpu_attention.cpp`` built once, or one line saying why not.
 
 What this is
     ``paged_attention_cpu`` and ``write_kv_cpu``, the two functions
-    ``attention_backend="auto"`` picks on a CPU (``paged_cache.attention_impl``): the C++
+    ``attention_backend="auto"`` picks on a CPU (level 1's ``attention_impl``, through
+    ``ladder/rooms.py``): the C++
     kernel in ``cpu_attention.cpp`` (its header draws the loop nest), reading K and V in
     place through the block tables, for decodes, verifications and prefills, all in one
     call; and the cache write, one call for a step's tokens. Two kinds of query go to
-    ``attention_ref``'s SDPA instead: a query of more than ``LONG_QUERY`` tokens over a
+    level 1's ``attention_ref`` SDPA instead: a query of more than ``LONG_QUERY`` tokens over a
     longer cached context (a chunk after a prefix hit: SDPA's blocked matmuls win there,
     measured below), and float16, which the kernel does not take. ``kernel`` alone takes
     every query, which is what ``batch_invariant=True`` uses (one reduction order for all).
@@ -17,14 +18,14 @@ What this is
     it adds every sum in a fixed order, so a row's result never depends on the rest of
     the batch (what ``batch_invariant=True`` builds on).
 
-    How it is built: ``level0_naive/native.py`` compiles it with the system's C++
+    How it is built: ``native.py`` compiles it with the system's C++
     compiler (about a second, cached per machine) and loads it with ``ctypes``. If it
     cannot be built (no compiler), ``available()`` is False, the reason is logged once,
     and ``auto`` uses the torch backend: a missing compiler is never an error.
     ``attention_backend="cpu"`` asks for the kernel by name and does raise, with the reason.
 
 What this is not
-    Not a GPU path (``triton_attention.py`` is), and not the fastest CPU attention there
+    Not a GPU path (level 1's ``triton_attention.py`` is), and not the fastest CPU attention there
     is: vLLM's ``csrc/cpu/`` kernels tile queries and use intrinsics. This one is written
     to be read beside the Triton kernel.
 """
@@ -35,13 +36,14 @@ from pathlib import Path
 
 import torch
 
-from level0_naive.native import NativeLibrary
+from level1_paged.attention_ref import paged_attention_torch, write_kv_cache
 
-from .attention_ref import paged_attention_torch, write_kv_cache
+from .native import NativeLibrary
 
 __all__ = [
     "LIBRARY",
     "LONG_QUERY",
+    "attention_functions",
     "available",
     "build_error",
     "kernel",
@@ -149,3 +151,15 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots),
         k_cache.shape[2] * k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(),
     )  # fmt: skip
+
+
+def attention_functions(name: str, device: torch.device):
+    """`attention_backend` "auto" or "cpu" on a CPU -> (write_kv_cpu, paged_attention_cpu); "auto" where the
+    kernel cannot be built -> None (level 1 then uses its torch backend); "cpu" there -> the RuntimeError."""
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpu' runs on CPU tensors, not {device.type}")
+        require()  # built, or a RuntimeError with the reason
+    elif not available():
+        return None
+    return write_kv_cpu, paged_attention_cpu

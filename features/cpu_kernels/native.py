@@ -1,8 +1,8 @@
 """Compiled CPU kernels: a C++ file built once with the system's compiler, loaded with ctypes.
 
 What it is: `NativeLibrary(source, signatures)`, the one way the ladder turns a small C++
-file into functions Python can call (level 0's `cpu_ops.cpp` and `invariant_ops.cpp`, and the
-kernels of the levels above). The sources include no torch header (they take raw pointers
+file into functions Python can call (this room's `cpu_ops.cpp` and `cpu_attention.cpp`, and
+`features/batch_invariance/invariant_ops.cpp`). The sources include no torch header (they take raw pointers
 and sizes), so one `c++ -O3 -shared` call of about a second makes a shared library, named by
 a hash of the source, the flags, the compiler and the CPU it was built for (`-march=native`:
 a library built for one CPU may not run on another that shares the cache folder), in

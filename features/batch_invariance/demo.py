@@ -1,9 +1,9 @@
-"""`python -m level1_paged.invariance`: one request, alone and among others, with and without batch invariance.
+"""`python -m features.batch_invariance.demo`: one request, alone and among others, with and without batch invariance.
 
 What it is: two experiments with the built-in model in float32 on the CPU (the mode's
 kernels are C++), each run twice, with
-PyTorch's kernels (the default) and with `batch_invariant=True` (level0_naive/invariant_ops.py
-and the compiled attention kernel for every query):
+PyTorch's kernels (the default) and with `batch_invariant=True` (this room's ops.py and the
+compiled attention kernel for every query):
 
   1. The engine. N copies of one prompt (greedy, logprobs on), each generated in a batch of
      its own: with 0, 1, 2, ... other requests of varied lengths, the copy at a different
@@ -36,17 +36,16 @@ from rich.table import Table
 
 from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
 from ladder.models import default_model
-from level0_naive.sampling import SamplingParams
-
-from .engine import LLM
-from .worker import ModelInput
+from level0_naive.sampling_params import SamplingParams
+from level1_paged.engine import LLM
+from level1_paged.worker import ModelInput
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 MODES = {"default": False, "batch_invariant": True}
 
 
 def parser():
-    p = demo_parser(__doc__, "level1_paged.invariance")
+    p = demo_parser(__doc__, "features.batch_invariance.demo")
     p.add_argument("--copies", type=positive_int, default=12, help="copies of the prompt, each in its own batch (12)")
     p.add_argument("--plot", type=Path, default=None, help="where to save the layer-by-layer picture")
     return p

@@ -13,8 +13,8 @@ and the two ways of running the experts, kept side by side and tested equal:
                   expert over its contiguous rows, then each row weighted and added back to its
                   token (`combine`): E matmuls whatever T is
 
-`dispatch` and `combine` are also what expert parallelism sends over the network (level 5:
-`level5_multigpu/moe.py`): rows sorted by expert are rows sorted by the rank that owns it.
+`dispatch` and `combine` are also what expert parallelism sends over the network (level 5's
+ranks: `parallel.py`): rows sorted by expert are rows sorted by the rank that owns it.
 
 Routing follows the checkpoints' own code (transformers' `*TopKRouter`): the softmax and the
 top-k in float32 whatever the model's dtype, the k weights renormalised to sum to 1 when the
@@ -95,14 +95,16 @@ class SparseMoE(nn.Module):
     """The MoE block; parameter names are Qwen-MoE's (the loader renames Mixtral's w1/w3/w2 to them)."""
 
     def __init__(self, cfg, expert_mlp: type, linear: type):
-        """`expert_mlp(cfg, intermediate_size)` and `linear(in, out, bias)`: model.py's MLP and Linear, so
-        that every matmul goes through the ops seam as the rest of the model's do."""
+        """`cfg`: level 0's ModelConfig, its mixture in `cfg.moe` (config.py); `expert_mlp(cfg, intermediate_size)`
+        and `linear(in, out, bias)`: model.py's MLP and Linear, so that every matmul goes through the ops seam
+        as the rest of the model's do."""
         super().__init__()
-        self.num_experts, self.top_k, self.normalize = cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob
-        self.gate = linear(cfg.hidden_size, cfg.num_experts, bias=False)  # the router
-        self.experts = nn.ModuleList(expert_mlp(cfg, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
-        if cfg.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert that every token takes
-            self.shared_expert = expert_mlp(cfg, cfg.shared_expert_intermediate_size)
+        m = cfg.moe
+        self.num_experts, self.top_k, self.normalize = m.num_experts, m.num_experts_per_tok, m.norm_topk_prob
+        self.gate = linear(cfg.hidden_size, m.num_experts, bias=False)  # the router
+        self.experts = nn.ModuleList(expert_mlp(cfg, m.moe_intermediate_size) for _ in range(m.num_experts))
+        if m.shared_expert_intermediate_size:  # Qwen2-MoE: one more expert that every token takes
+            self.shared_expert = expert_mlp(cfg, m.shared_expert_intermediate_size)
             self.shared_expert_gate = linear(cfg.hidden_size, 1, bias=False)
         self.grouped = True  # False: moe_naive (the benchmark compares the two)
         self.last_ids: torch.Tensor | None = None  # the last forward's routing [T, k], for the routing picture

@@ -1,0 +1,98 @@
+"""The registry of rooms: which capability answers a setting, imported only when it is asked for.
+
+What it is: the one door between the levels and the rooms (`features/`). A room is a
+capability that cuts across the levels; it lives in one package named for it and plugs
+into a seam the levels expose. A level asks here, by a setting's value, and the room's
+package is imported then, not before:
+
+    the setting                                  the room                      the seam it plugs into
+    ops="auto" | "cpu"                           features.cpu_kernels          the ops (level0_naive/ops.py)
+    attention_backend="auto" | "cpu" on a CPU    features.cpu_kernels          the attention backend (level 1)
+    batch_invariant=True                         features.batch_invariance     the ops, the attention backend,
+                                                                               the sampler's draw
+    SamplingParams(structured_outputs=...)       features.structured_outputs   the sampler's processors, the
+                                                                               request's constraint (level 0)
+    a checkpoint with experts (Mixtral, Qwen-MoE) features.moe                 the model's MLP, the loader,
+                                                                               level 5's sharded layers
+
+A level imports this file and never a room; a room imports the level files whose seams it
+plugs into and never this file; this file imports no level and no room (only their names,
+as strings). So the arrows run one way: levels -> ladder, rooms -> levels. Where a room is
+the default today (the compiled CPU kernels), the default settings still reach it here.
+
+What it is not: a plugin system (the table is written out, one line per room), or a place
+for a room's logic: each function below picks a room and calls it.
+
+Reference: vLLM's registries that map a setting to an implementation loaded on demand
+(`model_executor/models/registry.py`'s lazy model classes, `attention/selector.py`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+ROOMS = {
+    "cpu_kernels": "features.cpu_kernels",
+    "batch_invariance": "features.batch_invariance",
+    "structured_outputs": "features.structured_outputs",
+    "moe": "features.moe",
+}
+# Names a room lends a level's public API (`from level3_prefix import StructuredOutputsParams`).
+EXPORTS = {"StructuredOutputsParams": "structured_outputs"}
+# Checkpoint model types a room adds to the loader's dense Llama family.
+ARCHITECTURES = {"mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe"}
+
+
+def load(room: str) -> ModuleType:
+    """The room's package (imported on the first call)."""
+    if room not in ROOMS:
+        raise ValueError(f"there is no room {room!r}; the rooms are {', '.join(ROOMS)}")
+    return importlib.import_module(ROOMS[room])
+
+
+def export(name: str):
+    """A public name a room lends the levels, or AttributeError (what a module's `__getattr__` raises)."""
+    if name not in EXPORTS:
+        raise AttributeError(name)
+    return getattr(load(EXPORTS[name]), name)
+
+
+def ops(name: str, batch_invariant: bool, device, dtype):
+    """An engine's `ops=` and `batch_invariant=` -> the Ops its model computes with."""
+    if batch_invariant:
+        return load("batch_invariance").invariant_ops(device, dtype)
+    return load("cpu_kernels").resolve_ops(name, device)
+
+
+def attention(name: str, device, batch_invariant: bool):
+    """`attention_backend=` on a CPU ("auto", "cpu") or with `batch_invariant=True` -> the compiled
+    kernel's (write_kv, attend), or None where "auto" finds no compiler (the level's torch backend)."""
+    if batch_invariant:
+        return load("batch_invariance").invariant_attention(name, device)
+    return load("cpu_kernels").attention_functions(name, device)
+
+
+def sampler_class(batch_invariant: bool):
+    """The sampler class a room swaps in (`batch_invariant=True`: draws keyed by position), or None."""
+    return load("batch_invariance").KeyedSampler if batch_invariant else None
+
+
+def logits_processors() -> list:
+    """The processors rooms add to the sampler's chain (each applies only to the requests that ask)."""
+    return [load("structured_outputs").GrammarMask()]
+
+
+def request_preparer(tokenizer, vocab_size: int, stop_ids: list[int], backend: str):
+    """What prepares a request whose parameters ask for a room (structured outputs: its spec is
+    compiled, each sample gets its constraint); `backend` is `structured_outputs_backend=`."""
+    return load("structured_outputs").StructuredOutputManager(tokenizer, vocab_size, stop_ids, backend)
+
+
+def architecture(model_type: str) -> ModuleType | None:
+    """The room that adds this checkpoint model type, or None (the loader's own Llama family)."""
+    return load(ARCHITECTURES[model_type]) if model_type in ARCHITECTURES else None
+
+
+__all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
+           "logits_processors", "request_preparer", "architecture"]  # fmt: skip
