@@ -127,8 +127,8 @@ def run_offline(engine, args, pace) -> int:
 
 
 def sim_engine(args):
+    from benchmarks.sim.clock import SimClock
     from benchmarks.sim.cost import gpu
-    from benchmarks.sim.engines import SimClock
     from benchmarks.sim.serve import make_engine
 
     return make_engine(args.system, args.model, gpu(args.gpu), SimClock()), args.model

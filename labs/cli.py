@@ -1,18 +1,21 @@
 """`python -m labs`: start a lab, check it, run the experiment with your code in the engine.
 
     python -m labs list                               the labs, their checks and handouts
-    python -m labs start 2 ~/labs/lab2                copy lab 2's starter(s) there
+    python -m labs start 2 ~/labs/lab2                write lab 2's starter(s) there, made now from the reference
     python -m labs check 2 ~/labs/lab2/scheduler.py   run lab 2's checks on your file (--json for autograding,
                                                       --hints full|short|none: how much a failed check says)
     python -m labs experiment 2 ~/labs/lab2           the handout's experiment, with your code swapped in
     python -m labs run 2 ~/labs/lab2 -m level2_continuous.demo --requests 8
                                                       any module (a demo, a benchmark), with your code swapped in
     python -m labs plant 2 oldest-victim ~/bugs       the reference with a planted bug (for teachers)
-    python -m labs starters                           rewrite labs/starters/ from the reference (maintainers)
+    python -m labs starters [--lab 2] [DIR]           every lab's starter (--lab: one lab's), printed, or with DIR
+                                                      written there as DIR/lab2/scheduler.py (for teachers)
 
-What it is: the command line over `labs.grading` and `labs.runner`. Your file replaces
-the reference module under the reference's name, in a subprocess, so the rest of the
-engine (the real one) runs your piece; nothing you run here changes the repository.
+What it is: the command line over `labs.grading`, `labs.runner` and `labs.starters`. No
+starter is kept in the repository: `start` and `starters` make them from the reference as
+they run. Your file replaces the reference module under the reference's name, in a
+subprocess, so the rest of the engine (the real one) runs your piece; nothing you run here
+changes the repository.
 
 `check --json` prints exactly one JSON object, whatever happens: when the checks cannot run
 (a file that does not parse, a missing file, an unknown lab), it is the usual report with
@@ -25,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -35,6 +37,7 @@ from pathlib import Path
 from . import grading, spec, swap
 from .grading import LabsError
 from .spec import REPO
+from .starters import make_starter
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,7 +45,7 @@ def parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the labs, their checks and handouts")
-    s = sub.add_parser("start", help="copy a lab's starter files into a directory of yours")
+    s = sub.add_parser("start", help="write a lab's starter files, made from the reference, into a directory of yours")
     s.add_argument("lab")
     s.add_argument("dir", type=Path)
     s.add_argument("--force", action="store_true", help="overwrite files already there")
@@ -70,8 +73,10 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("lab")
     b.add_argument("bug", help="a bug's name (python -m labs list shows them)")
     b.add_argument("dir", type=Path)
-    st = sub.add_parser("starters", help="rewrite labs/starters/ from the reference (maintainers)")
-    st.add_argument("--check", action="store_true", help="only say whether they are up to date (exit 1 if not)")
+    st = sub.add_parser("starters", help="every lab's starter as `start` makes it: printed, or written to DIR/lab<id>/")
+    st.add_argument("dir", type=Path, nargs="?", help="write them here, one folder a lab (default: print them)")
+    st.add_argument("--lab", help="only this lab's")
+    st.add_argument("--force", action="store_true", help="overwrite files already in DIR")
     return p
 
 
@@ -115,15 +120,30 @@ def cmd_list(args) -> int:
 
 def cmd_start(args) -> int:
     lab = _lab(args.lab)
-    args.dir.mkdir(parents=True, exist_ok=True)
-    for m in lab.modules:
-        src, dst = lab.starter_dir / m.filename, args.dir / m.filename
-        if dst.exists() and not args.force:
-            raise LabsError(f"{dst} exists (your work?); use --force to overwrite it")
-        shutil.copyfile(src, dst)
-        print(f"{dst}  <- your copy of {m.reference_path.relative_to(REPO)}")
+    starters = _starters(lab)
+    _write({args.dir / m.filename: text for m, text in starters}, args.force)
+    for m, _ in starters:
+        print(f"{args.dir / m.filename}  <- your copy of {m.reference_path.relative_to(REPO)}")
     print(f"next: fill in the TODOs, then  python -m labs check {lab.id} {args.dir}")
     return 0
+
+
+def _starters(lab: spec.Lab) -> list[tuple[spec.Module, str]]:
+    """Each module of the lab and its starter, made now from the reference."""
+    try:
+        return [(m, make_starter(lab, m)) for m in lab.modules]
+    except ValueError as e:  # a level changed under the lab (a part renamed): say so, not a trace
+        raise LabsError(f"lab {lab.id}'s starter cannot be made from today's reference: {e}") from None
+
+
+def _write(files: dict[Path, str], force: bool) -> None:
+    """Write every file, or, if one is there already and not `force`, none: a student's work is never lost."""
+    for dst in files:
+        if dst.exists() and not force:
+            raise LabsError(f"{dst} exists (your work?); use --force to overwrite it")
+    for dst, text in files.items():
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(text)
 
 
 def cmd_check(args) -> int:
@@ -237,20 +257,18 @@ def plant(bug: spec.Bug, source: str) -> str:
 
 
 def cmd_starters(args) -> int:
-    from .starters import starter_files
-
-    stale = []
-    for lab in spec.all_labs():
-        for rel, text in starter_files(lab).items():
-            path = REPO / rel
-            if not path.is_file() or path.read_text() != text:
-                stale.append(rel)
-                if not args.check:
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    path.write_text(text)
-    verb = "stale" if args.check else "rewritten"
-    print("\n".join(f"{verb}: {s}" for s in stale) or "every starter is up to date")
-    return 1 if (stale and args.check) else 0
+    """Every lab's starters (or `--lab`'s): printed one after another, each under a `==> lab<id>/<file> <==`
+    line (as `head` prints several files), or written to DIR/lab<id>/<file>, a path printed for each."""
+    labs = [_lab(args.lab)] if args.lab else spec.all_labs()
+    files = {Path(f"lab{lab.id}") / m.filename: text for lab in labs for m, text in _starters(lab)}
+    if args.dir is not None:
+        _write({args.dir / rel: text for rel, text in files.items()}, args.force)
+        print("\n".join(str(args.dir / rel) for rel in files))
+        return 0
+    for rel, text in files.items():
+        print(f"==> {rel.as_posix()} <==")
+        print(text, end="" if text.endswith("\n") else "\n")
+    return 0
 
 
 def _lab(lab_id: str) -> spec.Lab:

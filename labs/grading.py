@@ -59,7 +59,7 @@ def resolve(lab: Lab, paths: list[str | Path]) -> dict[str, str]:
             raise LabsError(f"{p}: no such file or directory")
     missing = [m.filename for m in lab.modules if m.filename not in files]
     if missing:
-        raise LabsError(f"lab {lab.id} needs {', '.join(missing)} too (copy the starters with "
+        raise LabsError(f"lab {lab.id} needs {', '.join(missing)} too (get its starter with "
                         f"`python -m labs start {lab.id} DIR`)")  # fmt: skip
     swaps = {}
     for m in lab.modules:

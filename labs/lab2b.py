@@ -1,6 +1,6 @@
-"""Lab 2b: Orca's reservations against paged blocks, on a simulated GPU (`benchmarks/sim/engines.py`).
+"""Lab 2b: Orca's reservations against paged blocks, on a simulated GPU (`benchmarks/sim/orca.py`).
 
-What it is: the lab's definition (see `labs/spec.py`): in `benchmarks/sim/engines.py`,
+What it is: the lab's definition (see `labs/spec.py`): in `benchmarks/sim/orca.py`,
 `next_power_of_two`, `ReservingKVCacheManager.first_fit` (where a contiguous region of a size
 goes, or that none fits) and `SimulatedOrca.reserve` (how much a request reserves under Orca
 Max, Pow2 and Oracle); the checks (`tests/test_simulator.py`: the reservation sizes and first
@@ -64,9 +64,9 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("bump-allocator", "benchmarks.sim.engines",
+    Bug("bump-allocator", "benchmarks.sim.orca",
         "            if start - at >= size:\n                return at\n", "", ("reservations",)),
-    Bug("pow2-too-big", "benchmarks.sim.engines",
+    Bug("pow2-too-big", "benchmarks.sim.orca",
         "    return 1 << max(0, n - 1).bit_length()\n", "    return 1 << n.bit_length()\n", ("reservations",)),
 )  # fmt: skip
 
@@ -74,7 +74,7 @@ LAB = Lab(
     id="2b",
     topic="Orca's contiguous reservations against paged blocks, on a simulated GPU",
     handout="lab2b_what_if.md",
-    modules=(Module("benchmarks.sim.engines", PARTS),),
+    modules=(Module("benchmarks.sim.orca", PARTS),),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("benchmarks.simulate", ("--requests", "300", "--points", "5", "--tp", "1"),

@@ -7,7 +7,7 @@ micro-batches, then take the oldest one's logits back, sample, update) and
 `ParallelEngine._skip_aborted` (a request aborted while its micro-batch was in flight gets no
 token). The checks are the level's own tests (`tests/test_level5.py`: disjoint micro-batches and
 a full pipeline, admission order, an abort in flight; `tests/test_equivalence.py`: PP=2 with and
-without speculation against the oracle). Then, in `benchmarks/sim/engines.py`,
+without speculation against the oracle). Then, in `benchmarks/sim/clock.py`,
 `SimulatedExecutor.through_the_stages`: the GPU what-if's clock for a pipeline, each stage a
 clock of its own, so your batch queue, run on a modelled GPU, shows what it buys there
 (`tests/test_simulator.py`). Four planted bugs; the experiment (`labs/lab5c_experiment.py`: one
@@ -115,7 +115,7 @@ BUGS = (
     Bug("aborted-sampled", "level5_multigpu.engine",
         "        keep = [i for i, r in enumerate(out.requests) if not r.is_finished]\n",
         "        keep = list(range(len(out.requests)))\n", ("abort",)),
-    Bug("stages-wait-for-all", "benchmarks.sim.engines",
+    Bug("stages-wait-for-all", "benchmarks.sim.clock",
         "            t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
         "            t = max(t, *self.stage_free) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)\n",
         ("stages",)),
@@ -125,7 +125,7 @@ LAB = Lab(
     id="5c",
     topic="pipeline parallelism's batch queue: micro-batches of disjoint requests in flight",
     handout="lab5c_pipeline.md",
-    modules=(Module("level5_multigpu.engine", PARTS), Module("benchmarks.sim.engines", SIM_PARTS)),
+    modules=(Module("level5_multigpu.engine", PARTS), Module("benchmarks.sim.clock", SIM_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab5c_experiment", (),

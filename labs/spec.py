@@ -101,10 +101,6 @@ class Lab:
     minutes: int = 90  # the time a student needs, for the teacher's note
     notes: dict = field(default_factory=dict)
 
-    @property
-    def starter_dir(self) -> Path:
-        return REPO / "labs" / "starters" / f"lab{self.id}"
-
     def module_for_file(self, filename: str) -> Module | None:
         return next((m for m in self.modules if m.filename == filename), None)
 

@@ -7,10 +7,11 @@ the first lines of its body), and replaces the rest with the part's guiding comm
 runs inside the real engine. Imports that only the removed code used are kept and marked,
 because the student's code will need them.
 
-`python -m labs starters` rewrites `labs/starters/lab<id>/*.py`; a test checks that the
-committed starters are what this function makes from today's reference, so a change to a
-level that the labs have not caught up with fails loudly instead of handing students a
-stale copy.
+No starter is committed: `python -m labs start N DIR` makes lab N's from today's reference
+when a student asks for it, and `python -m labs starters [DIR]` shows a teacher every lab's.
+So a starter can never be a stale copy, and a grep of the repository finds each line once. A
+change to a level that a lab's parts no longer fit (a renamed function, a `keep_until` line
+gone) fails here, with the part's name, and tests/test_labs.py makes every lab's starter.
 
 What it is not: a way to hide the solution. The reference is in the same repository;
 the labs ask students not to open the module they are rewriting until they are done.
@@ -22,13 +23,13 @@ from __future__ import annotations
 
 import ast
 
-from .spec import Lab, Module, Part
+from .spec import REPO, Lab, Module, Part
 
 BANNER = (
     "# Lab {lab}: your copy of {path}.\n"
     "# Fill in every function that raises NotImplementedError (search for TODO), then run\n"
     "#     python -m labs check {lab} THIS_FILE\n"
-    "# Made by `python -m labs starters` from the reference; everything else is the reference, unchanged.\n"
+    "# Made from the reference by `python -m labs start` (labs/starters.py); the rest is the reference, unchanged.\n"
 )
 
 
@@ -80,7 +81,7 @@ def starter_source(lab: Lab, module: Module, source: str) -> str:
         edits.append((start, fn.end_lineno, _replacement(lab, part, indent)))
     for start, end, new in sorted(edits, reverse=True):
         lines[start:end] = new
-    text = BANNER.format(lab=lab.id, path=module.reference_path.relative_to(module.reference_path.parents[1]))
+    text = BANNER.format(lab=lab.id, path=module.reference_path.relative_to(REPO).as_posix())
     if any(p.keep_until for p in module.parts):  # the kept prologue computes values only your code uses
         text += "# ruff: noqa: F841\n"
     return _mark_unused_imports(text + "".join(lines))
@@ -111,5 +112,5 @@ def make_starter(lab: Lab, module: Module) -> str:
 
 
 def starter_files(lab: Lab) -> dict[str, str]:
-    """{path relative to the repository: text} of every starter file of the lab."""
-    return {f"labs/starters/lab{lab.id}/{m.filename}": make_starter(lab, m) for m in lab.modules}
+    """{file name: text} of every starter file of the lab, made now from today's reference."""
+    return {m.filename: make_starter(lab, m) for m in lab.modules}

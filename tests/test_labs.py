@@ -5,20 +5,22 @@ What it is (marker `labs`):
     the tree, are swapped in exactly as a student's files would be (every check runs on
     the copies; of a check's tests that the same pytest session also runs in the tree,
     only the first: `on_the_reference`);
-  - every untouched starter fails every check of its lab (lab 2's through the real
-    command line, `python -m labs check 2 ... --json`, which leaves nothing in the
-    temporary folder);
+  - every untouched starter, as `python -m labs start` writes it into the test's temporary
+    folder, fails every check of its lab (lab 2's through the real command line,
+    `python -m labs check 2 ... --json`, which leaves nothing in the temporary folder);
   - `--json` prints one JSON object whatever happens: a file that does not parse, a
     runner that crashes, Ctrl-C are a report with a `problem` and score 0;
   - each planted bug (labs/lab<id>.py: one string replaced in the reference) fails the
     checks it names, and the failure prints the hint that points at it, as much of it as
     `--hints` asks for; every check has a short hint (its rule) that is not its full one;
   - the handouts' commands run: every `python -m labs ...` line of docs/labs/*.md parses,
-    `start` copies the starters, `check` finds the files, and `experiment` runs (with the
+    `start` writes the starters, `check` finds the files, and `experiment` runs (with the
     lab's small smoke arguments appended) on the reference;
-  - the committed starters are what `python -m labs starters` makes from today's
-    reference, and a process spawned by multiprocessing or started by subprocess imports the
-    swapped file too.
+  - no starter is committed, so the commands that make them are tested here: `start` writes
+    the lab's starters made from today's reference (and refuses, without `--force`, to
+    overwrite a file), `starters` prints every lab's (or `--lab`'s) or writes them to
+    DIR/lab<id>/;
+  - a process spawned by multiprocessing or started by subprocess imports the swapped file too.
 
 Almost everything runs in one `python -m labs.runner plan` process: it imports torch,
 transformers and pytest once and forks a child per variant (a starter, a bug, an
@@ -105,7 +107,9 @@ def runs(tmp_path_factory, request):
     variants.append(grading.check_variant("reference", LABS[0], everything, work, checks=union, timeout=600))
     for lab in LABS:
         if lab.id != "2":  # lab 2's starter goes through the real command line (test_the_command_line...)
-            swaps = {m.name: str(lab.starter_dir / m.filename) for m in lab.modules}
+            d = work / "starters" / f"lab{lab.id}"
+            assert cli.main(["start", lab.id, str(d)]) == 0  # what a student starts from: made now, untouched
+            swaps = {m.name: str(d / m.filename) for m in lab.modules}
             variants.append(
                 grading.check_variant(f"starter-{lab.id}", lab, swaps, work, timeout=300, expect_failures=True)
             )
@@ -315,8 +319,8 @@ def test_the_handouts_commands_run(runs, lab_id, tmp_path):
         assert args.lab == lab.id, f"{lab.handout}: {argv} is about lab {args.lab}"
         if args.command == "start":
             assert cli.main(["start", lab.id, str(tmp_path / "start")]) == 0
-            for rel, text in starter_files(lab).items():
-                assert (tmp_path / "start" / Path(rel).name).read_text() == text
+            for name, text in starter_files(lab).items():
+                assert (tmp_path / "start" / name).read_text() == text
         elif args.command == "check":
             assert set(grading.resolve(lab, [refs[lab.id]])) == {m.name for m in lab.modules}
         elif args.command == "plant":
@@ -328,10 +332,50 @@ def test_the_handouts_commands_run(runs, lab_id, tmp_path):
             assert len(out.strip().splitlines()) >= 3, f"{argv} printed almost nothing:\n{out}"
 
 
-def test_starters_are_made_from_todays_reference():
-    for lab in LABS:
-        for rel, text in starter_files(lab).items():
-            assert (REPO / rel).read_text() == text, f"{rel} is stale: run `python -m labs starters`"
+@pytest.mark.parametrize("lab_id", LAB_IDS)
+def test_start_writes_the_starter_made_from_todays_reference(lab_id, tmp_path, capsys):
+    """`python -m labs start N DIR`: each of the lab's modules, its parts emptied and the rest the reference's
+    lines, made now (nothing is committed); it says where each came from, and never overwrites without --force."""
+    lab, mine = get(lab_id), tmp_path / "mine"
+    assert cli.main(["start", lab_id, str(mine)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    made = starter_files(lab)
+    assert sorted(p.name for p in mine.iterdir()) == sorted(made) == sorted(m.filename for m in lab.modules)
+    for m in lab.modules:
+        text, ref = (mine / m.filename).read_text(), m.reference_path.relative_to(REPO).as_posix()
+        assert text == made[m.filename] and text.startswith(f"# Lab {lab_id}: your copy of {ref}.\n"), text[:300]
+        assert f"{mine / m.filename}  <- your copy of {ref}" in out
+        compile(text, m.filename, "exec")
+        for part in m.parts:
+            assert f'raise NotImplementedError("lab {lab_id}: write {part.qualname}")' in text, part.qualname
+    assert out[-1] == f"next: fill in the TODOs, then  python -m labs check {lab_id} {mine}"
+    first = mine / lab.modules[0].filename
+    first.write_text("# my work\n")
+    assert cli.main(["start", lab_id, str(mine)]) == 2
+    assert "exists (your work?)" in capsys.readouterr().err and first.read_text() == "# my work\n"
+    assert cli.main(["start", lab_id, str(mine), "--force"]) == 0 and first.read_text() == made[first.name]
+
+
+def test_starters_prints_or_writes_every_labs_starter(tmp_path, capsys):
+    """`python -m labs starters [--lab N] [DIR]`, for teachers: what `start` writes, for every lab (or one),
+    printed each under a `==> lab<id>/<file> <==` line, or written to DIR/lab<id>/<file>."""
+    made = {f"lab{lab.id}/{name}": text for lab in LABS for name, text in starter_files(lab).items()}
+    assert cli.main(["starters"]) == 0
+    printed = re.split(r"^==> (\S+) <==\n", capsys.readouterr().out, flags=re.M)
+    assert printed[0] == "" and dict(zip(printed[1::2], printed[2::2])) == made
+    assert cli.main(["starters", "--lab", "5c"]) == 0
+    printed = re.split(r"^==> (\S+) <==\n", capsys.readouterr().out, flags=re.M)
+    assert dict(zip(printed[1::2], printed[2::2])) == {k: v for k, v in made.items() if k.startswith("lab5c/")}
+    assert cli.main(["starters", str(tmp_path / "all")]) == 0
+    written = {p.relative_to(tmp_path / "all").as_posix(): p.read_text() for p in (tmp_path / "all").rglob("*.py")}
+    assert written == made and capsys.readouterr().out.split() == [str(tmp_path / "all" / k) for k in made]
+    assert cli.main(["starters", "--lab", "3", str(tmp_path / "one")]) == 0
+    one = sorted(p.relative_to(tmp_path / "one").as_posix() for p in (tmp_path / "one").rglob("*"))
+    assert one == ["lab3", *sorted(f"lab3/{m.filename}" for m in get("3").modules)]
+    assert capsys.readouterr().out.split() == [str(tmp_path / "one" / "lab3" / m.filename) for m in get("3").modules]
+    assert cli.main(["starters", str(tmp_path / "all")]) == 2  # files there: none overwritten without --force
+    assert "use --force" in capsys.readouterr().err
+    assert cli.main(["starters", "--lab", "7"]) == 2 and "there is no lab" in capsys.readouterr().err
 
 
 def test_a_spawned_process_imports_the_swapped_file(runs):

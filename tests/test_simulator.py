@@ -37,18 +37,10 @@ import level0_naive
 import level2_continuous
 import level3_prefix
 import level5_multigpu
+from benchmarks.sim.clock import SimClock, SimStep, SimulatedExecutor
 from benchmarks.sim.cost import Hardware, gpu, kv_budget, model_shape, repeated_context, step_cost, step_time
-from benchmarks.sim.engines import (
-    ReservingKVCacheManager,
-    SimClock,
-    SimStep,
-    SimulatedContinuous,
-    SimulatedExecutor,
-    SimulatedPipeline,
-    SimulatedPrefix,
-    SimulatedStatic,
-    next_power_of_two,
-)
+from benchmarks.sim.engines import SimulatedContinuous, SimulatedPipeline, SimulatedPrefix, SimulatedStatic
+from benchmarks.sim.orca import ReservingKVCacheManager, next_power_of_two
 from benchmarks.sim.serve import TURNS, make_engine, simulate, trace
 from benchmarks.sim.serve import play as serve
 from level0_naive import SamplingParams

@@ -23,7 +23,7 @@ memory traffic, plus a fixed per-step overhead:
     TP         2 all-reduces per layer of T * H * b bytes: alpha + bytes * 2 (tp - 1) / tp / link
     PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; this sum
                is one step alone, its stages one after another (the simulated executor,
-               engines.py, gives each stage a clock of its own: level 5's micro-batches overlap)
+               clock.py, gives each stage a clock of its own: level 5's micro-batches overlap)
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
                token and per context token in it, a context token whose block was already read in
                the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated),

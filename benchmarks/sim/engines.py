@@ -3,19 +3,17 @@
 What it is: each system the PagedAttention paper compares, built from the ladder's classes
 with only the forward pass and the sampler's draw replaced:
 
-    SimulatedExecutor   the executor seam (level1_paged/executor.py): `execute(step)` advances
-                        the clock by the cost model's time for that step and returns no logits;
-                        with pp stages each stage keeps a clock of its own (`submit`, `collect`)
-    Simulated           a mixin for a level-2/3 engine: weights never load (the shape comes from
-                        a config.json), `prepare_input` describes the step instead of building
-                        tensors, and `sample` takes each request's next token from the workload:
-                        a filler token, and EOS at the request's target length
+    Simulated           a mixin for an engine: weights never load (the shape comes from a
+                        config.json), the worker is clock.py's `SimulatedExecutor` (a forward
+                        is the cost model's time on the clock, and no logits), `prepare_input`
+                        describes the step instead of building tensors, and `sample` takes each
+                        request's next token from the workload: a filler token, and EOS at the
+                        request's target length
     level 2, level 3    vLLM: `SimulatedContinuous`, `SimulatedPrefix` (the real Scheduler, the
                         real block managers, preemption by recompute, prefix hits)
     Orca (max / pow2 / oracle)
-                        level 2's iteration scheduling over `ReservingKVCacheManager`: a request
-                        reserves contiguous room at admission, for the model's maximum length,
-                        the next power of two of its true length, or its true length
+                        orca.py: level 2's iteration scheduling over contiguous reservations
+                        (it builds on `SimulatedContinuous`, so this file does not import it)
     FasterTransformer   level 0's static batches and max-length slabs (`SimulatedStatic`), its
                         batches formed from the requests that have arrived
     level 4             `SimulatedSpeculative`: the real engine's guesses and verification, each
@@ -26,8 +24,9 @@ with only the forward pass and the sampler's draw replaced:
 Everything that decides (admission, block tables, preemption, prefix hits, when a request
 joins or leaves the batch) is the code a reader has read; only the time is modelled.
 
-What it is not: a model of tokens (a request's output length is given, not sampled), or of
-level 5's ranks (TP's all-reduces and PP's sends are a cost: docs/what_if.md).
+What it is not: the clock or the executor (clock.py), a model of tokens (a request's output
+length is given, not sampled), or of level 5's ranks (TP's all-reduces and PP's sends are a
+cost: docs/what_if.md).
 
 Reference: Kwon et al., "Efficient Memory Management for Large Language Model Serving with
 PagedAttention" (SOSP 2023), section 6.1 for the baselines; Vidur (MLSys 2024).
@@ -39,7 +38,6 @@ import json
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -48,13 +46,13 @@ from level0_naive.loader import LoadedModel
 from level0_naive.model import ModelConfig
 from level1_paged.paged_cache import num_blocks_for_budget
 from level2_continuous.engine import ContinuousEngine
-from level2_continuous.request import Request
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import PrefixCachingEngine
 from level4_speculative.engine import SpeculativeEngine
 from level5_multigpu.engine import ParallelEngine
 
-from .cost import Hardware, ModelShape, StepCost, model_dir, repeated_context, step_cost, step_time
+from .clock import SimClock, SimStep, SimulatedExecutor
+from .cost import Hardware, ModelShape, model_dir, repeated_context, step_time
 
 
 def read_again(kv, scheduled) -> int:
@@ -62,105 +60,6 @@ def read_again(kv, scheduled) -> int:
     its context once the step has run (the real engines' steps too: benchmarks/sim/validate.py)."""
     return repeated_context([kv.block_table(r) for r, _ in scheduled],
                             [r.num_computed_tokens + n for r, n in scheduled], kv.block_size)  # fmt: skip
-
-
-class SimClock:
-    """The engine's clock: seconds that only the cost model (and the arrivals) move."""
-
-    def __init__(self, start: float = 0.0):
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-@dataclass
-class SimStep:
-    """What the executor needs to know of a step: (tokens already cached, new tokens) per request, and how
-    many logits rows the LM head computes."""
-
-    chunks: list[tuple[int, int]]
-    num_sampled: int
-    shared: int = 0  # context tokens in blocks another request of the step read first (a shared prefix)
-
-
-@dataclass
-class StepTrace:
-    start: float
-    cost: StepCost
-    batch: int  # requests in the step
-    tokens: int  # new tokens in the step
-    allocated: int  # KV tokens reserved or in allocated blocks as the step ran
-    stored: int  # of them, tokens whose K/V are stored
-
-
-class SimulatedExecutor:
-    """Satisfies level 1's `Executor` Protocol; a forward is a cost and no logits.
-
-    With `pp` pipeline stages each stage has a clock of its own (when it is done with what it was
-    given): `submit` pays the step's overhead on the driver's clock (the engine's), then each stage
-    runs its share of the layers (the last one also the LM head) once it is free and the previous
-    stage's activations have arrived; `collect` waits for the oldest step's last stage. A level that
-    calls `execute` (submit, then collect) runs its stages one after another; level 5's batch queue
-    (`SimulatedPipeline`) submits pp micro-batches before it collects one, and their stages overlap:
-
-        stage 0 |A0|B0|C0|          each box one micro-batch's layers on that stage; a send between
-        stage 1    |A1|B1|C1|       boxes costs alpha + activations / link"""
-
-    def __init__(self, num_blocks: int, hardware: Hardware, shape: ModelShape, clock: SimClock, tp: int = 1,
-                 keep_trace: bool = False, pp: int = 1):  # fmt: skip
-        self.num_blocks, self.hardware, self.shape, self.clock, self.tp = num_blocks, hardware, shape, clock, tp
-        self.pp = pp
-        self.trace: list[StepTrace] | None = [] if keep_trace else None
-        self.probe = lambda: (0, 0)  # the engine's (allocated, stored) KV tokens, for the trace
-        self.stage_free = [0.0] * pp  # when each stage finishes what it has been given (the engine's seconds)
-        self._in_flight: deque[float] = deque()  # per step submitted, oldest first: when its last stage is done
-        self.steps = 0
-
-    def execute(self, step: SimStep) -> None:
-        self.submit(step)
-        return self.collect()
-
-    def submit(self, step: SimStep) -> int:
-        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp, step.shared)
-        if self.trace is not None:
-            tokens = sum(n for _, n in step.chunks)
-            self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
-        done = self.clock.now + cost.total  # one stage: the step's whole cost, as one sum
-        if self.pp > 1:
-            done = self.through_the_stages(cost)
-        self._in_flight.append(done)
-        return self.steps + len(self._in_flight) - 1
-
-    def through_the_stages(self, cost: StepCost) -> float:
-        """When the last of pp stages is done with a step that costs `cost` (engine seconds), each stage taking
-        its share as soon as it is free (`self.stage_free`, updated here) and the step has reached it; the
-        driver's overhead is paid on the engine's clock first."""
-        per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * cost.send) / self.pp  # layers, TP's
-        self.clock.advance(cost.overhead)  # the driver schedules and launches, then hands it to stage 0
-        t = self.clock.now
-        for s in range(self.pp):
-            t = max(t, self.stage_free[s]) + per_stage + (cost.lm_head if s == self.pp - 1 else 0.0)
-            self.stage_free[s] = t
-            t += cost.send if s < self.pp - 1 else 0.0  # the activations to the next stage
-        return t
-
-    def collect(self) -> None:
-        self.clock.now = max(self.clock.now, self._in_flight.popleft())
-        self.steps += 1
-        return None
-
-    def collective_rpc(self, method: str, *args: Any) -> list:
-        return [getattr(self, method)(*args)]
-
-    def check_health(self) -> None:
-        pass
-
-    def shutdown(self) -> None:
-        pass
 
 
 def dtype_bytes(dtype: str) -> int:
@@ -344,105 +243,6 @@ class SimulatedSpeculative(SimulatedContinuous, SpeculativeEngine):
             out.token_ids.append(tokens)
             out.logprobs.append([None] * len(tokens))
         return out
-
-
-def next_power_of_two(n: int) -> int:
-    """The smallest power of two >= n (1 for n <= 1)."""
-    return 1 << max(0, n - 1).bit_length()
-
-
-class ReservingKVCacheManager:
-    """Orca's memory: a request reserves one contiguous region at admission and holds it to the end.
-
-    Counted in tokens (block size 1: a region has no blocks), placed first-fit in one address space
-    [0, capacity), so freed regions leave holes a larger request cannot use (external fragmentation).
-    `reserve(req)` is the region's size: the model's maximum (Orca Max), the next power of two of the
-    true length (Pow2), or the true length (Oracle). Nothing is ever preempted: the region covers the
-    request."""
-
-    block_size = 1
-
-    def __init__(self, capacity_tokens: int, reserve):
-        self.num_blocks, self.reserve = capacity_tokens, reserve
-        self.regions: dict[int, tuple[int, int]] = {}  # seq_id -> (start, size)
-        self.stored: dict[int, int] = {}
-        self.num_reserved = self.num_stored = 0
-
-    def first_fit(self, size: int, keep_free: int = 0) -> int | None:
-        """The lowest start of a hole of `size` tokens, or None (also None if fewer than `keep_free`
-        tokens would be left free in all)."""
-        if self.num_blocks - self.num_reserved - size < keep_free:
-            return None
-        at = 0
-        for start, length in sorted(self.regions.values()):
-            if start - at >= size:
-                return at
-            at = start + length
-        return at if self.num_blocks - at >= size else None
-
-    def get_computed_blocks(self, req: Request) -> tuple[list, int]:
-        return [], 0
-
-    def allocate_slots(self, req: Request, num_new_tokens: int, computed_blocks: list | None = None,
-                       keep_free: int = 0) -> bool:  # fmt: skip
-        if req.seq_id not in self.regions:
-            size = self.reserve(req)
-            start = self.first_fit(size, keep_free)
-            if start is None:
-                return False
-            self.regions[req.seq_id] = (start, size)
-            self.num_reserved += size
-        if req.num_computed_tokens + num_new_tokens > self.regions[req.seq_id][1]:
-            raise RuntimeError(f"request {req.request_id} outgrew its reservation (the reservation rule is wrong)")
-        return True
-
-    def cache_blocks(self, req: Request, num_tokens: int | None = None) -> None:
-        n = req.num_computed_tokens if num_tokens is None else num_tokens
-        self.num_stored += n - self.stored.get(req.seq_id, 0)
-        self.stored[req.seq_id] = n
-
-    def free(self, req: Request) -> None:
-        self.num_reserved -= self.regions.pop(req.seq_id, (0, 0))[1]
-        self.num_stored -= self.stored.pop(req.seq_id, 0)
-
-    def block_table(self, req: Request) -> list[int]:
-        return []
-
-    @property
-    def num_free_blocks(self) -> int:
-        return self.num_blocks - self.num_reserved
-
-    def usage(self) -> tuple[int, int]:
-        return self.num_reserved, self.num_stored
-
-    def ref_counts(self) -> list[int]:
-        return []
-
-    def cached_free_blocks(self) -> list[int]:
-        return []
-
-
-ORCA_RESERVATIONS = ("max", "pow2", "oracle")
-
-
-class SimulatedOrca(SimulatedContinuous):
-    """Orca: level 2's iteration-level scheduling with contiguous reservations (`reservation`)."""
-
-    def __init__(self, model: str, *, reservation: str = "oracle", **kwargs):
-        if reservation not in ORCA_RESERVATIONS:
-            raise ValueError(f"reservation={reservation!r} is not one of {ORCA_RESERVATIONS}")
-        self.reservation = reservation
-        super().__init__(model, block_size=1, **kwargs)
-
-    def reserve(self, req: Request) -> int:
-        """The region a request reserves at admission, by `self.reservation` (see the class docstring)."""
-        true = len(req.prompt_token_ids) + self.targets[req.request_id]
-        if self.reservation == "max":
-            return req.max_total_tokens  # what the request may grow to: prompt + max_tokens
-        return min(next_power_of_two(true), req.max_total_tokens) if self.reservation == "pow2" else true
-
-    def make_kv_manager(self) -> ReservingKVCacheManager:
-        return ReservingKVCacheManager(self.num_blocks, self.reserve)
 
 
 @dataclass

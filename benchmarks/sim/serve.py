@@ -1,7 +1,7 @@
 """Serve a workload on a simulated GPU: arrivals, the engine's steps, and what came out.
 
 What it is: the paper's two traces as seeded synthetic workloads, and `simulate`, which feeds
-one to a simulated system (engines.py) as requests arrive and reports what the PagedAttention
+one to a simulated system (engines.py, orca.py) as requests arrive and reports what the PagedAttention
 paper plots:
 
     sharegpt        prompts mean 161 tokens, outputs mean 338 (the paper's table 1), long-tailed
@@ -40,16 +40,10 @@ from dataclasses import dataclass
 from ladder.progress import GenerateProgress
 from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
+from .clock import SimClock
 from .cost import Hardware, gpu, kv_budget, model_shape
-from .engines import (
-    SimClock,
-    SimulatedContinuous,
-    SimulatedOrca,
-    SimulatedPipeline,
-    SimulatedPrefix,
-    SimulatedSpeculative,
-    SimulatedStatic,
-)
+from .engines import SimulatedContinuous, SimulatedPipeline, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic
+from .orca import SimulatedOrca
 
 TRACES = {"sharegpt": (161.0, 338.0), "alpaca": (19.0, 58.0), "shared-prefix": (404.0, 48.0),  # mean prompt, output
           "chat": (64.0, 200.0)}  # chat: a user turn's new tokens (the prompt adds up the exchange), an answer

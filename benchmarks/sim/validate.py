@@ -52,9 +52,9 @@ from benchmarks.throughput import tokenizer_encode
 from benchmarks.workloads import make_workload
 from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
+from .clock import SimClock
 from .cost import Hardware, ModelShape, cached_chunks, step_cost
 from .engines import (
-    SimClock,
     SimulatedContinuous,
     SimulatedPrefix,
     SimulatedSpeculative,
