@@ -1,9 +1,9 @@
 """Lab 1: the block allocator, block tables and the slot mapping (PagedAttention's memory side).
 
 What it is: the lab's definition (see `labs/spec.py`): three files of level 1, each with
-the functions that are the idea emptied (`BlockAllocator.allocate`/`free`; `blocks_for`
-and `BlockTables.missing_blocks`/`grow`/`free`; `ModelInput.build`, where a position
-becomes a cache slot), the checks (level 1's own tests and `labs/lab1_checks.py`), the
+the functions that are the idea emptied (`BlockAllocator.allocate`/`free` in block_allocator.py;
+`blocks_for` and `BlockTables.missing_blocks`/`grow`/`free` in block_table.py; `slot_mapping`
+in slot_mapping.py, where a position becomes a cache slot), the checks (level 1's own tests and `labs/lab1_checks.py`), the
 planted bugs (a slot off by one, a freed block that never comes back), and the
 experiment: KV waste and concurrency against level 0 at the same budget
 (`python -m level1_paged.demo` with the student's files).
@@ -55,18 +55,14 @@ Otherwise append the new blocks at the end of its table: a table only ever grows
 Give every block of seq_id back to the allocator and forget its table (an unknown seq_id: nothing).""",
     ),
 )
-WORKER = (
+SLOTS = (
     Part(
-        "ModelInput.build",
+        "slot_mapping",
         """\
-The step's flattened batch with vLLM's paged metadata (read the picture in this file's docstring):
-  FlatBatch.geometry(chunks, num_logits) gives input_ids, positions, query_start_loc, logits_indices;
-  seq_lens [B] int32: each sequence's context including this step's tokens (start + len(toks));
-  block_tables [B, max_blocks] int32: each table padded with 0 to the longest (never read past seq_len);
-  slot_mapping [T] long: for every new token at position p of a sequence with table t,
-      slot = t[p // block_size] * block_size + p % block_size
-  block_copies [C, 2] long: the (src, dst) pairs given, as they are (level 3's copy-on-write; usually none);
-Return cls(**geometry, seq_lens=..., block_tables=..., slot_mapping=..., block_copies=...).""",
+One slot per new token, in batch order (read the picture in this file's docstring): for sequence i, its
+chunk's tokens sit at positions start .. start + len(toks) - 1 of the whole sequence, and the token at
+position p goes to slot  table[p // block_size] * block_size + p % block_size  of its table tables[i].
+A position is the token's place in the sequence, never in the chunk.""",
     ),
 )
 
@@ -88,8 +84,7 @@ CHECKS = (
     Check("slot-mapping", "slot = table[pos // block_size] * block_size + pos % block_size, for every new token",
           (L1 + "test_slots_follow_the_block_table", OWN + "test_model_input_on_random_batches"),
           "For a new token at position p (the chunk's start + its index), the slot is table[p // bs] * bs + "
-          "p % bs; seq_lens is start + len(tokens); block tables are padded with 0 to the longest; "
-          "positions and logits_indices come from FlatBatch.geometry.",
+          "p % bs, one per new token in batch order (ModelInput.build turns the list into the step's tensor).",
           rule="Each new token's key and value go to the slot its sequence's block table assigns to its position in "
                "the whole sequence (not in the chunk); the batch's metadata describes every sequence's full length."),
     Check("engine", "level 1 runs out of blocks mid-batch, evicts, recomputes, and answers exactly",
@@ -102,8 +97,8 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("slot-off-by-one", "level1_paged.worker", "slots = [t[p // bs] * bs + p % bs for",
-        "slots = [t[p // bs] * bs + p % bs + 1 for", ("slot-mapping",)),
+    Bug("slot-off-by-one", "level1_paged.slot_mapping", "return [t[p // bs] * bs + p % bs for",
+        "return [t[p // bs] * bs + p % bs + 1 for", ("slot-mapping",)),
     Bug("free-forgets-the-block", "level1_paged.block_allocator", "        self._free.append(block)\n", "",
         ("allocator", "tables")),
 )  # fmt: skip
@@ -114,8 +109,8 @@ LAB = Lab(
     handout="lab1_paged.md",
     modules=(
         Module("level1_paged.block_allocator", ALLOCATOR),
-        Module("level1_paged.paged_cache", TABLES),
-        Module("level1_paged.worker", WORKER),
+        Module("level1_paged.block_table", TABLES),
+        Module("level1_paged.slot_mapping", SLOTS),
     ),
     checks=CHECKS,
     bugs=BUGS,

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from level1_paged.block_allocator import BlockAllocator, OutOfBlocks
-from level1_paged.worker import ModelInput
+from level1_paged.model_input import ModelInput
 
 
 def test_allocator_order_and_reuse():

@@ -21,40 +21,42 @@ PARTS = (
         "Scheduler.schedule",
         """\
 One step's decision (docs/level2_continuous.md, "The schedule loop"). Start with
-out, budget = SchedulerOutput(), self.max_num_batched_tokens.
-1. Running requests first, in order (self.running is in admission order), while budget is left:
+out, budget = SchedulerOutput(), self.max_num_batched_tokens, and running = self.schedulable(): the running
+requests this step may schedule or preempt, in admission order (all of them here; level 5 leaves some out).
+1. Running requests first, in that order, while budget is left:
    n = the request's uncomputed tokens (req.num_uncomputed_tokens), cut to the budget left: a prompt
        longer than that is cut here, and the rest comes next step (chunked prefill).
    Room in the KV cache: self.kv.allocate_slots(req, n), all or nothing.
-   While it says no, preempt victim = self._pick_victim() with self._preempt(victim, out), and ask
-   again. If the victim was req itself, it waits for the next step: go on with the next request.
-   ("priority" can pick a victim you already scheduled this step: out.remove(victim) returns its
-   tokens, which go back into the budget; mind your position in self.running.)
+   While it says no, preempt victim = self._pick_victim(running): take it out of `running` and
+   self._preempt(victim, out), and ask again. If the victim was req itself, it waits for the next step: go
+   on with the next request. ("priority" can pick a victim you already scheduled this step: out.remove(victim)
+   returns its tokens, which go back into the budget; mind your position in `running`.)
    With room: out.add(req, n); the budget loses n.
-2. Then the waiting requests: self._admit(out, budget), but not in a step that preempted anyone.
+2. Then the waiting requests: self._admit(out, budget, running), but not in a step that preempted anyone.
 Return out.""",
     ),
     Part(
         "Scheduler._admit",
         """\
-Admit waiting requests while budget is left and fewer than self.max_num_seqs requests run:
-  req = self._next_waiting()  (FCFS: the head of the queue; "priority": the most urgent)
+Admit from waiting = self.admissible() (the waiting queue, in order; level 3 leaves out some) while budget is
+left and fewer than self.max_num_seqs requests are in `running` (this step's running requests):
+  req = self._next_waiting(waiting)  (FCFS: the head of the queue; "priority": the most urgent)
   computed_blocks, num_computed = self.kv.get_computed_blocks(req); req.set_computed(num_computed)
       (level 3's prefix-cache hit; nothing at level 2, but keep the call: level 3 runs your code too)
   n = its uncomputed tokens, cut to the budget left
-  keep_free = self.admission_headroom blocks for each running request (their next blocks: 0 by default,
+  keep_free = self.admission_headroom blocks for each request in `running` (their next blocks: 0 by default,
       vLLM's rule; docs/level2_continuous.md, "Thrash, and its cure")
   self.kv.allocate_slots(req, n, computed_blocks, keep_free) says no: undo with req.set_computed(0) and
       stop admitting; nobody behind it may jump the queue.
-  Otherwise it leaves self.waiting, req.to(RequestStatus.RUNNING), joins the end of self.running,
-  out.add(req, n), and the budget loses n.""",
+  Otherwise it leaves `waiting` and self.waiting, req.to(RequestStatus.RUNNING), joins the end of
+  self.running and of `running`, out.add(req, n), and the budget loses n.""",
     ),
     Part(
         "Scheduler._pick_victim",
         """\
-Whom to preempt when the KV cache is full (docs/level2_continuous.md, "Preemption"):
-  "fcfs":     the most recently admitted running request
-  "priority": the lowest priority, then the latest arrival: the running request with the largest
+Whom of `running` (admission order) to preempt when the KV cache is full (docs/level2_continuous.md, "Preemption"):
+  "fcfs":     the most recently admitted
+  "priority": the lowest priority, then the latest arrival: the one with the largest
               (req.priority, req.metrics.arrival_time)""",
     ),
     Part(
@@ -145,22 +147,23 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("oldest-victim", "level2_continuous.scheduler", "        return self.running[-1]\n",
-        "        return self.running[0]\n", ("fcfs-victim",)),
+    Bug("oldest-victim", "level2_continuous.scheduler", "        return running[-1]\n",
+        "        return running[0]\n", ("fcfs-victim",)),
     Bug("admit-after-preempt", "level2_continuous.scheduler",
-        "        if not out.preempted:\n            self._admit(out, budget)\n", "        self._admit(out, budget)\n",
+        "        if not out.preempted:\n            self._admit(out, budget, running)\n",
+        "        self._admit(out, budget, running)\n",
         ("no-admit-after-preempt",)),
     Bug("no-chunking", "level2_continuous.scheduler",
         "            n = min(req.num_uncomputed_tokens, budget)\n            while not self.kv.allocate_slots(req, n):",
         "            n = req.num_uncomputed_tokens\n            while not self.kv.allocate_slots(req, n):", ("budget",)),
     Bug("no-headroom", "level2_continuous.scheduler",
-        "            keep_free = self.admission_headroom * len(self.running)",
+        "            keep_free = self.admission_headroom * len(running)",
         "            keep_free = 0", ("headroom",)),
     Bug("smallest-first", "level2_continuous.scheduler",
-        "        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:\n"
-        "            req = self._next_waiting()\n",
-        "        for req in sorted(self.waiting, key=lambda r: r.num_tokens):\n"
-        "            if budget <= 0 or len(self.running) >= self.max_num_seqs:\n"
+        "        while waiting and budget > 0 and len(running) < self.max_num_seqs:\n"
+        "            req = self._next_waiting(waiting)\n",
+        "        for req in sorted(waiting, key=lambda r: r.num_tokens):\n"
+        "            if budget <= 0 or len(running) >= self.max_num_seqs:\n"
         "                break\n", ("head-of-line",)),
 )  # fmt: skip
 

@@ -1,8 +1,9 @@
 """Lab 3: chained block hashing and the O(1) LRU free queue of the prefix cache.
 
-What it is: the lab's definition (see `labs/spec.py`): in `level3_prefix/block_pool.py`,
-`hash_block`, the doubly linked `FreeBlockQueue` (`append`, `remove`, `popleft`) and the
-pool's reference counting (`touch`, `allocate`, `free`, `_evict`); the checks (level 3's
+What it is: the lab's definition (see `labs/spec.py`): `hash_block` in
+`level3_prefix/block_hash.py`; in `level3_prefix/block_pool.py`, the doubly linked
+`FreeBlockQueue` (`append`, `remove`, `popleft`) and the pool's reference counting (`touch`,
+`allocate`, `free`, `_evict`); the checks (level 3's
 own tests, including the one that pins the eviction order, and `labs/lab3_checks.py`);
 the planted bugs (a free that forgets to decrement the count, a hash that forgets its
 parent); and the experiment: time to first token on a shared system prompt, and hit rate
@@ -18,7 +19,7 @@ from .spec import Bug, Check, Experiment, Lab, Module, Part
 L3 = "tests/test_level3.py::"
 OWN = "labs/lab3_checks.py::"
 
-PARTS = (
+HASH_PARTS = (
     Part(
         "hash_block",
         """\
@@ -28,6 +29,9 @@ The name of a full block: SHA-256 over, in this order,
   repr(key).encode() for each extra key,
 and return the 32-byte digest. The parent makes the name stand for the whole prefix, not one block.""",
     ),
+)
+
+POOL_PARTS = (
     Part(
         "FreeBlockQueue.append",
         """\
@@ -119,7 +123,7 @@ BUGS = (
     Bug("no-decrement", "level3_prefix.block_pool", "            b.ref_cnt -= 1\n", "", ("ref-counts",)),
     Bug(
         "unchained-hash",
-        "level3_prefix.block_pool",
+        "level3_prefix.block_hash",
         '    h = hashlib.sha256(parent or b"\\0" * 32)\n',
         '    h = hashlib.sha256(b"\\0" * 32)\n',
         ("hash",),
@@ -130,7 +134,7 @@ LAB = Lab(
     id="3",
     topic="the prefix cache: chained block hashes, reference counts, the O(1) LRU free queue",
     handout="lab3_prefix.md",
-    modules=(Module("level3_prefix.block_pool", PARTS),),
+    modules=(Module("level3_prefix.block_hash", HASH_PARTS), Module("level3_prefix.block_pool", POOL_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment(

@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 
 from level1_paged.block_allocator import OutOfBlocks
-from level3_prefix.block_pool import BlockPool, FreeBlockQueue, KVBlock, hash_block
+from level3_prefix.block_hash import hash_block
+from level3_prefix.block_pool import BlockPool, FreeBlockQueue, KVBlock
 
 
 def test_names_chain_through_the_parent():

@@ -1,8 +1,8 @@
 """Lab 5c: pipeline parallelism's batch queue: micro-batches of disjoint requests in flight.
 
-What it is: the lab's definition (see `labs/spec.py`): in `level5_multigpu/engine.py`,
-`ParallelEngine.schedule` (level 2's schedule over the requests that are not in flight),
-`ParallelEngine._step` with pipeline_parallel_size > 1 (fill the pipeline with up to pp
+What it is: the lab's definition (see `labs/spec.py`): in `level5_multigpu/scheduler.py`,
+`PipelineScheduler.schedulable` (the running requests a schedule may use: not those in flight);
+in `level5_multigpu/engine.py`, `ParallelEngine._step` with pipeline_parallel_size > 1 (fill the pipeline with up to pp
 micro-batches, then take the oldest one's logits back, sample, update) and
 `ParallelEngine._skip_aborted` (a request aborted while its micro-batch was in flight gets no
 token). The checks are the level's own tests (`tests/test_level5.py`: disjoint micro-batches and
@@ -25,23 +25,26 @@ L5 = "tests/test_level5.py::"
 SIM = "tests/test_simulator.py::"
 EQ = "tests/test_equivalence.py::test_level5_greedy_output_equals_the_oracle"
 
-PARTS = (
+SCHEDULER_PARTS = (
     Part(
-        "ParallelEngine.schedule",
+        "PipelineScheduler.schedulable",
         """\
-Level 2's schedule (super().schedule(in_flight=...)) over the requests that are not in flight: the ones the
-caller passes, and every request of every micro-batch this engine has in flight. self.in_flight holds one
-(SchedulerOutput, seconds) pair per micro-batch, oldest first; a SchedulerOutput's .scheduled is a list of
-(request, tokens) pairs.""",
+The running requests this step's schedule may schedule or preempt, in admission order (self.running's
+order): every running request except those whose micro-batch is in flight (their seq ids are in
+self.in_flight, which send_off and take_back keep). Leave self.running itself as it is.""",
     ),
+)
+
+PARTS = (
     Part(
         "ParallelEngine._step",
         """\
 One step with pp > 1. Level 2's _step (level2_continuous/engine.py) runs one batch from start to end; here,
 first keep up to self.pp micro-batches in flight (each: scheduled, its input prepared, self.worker.submit,
-and remembered in self.in_flight with its scheduling seconds), then take back the micro-batch the stages
-answer first (self.worker.collect() gives the logits of the oldest one submitted) and finish it as level 2
-does, timers and _record included, dropping what was aborted meanwhile (self._skip_aborted) before the
+self.scheduler.send_off(sched) so its requests sit out the next schedules, and remembered in self.in_flight
+with its scheduling seconds), then take back the micro-batch the stages answer first (the oldest:
+self.scheduler.take_back(sched); self.worker.collect() gives its logits) and finish it as level 2 does,
+timers and _record included, dropping what was aborted meanwhile (self._skip_aborted) before the
 scheduler's update. Nothing scheduled and nothing in flight: end as level 2's step ends.""",
         keep_until="return super()._step()",
     ),
@@ -72,15 +75,15 @@ return when the last stage is done.""",
 CHECKS = (
     Check("disjoint", "micro-batches hold disjoint requests, the pipeline fills, the answers are exact",
           (L5 + "test_micro_batches_are_disjoint_and_fill_the_pipeline",),
-          "schedule: super().schedule(in_flight=[*in_flight, *(r for sched, _ in self.in_flight for r, _ in "
-          "sched.scheduled)]). _step: `while len(self.in_flight) < self.pp:` before taking the oldest out "
-          "(self.in_flight.popleft()).",
+          "schedulable: [r for r in self.running if r.seq_id not in self.in_flight]. _step: send_off each "
+          "micro-batch as it is submitted, `while len(self.in_flight) < self.pp:` before taking the oldest out "
+          "(self.in_flight.popleft(), then take_back).",
           rule="A request in flight can be scheduled again only after its micro-batch comes back; while one "
                "micro-batch runs on the last stage, the next one runs on the first."),
     Check("order", "each micro-batch takes the idle requests in admission order; FCFS still preempts the latest",
           (L5 + "test_micro_batches_keep_admission_order_and_fill_from_the_front",),
-          "Let level 2's scheduler choose (schedule_except through super().schedule): do not reorder, filter or "
-          "requeue its running list yourself.",
+          "Let level 2's scheduler choose: schedulable keeps self.running's order and leaves the list itself "
+          "alone (no reordering, no requeueing).",
           rule="Each micro-batch is level 2's schedule over the requests not in flight: the same order, the "
                "same preemption victim."),
     Check("abort", "a request aborted while in flight frees its blocks at once and gets no token",
@@ -106,9 +109,9 @@ CHECKS = (
 )  # fmt: skip
 
 BUGS = (
-    Bug("rescheduled", "level5_multigpu.engine",
-        "        return super().schedule(in_flight=[*in_flight, *mine])\n",
-        "        return super().schedule(in_flight=in_flight)\n", ("disjoint",)),
+    Bug("rescheduled", "level5_multigpu.scheduler",
+        "        return [r for r in self.running if r.seq_id not in self.in_flight]\n",
+        "        return list(self.running)\n", ("disjoint",)),
     Bug("fills-only-when-empty", "level5_multigpu.engine",
         "            while len(self.in_flight) < self.pp:  # fill the pipeline with disjoint micro-batches\n",
         "            while not self.in_flight:  # fill the pipeline with disjoint micro-batches\n", ("disjoint", "abort")),
@@ -125,7 +128,8 @@ LAB = Lab(
     id="5c",
     topic="pipeline parallelism's batch queue: micro-batches of disjoint requests in flight",
     handout="lab5c_pipeline.md",
-    modules=(Module("level5_multigpu.engine", PARTS), Module("benchmarks.sim.clock", SIM_PARTS)),
+    modules=(Module("level5_multigpu.scheduler", SCHEDULER_PARTS), Module("level5_multigpu.engine", PARTS),
+             Module("benchmarks.sim.clock", SIM_PARTS)),
     checks=CHECKS,
     bugs=BUGS,
     experiment=Experiment("labs.lab5c_experiment", (),

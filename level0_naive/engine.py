@@ -33,9 +33,9 @@ from ladder.progress import GenerateProgress
 
 from .core import EngineBase
 from .kv_cache import Slab, SlabAttention
+from .model_runner import Chunk, FlatBatch, ModelRunner
 from .outputs import Sequence
 from .stats import Timer
-from .worker import Chunk, FlatBatch, ModelRunner
 
 
 class NaiveEngine(EngineBase):

@@ -11,7 +11,8 @@ from level0_naive import (
 )
 
 from .engine import LLM, PagedEngine, PagedEngineConfig
-from .worker import ModelInput, Worker
+from .model_input import ModelInput
+from .worker import Worker
 
 __all__ = [
     "LLM",

@@ -1,9 +1,9 @@
-"""Paged attention in plain PyTorch: the KV-cache write, the oracle, the CPU backend.
+"""Paged attention in plain PyTorch: the oracle and the CPU backend.
 
 What this is
-    Three functions over level 1's paged KV cache:
+    Two functions over level 1's paged KV cache (the cache write that comes before them is
+    ``kv_cache.write_kv_cache``):
 
-    * ``write_kv_cache``        -- scatter the new tokens' K/V into their slots;
     * ``paged_attention_ref``   -- the oracle: one sequence at a time, gather its
                                    blocks, repeat KV heads for GQA, mask, softmax.
                                    Written to be read, not to be fast;
@@ -22,10 +22,9 @@ The reference it follows
     Kwon et al., "Efficient Memory Management for Large Language Model Serving
     with PagedAttention" (SOSP 2023), section 4.1; the flattened-batch metadata
     (``query_start_loc``, ``seq_lens``, ``block_tables``, ``slot_mapping``) of
-    vLLM V1's ``vllm/v1/attention/backends/`` and the cache write of vLLM's
-    ``reshape_and_cache_flash``.
+    vLLM V1's ``vllm/v1/attention/backends/``.
 
-The contract shared by all three backends
+The contract shared by every backend
     B sequences, T query tokens in all, cache ``[N, bs, Hkv, D]`` per layer::
 
         q               [T, Hq, D]    queries of every sequence, concatenated
@@ -48,29 +47,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["write_kv_cache", "paged_attention_ref", "paged_attention_torch"]
+__all__ = ["paged_attention_ref", "paged_attention_torch"]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax precision: float64 stays float64 (the engine's exact-equality
     tests run in float64), everything else is done in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Write the new tokens' keys and values into their cache slots, in place.
-
-    k, v: [T, Hkv, D]; k_cache, v_cache: [N, bs, Hkv, D] (contiguous, same dtype
-    as k and v); slot_mapping: [T] int64 with every entry in [0, N * bs).
-    Only the T named slots change. There is no "-1 means skip" convention
-    (vLLM uses one for padded CUDA-graph tokens): a negative slot would wrap
-    around in torch indexing, so the caller must not produce one.
-    """
-    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
-    # A slot is (block, offset) flattened; viewing the cache as one long row of
-    # slots turns the scatter into a single indexed copy.
-    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = k  # [N*bs, Hkv, D]
-    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = v  # [N*bs, Hkv, D]
 
 
 def _gather_sequence_kv(k_cache, v_cache, table_row, seq_len: int):

@@ -45,8 +45,8 @@ from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import EngineStats
 
+from .block_table import blocks_for
 from .engine import LLM as PagedLLM
-from .paged_cache import blocks_for
 
 COLORS = ["red", "green", "yellow", "blue", "magenta", "cyan", "bright_red", "bright_green",
           "bright_yellow", "bright_blue", "bright_magenta", "bright_cyan"]  # fmt: skip

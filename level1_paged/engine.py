@@ -30,11 +30,12 @@ import torch
 from level0_naive.config import EngineConfig
 from level0_naive.engine import NaiveEngine
 from level0_naive.llm import LLM as NaiveLLM
+from level0_naive.model_runner import Chunk
 from level0_naive.outputs import Sequence
-from level0_naive.worker import Chunk
 
-from .paged_cache import BlockTables, check_fits_in_pool, num_blocks_for_budget
-from .worker import ModelInput, Worker
+from .block_table import BlockTables, check_fits_in_pool, num_blocks_for_budget
+from .model_input import ModelInput
+from .worker import Worker
 
 
 @dataclass

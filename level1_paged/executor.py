@@ -30,7 +30,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from .worker import ModelInput
+from .model_input import ModelInput
 
 
 @runtime_checkable

@@ -78,7 +78,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from .attention_ref import write_kv_cache  # noqa: E402
+from .kv_cache import write_kv_cache  # noqa: E402
 
 __all__ = ["paged_attention_triton", "write_kv_cache_triton"]
 

@@ -1,68 +1,33 @@
-"""The step input and the worker: what one forward over the paged cache needs, and who runs it.
+"""The worker: what one device needs for a step. It has a model runner, and owns the paged KV cache.
 
-What it is: `ModelInput`, level 0's `FlatBatch` plus vLLM's paged-attention metadata,
-built once per step by `ModelInput.build` (the one place where a token's position
-becomes a cache slot), and `Worker`, which has level 0's `ModelRunner` (vLLM's split: a
-worker has a model runner) and owns the paged KV cache, the attention implementation
-and its scale, and runs one `ModelInput`:
+What it is: `Worker`, vLLM's split: a worker *has* a model runner (level 0's `ModelRunner`:
+the model's forward, logits where asked; model_runner.py) and owns what the device holds
+besides the weights: the paged KV cache (kv_cache.py), the attention backend's functions and
+its scale. `execute(model_input)` runs one step's `ModelInput` (model_input.py): the input
+moves to the device, names the attention backend that runs it, and the runner's forward
+writes the step's K/V into the cache and attends through the block tables.
 
-    scheduled: A prefill 5 tokens from 0, table [3, 2]   B decode at 7, table [0, 1]   (block_size 4)
-    input_ids        [ a0 a1 a2 a3 a4 | b7 ]
-    positions        [  0  1  2  3  4 |  7 ]
-    query_start_loc  [ 0, 5, 6 ]          seq_lens [ 5, 8 ]
-    block_tables     [[3, 2], [0, 1]]     (a shorter table is padded with 0: never read past seq_len)
-    slot_mapping     [12 13 14 15 8 | 7]  slot = table[pos // bs] * bs + pos % bs
-                                          (A's position 4 is in its second block, 2: the engine
-                                           grows a table before the step that needs it)
-    logits_indices   [ 4, 5 ]
+    engine --ModelInput--> Worker.execute --> ModelRunner.forward(batch, attention backend) --> logits [S, V]
+                           (owns the cache)    (owns the model)
 
-A `ModelInput` is plain CPU tensors with no reference to any request, scheduler or
-cache: it can be pickled and broadcast to other ranks (level 5), and two workers can
-run the same one (level 4's target and draft share block tables and slots).
+It is also the one-process `Executor` (executor.py): `submit` runs the forward at once and
+`collect` hands back its logits; level 5 replaces it with an executor over ranks.
 
-What it is not: a scheduler or a sampler. Which tokens run is decided before; what to
-do with the logits, after.
+What it is not: a scheduler or a sampler. Which tokens run is decided before; what to do
+with the logits, after.
 
-Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`, `slot_mapping`) and
-`v1/worker/gpu_worker.py`.
+Reference: vLLM V1 `v1/worker/gpu_worker.py` (Worker) and `gpu_model_runner.py` (GPUModelRunner).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from level0_naive.model import Transformer
-from level0_naive.worker import Chunk, FlatBatch, ModelRunner
+from level0_naive.model_runner import ModelRunner
 
-from .paged_cache import PagedAttention, PagedKVCache, attention_impl
-
-
-@dataclass
-class ModelInput(FlatBatch):
-    seq_lens: torch.Tensor  # [B] int32: context including this step's tokens
-    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
-    slot_mapping: torch.Tensor  # [T] long: where each new token's K/V goes
-    block_copies: torch.Tensor = field(default_factory=lambda: torch.zeros(0, 2, dtype=torch.long))
-    # [C, 2] long (src, dst): blocks to copy before this step writes (level 3's copy-on-write; empty below)
-
-    @classmethod
-    def build(cls, chunks: list[Chunk], tables: list[list[int]], block_size: int, num_logits: list[int],
-              block_copies: list[tuple[int, int]] = ()) -> ModelInput:  # fmt: skip
-        """chunks[i] = (new tokens of sequence i, position of the first); tables[i] its blocks,
-        covering at least those positions; num_logits[i] how many of its last rows to sample;
-        block_copies the (src, dst) block pairs to copy first (a forked sequence's shared block)."""
-        width = max(len(t) for t in tables)
-        bs = block_size
-        slots = [t[p // bs] * bs + p % bs for (toks, start), t in zip(chunks, tables) for p in range(start, start + len(toks))]
-        return cls(
-            **FlatBatch.geometry(chunks, num_logits),
-            seq_lens=torch.tensor([start + len(toks) for toks, start in chunks], dtype=torch.int32),  # [B]
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),  # [B, W]
-            slot_mapping=torch.tensor(slots, dtype=torch.long),  # [T]
-            block_copies=torch.tensor(list(block_copies), dtype=torch.long).reshape(-1, 2),  # [C, 2]
-        )
+from .kv_cache import PagedKVCache, attention_impl
+from .model_input import ModelInput
 
 
 class Worker:
@@ -85,7 +50,7 @@ class Worker:
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """One forward: write this step's K/V into the cache, attend -> logits [S, V]."""
         mi = model_input.to(self.device)
-        return self.runner.forward(mi, PagedAttention(self.cache, mi, self.impl, self.scale))
+        return self.runner.forward(mi, mi.attention_backend(self.cache, self.impl, self.scale))
 
     # --- the Executor Protocol (level1_paged/executor.py): one process, nothing runs behind your back ---
     @property

@@ -41,9 +41,10 @@ from level0_naive.metrics import Gauge, Metric
 from level0_naive.outputs import RequestOutput
 from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import Timer
+from level1_paged.block_table import check_fits_in_pool, num_blocks_for_budget
 from level1_paged.engine import PagedEngineConfig
-from level1_paged.paged_cache import check_fits_in_pool, num_blocks_for_budget
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
 
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .observers import StepObserver, notify
@@ -88,6 +89,7 @@ class StepRecord:
 class ContinuousEngine(EngineBase):
     config_class = ContinuousEngineConfig
     sequence_class = Request
+    scheduler_class = Scheduler  # level 3 forks samples, level 5 keeps a pipeline's micro-batches out of sight
 
     def __init__(self, model: str, *, observers: Iterable[StepObserver] = (), **kwargs):
         super().__init__(model, **kwargs)
@@ -113,8 +115,8 @@ class ContinuousEngine(EngineBase):
 
     def make_scheduler(self) -> Scheduler:
         c = self.config
-        return Scheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token,
-                         c.kv_admission_headroom)  # fmt: skip
+        return self.scheduler_class(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token,
+                                    c.kv_admission_headroom)  # fmt: skip
 
     def check_fits(self, seq: Request, i: int) -> None:
         check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)
@@ -209,9 +211,9 @@ class ContinuousEngine(EngineBase):
         self._record(sched, t_sched.seconds, t_step.seconds)
         return moved
 
-    def schedule(self, in_flight: list[Request] = ()) -> SchedulerOutput:
-        """The scheduler's decision (level 5 passes the requests its pipeline still has in flight)."""
-        sched = self.scheduler.schedule_except(in_flight) if in_flight else self.scheduler.schedule()
+    def schedule(self) -> SchedulerOutput:
+        """The scheduler's decision; the scheduled requests' first-scheduled times are set."""
+        sched = self.scheduler.schedule()
         self.mark_scheduled([req for req, _ in sched.scheduled])
         return sched
 

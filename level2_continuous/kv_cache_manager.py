@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from level1_paged.paged_cache import BlockTables
+from level1_paged.block_table import BlockTables
 
 from .request import Request
 

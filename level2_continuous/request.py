@@ -12,9 +12,6 @@ plus `num_computed_tokens`: how many of its tokens (prompt + output) have their 
 the cache. Each step the scheduler gives it `num_tokens - num_computed_tokens` more
 (a whole prompt, a chunk of one, or the one token sampled last step). Preemption by
 recompute sets it back to 0, and the request later prefills prompt + output again.
-`block_hashes` holds the names of its full blocks (level 3 fills it, as vLLM keeps
-them on the request): a preempted request comes back with the same tokens, and so the
-same names.
 
 What it is not: the owner of its KV blocks. The `KVCacheManager` keeps each request's
 block table (`kv_manager.block_table(request)`), so a level can change how blocks are
@@ -26,7 +23,7 @@ Reference: vLLM V1 `v1/request.py` (Request, RequestStatus).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from level0_naive.outputs import Sequence
 
@@ -67,7 +64,6 @@ class Request(Sequence):
     num_computed_tokens: int = 0
     priority: int = 0  # lower runs first under policy="priority" (vLLM's convention)
     num_preemptions: int = 0
-    block_hashes: list[bytes] = field(default_factory=list)  # names of its full blocks (level 3)
 
     def to(self, new: RequestStatus) -> None:
         """Move along the state machine; an illegal move is a bug, so it raises."""

@@ -37,7 +37,7 @@ Agrawal et al., "Sarathi-Serve" (OSDI 2024) for chunked prefill.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from .kv_cache_manager import KVCacheManager
@@ -104,15 +104,17 @@ class Scheduler:
     # --- one step's decision -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        running = self.schedulable()  # the running requests this step may schedule or preempt
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
+        while i < len(running) and budget > 0:
+            req = running[i]
             n = min(req.num_uncomputed_tokens, budget)
             while not self.kv.allocate_slots(req, n):
-                victim = self._pick_victim()
-                if self.running.index(victim) < i:  # (priority policy) already scheduled this step:
+                victim = self._pick_victim(running)
+                if running.index(victim) < i:  # (priority policy) already scheduled this step:
                     budget += out.remove(victim)  # take its tokens back
                     i -= 1
+                running.remove(victim)
                 self._preempt(victim, out)
                 if victim is req:
                     break
@@ -121,35 +123,37 @@ class Scheduler:
                 budget -= n
                 i += 1
         if not out.preempted:
-            self._admit(out, budget)
+            self._admit(out, budget, running)
         return out
 
-    def schedule_except(self, in_flight: Collection[Request]) -> SchedulerOutput:
-        """`schedule()` with some running requests out of sight: those whose last step has not
-        come back (level 5's pipeline) are neither scheduled nor preempted now, and keep their places."""
-        busy = {id(r) for r in in_flight}
-        everyone, self.running = self.running, [r for r in self.running if id(r) not in busy]
-        try:
-            return self.schedule()
-        finally:
-            still = {id(r) for r in self.running}  # the others that are left (some preempted, some admitted)
-            kept = [r for r in everyone if id(r) in busy or id(r) in still]
-            was = {id(r) for r in everyone}
-            self.running = kept + [r for r in self.running if id(r) not in was]
+    def schedulable(self) -> list[Request]:
+        """The running requests this step may schedule or preempt, in admission order: all of them here
+        (level 5's pipeline leaves out those whose micro-batch is still in flight)."""
+        return list(self.running)
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            req = self._next_waiting()
+    def admissible(self) -> list[Request]:
+        """The waiting requests this step may admit, in queue order: all of them here (level 3 leaves out
+        the samples that wait for their parent to compute the prompt they share)."""
+        return list(self.waiting)
+
+    def _admit(self, out: SchedulerOutput, budget: int, running: list[Request]) -> None:
+        """Admit from `admissible()` while budget and seats last; `running` are this step's running requests
+        (the seats and the headroom count them), and each admitted request joins them."""
+        waiting = self.admissible()
+        while waiting and budget > 0 and len(running) < self.max_num_seqs:
+            req = self._next_waiting(waiting)
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             req.set_computed(num_computed)
             n = min(req.num_uncomputed_tokens, budget)
-            keep_free = self.admission_headroom * len(self.running)  # the running requests' next blocks
+            keep_free = self.admission_headroom * len(running)  # the running requests' next blocks
             if not self.kv.allocate_slots(req, n, computed_blocks, keep_free):
                 req.set_computed(0)
                 break  # head-of-line: later requests wait too, so nobody jumps the queue
+            waiting.remove(req)
             self.waiting.remove(req)
             req.to(RequestStatus.RUNNING)
             self.running.append(req)
+            running.append(req)
             out.add(req, n)
             budget -= n
 
@@ -173,15 +177,18 @@ class Scheduler:
                 self.finish(req)
         return output.requests
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self, waiting: list[Request]) -> Request:
+        """Whom to admit next of `waiting` (queue order): the head, or under "priority" the most urgent."""
         if self.policy == "priority":
-            return min(self.waiting, key=lambda r: (r.priority, r.metrics.arrival_time))
-        return self.waiting[0]
+            return min(waiting, key=lambda r: (r.priority, r.metrics.arrival_time))
+        return waiting[0]
 
-    def _pick_victim(self) -> Request:
+    def _pick_victim(self, running: list[Request]) -> Request:
+        """Whom to preempt of `running` (admission order): the last admitted, or under "priority" the least
+        urgent, latest arrival."""
         if self.policy == "priority":
-            return max(self.running, key=lambda r: (r.priority, r.metrics.arrival_time))
-        return self.running[-1]
+            return max(running, key=lambda r: (r.priority, r.metrics.arrival_time))
+        return running[-1]
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

@@ -12,6 +12,7 @@ from level0_naive import (
 from level2_continuous import Request, RequestStatus
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from .block_hash import PrefixRequest
 from .engine import LLM, LLMEngine, PrefixCachingEngine, PrefixEngineConfig
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "Logprob",
     "PrefixEngineConfig",
     "Request",
+    "PrefixRequest",
     "RequestStatus",
     "load_model",
 ]

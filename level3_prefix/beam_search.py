@@ -4,9 +4,9 @@ What it is: vLLM's `BeamSearchParams`, `BeamSearchSequence`, `BeamSearchOutput` 
 behind `LLM.beam_search(prompts, params)` (level 3's `engine.py`). Every step runs each live
 beam's newest token through the model, scores every (beam, next token) pair, keeps the best
 `beam_width` as the next beams, and gives each child its parent's blocks by reference count
-(`PrefixCachingKVCacheManager.fork`). A parent with two children is two references to the
-same blocks; when a child then writes into the shared, partial last block, the manager
-copies that one block first (copy-on-write) and the worker makes the copy in the step:
+(`PrefixCachingKVCacheManager.fork`, copy_on_write.py). A parent with two children is two
+references to the same blocks; when a child then writes into the shared, partial last block,
+the manager copies that one block first (copy-on-write) and the worker makes the copy in the step:
 
     step t:  beam A [ b0 | b1 | b2 (5/8) ]   beam B [ b0 | b1 | b3 (5/8) ]     b0, b1 ref 2
     best children: A+x, A+y (B dies)
@@ -46,8 +46,10 @@ from typing import ClassVar
 import torch
 
 from level0_naive.sampling_params import SamplingParams
-from level1_paged.paged_cache import blocks_for
-from level1_paged.worker import ModelInput
+from level1_paged.block_table import blocks_for
+from level1_paged.model_input import ModelInput
+
+from .copy_on_write import CopyOnWriteInput
 
 _PARAMS = SamplingParams()  # what the KV manager reads of a sequence's parameters (no prompt logprobs)
 
@@ -226,7 +228,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -
                 on_step(beams)
             chunks = [(b.token_slice(b.num_computed_tokens, b.num_tokens), b.num_computed_tokens) for b in beams]
             tables = [kv.block_table(b) for b in beams]
-            mi = ModelInput.build(chunks, tables, bs, [1] * len(beams), kv.take_block_copies())
+            mi = CopyOnWriteInput.with_copies(ModelInput.build(chunks, tables, bs, [1] * len(beams)), kv.take_block_copies())
             logits = engine.worker.execute(mi)  # [B, V]
             for b in beams:
                 b.num_computed_tokens = b.num_tokens

@@ -2,7 +2,7 @@
 
 What it is: level 1's allocator grown into vLLM V1's `BlockPool`. Every block has a
 reference count (how many running requests use it) and, once full, a name: the hash
-of its tokens chained to its parent's hash (`hash_block`). A block whose count drops
+of its tokens chained to its parent's hash (block_hash.py). A block whose count drops
 to 0 is *not* wiped: it joins the free queue with its contents and its name, and a
 later request with the same prefix can take it back (`touch`). Only when `allocate`
 pops it for new tokens is its name dropped (lazy eviction).
@@ -17,8 +17,8 @@ removing a touched block from the middle is O(1) (a `deque.remove` would be O(n)
 The pool also counts the tokens stored in blocks someone uses (`num_stored`), a shared
 block once, updated as blocks are filled, touched and freed: usage is never a walk.
 
-What it is not: the per-request bookkeeping (that is `kv_cache_manager.py`), and not a
-radix tree: sharing is only at whole-block granularity, as in vLLM.
+What it is not: the per-request bookkeeping (that is `kv_cache_manager.py`), the lookup
+(`prefix_cache.py`), and not a radix tree: sharing is only at whole-block granularity, as in vLLM.
 
 Reference: vLLM `docs/design/prefix_caching.md`, `v1/core/block_pool.py`,
 `v1/core/kv_cache_utils.py` (FreeKVCacheBlockQueue, hash_block_tokens).
@@ -26,24 +26,9 @@ Reference: vLLM `docs/design/prefix_caching.md`, `v1/core/block_pool.py`,
 
 from __future__ import annotations
 
-import hashlib
-import struct
-
 from level1_paged.block_allocator import OutOfBlocks
 
-
-def hash_block(parent: bytes | None, tokens: tuple[int, ...], extra: tuple = ()) -> bytes:
-    """SHA-256 of (parent hash, token ids, extra keys) in a canonical byte encoding.
-
-    Stable across processes and Python versions (unlike `hash()`), and 256 bits wide,
-    so two different prefixes meeting on a name would take ~2**128 blocks. The pool
-    also keeps each block's tokens and parent and checks them on every hit.
-    """
-    h = hashlib.sha256(parent or b"\0" * 32)
-    h.update(struct.pack(f"<{len(tokens)}q", *tokens))
-    for key in extra:
-        h.update(repr(key).encode())
-    return h.digest()
+from .block_hash import hash_block
 
 
 class KVBlock:

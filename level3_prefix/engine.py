@@ -1,8 +1,9 @@
 """Level 3: level 2's engine with automatic prefix caching.
 
 What it is: `PrefixCachingEngine` (exported as `LLMEngine`) and `LLM` of level 2 with one part replaced, the KV cache
-manager (`kv_cache_manager.PrefixCachingKVCacheManager`). The worker and the attention
-kernel do not change, nor does the scheduler but for the samples' fork (below): a prefix hit simply admits a request with
+manager (`kv_cache_manager.PrefixCachingKVCacheManager`), and its requests carrying their block
+names (`block_hash.PrefixRequest`). The worker and the attention kernel do not change, nor does
+the scheduler but for the samples' fork (below): a prefix hit simply admits a request with
 `num_computed_tokens > 0`, and its first chunk is a query of length > 1 over a longer
 context, which the paged kernel already handles.
 
@@ -10,8 +11,8 @@ Adds `enable_prefix_caching` (default on), `reset_prefix_cache()`, `prefix_stats
 and the `vllm:prefix_cache_queries` / `vllm:prefix_cache_hits` metrics. The same
 reference counts give the PagedAttention paper's fork: `LLM.beam_search` (`beam_search.py`),
 whose beams share blocks and copy the last one on write, and `n` > 1 samples, which fork
-after their prompt (`scheduler.ForkingScheduler`); each step's copies travel to the worker
-in `ModelInput.block_copies`.
+after their prompt (`scheduler.ForkingScheduler`); a step that must copy blocks first carries
+them to the worker in its input (copy_on_write.py: `CopyOnWriteInput`).
 
 What it is not: a cache-aware scheduler, or a cache that outlives the process.
 
@@ -22,15 +23,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from level0_naive.metrics import Counter, Metric
-from level1_paged.worker import ModelInput
+from level1_paged.model_input import ModelInput
 from level2_continuous.engine import LLM as ContinuousLLM
 from level2_continuous.engine import ContinuousEngine, ContinuousEngineConfig
 from level2_continuous.scheduler import SchedulerOutput
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
+from .block_hash import PrefixRequest
+from .copy_on_write import CopyOnWriteInput
 from .kv_cache_manager import PrefixCachingKVCacheManager
 from .scheduler import ForkingScheduler
 
@@ -42,6 +43,8 @@ class PrefixEngineConfig(ContinuousEngineConfig):
 
 class PrefixCachingEngine(ContinuousEngine):
     config_class = PrefixEngineConfig
+    sequence_class = PrefixRequest
+    scheduler_class = ForkingScheduler
 
     fork_samples = True  # n > 1: samples fork after the prompt (level 4 with a draft model: off)
 
@@ -49,15 +52,13 @@ class PrefixCachingEngine(ContinuousEngine):
         return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
 
     def make_scheduler(self) -> ForkingScheduler:
-        c = self.config
-        return ForkingScheduler(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token,
-                                c.kv_admission_headroom, fork_samples=self.fork_samples)  # fmt: skip
+        scheduler = super().make_scheduler()
+        scheduler.fork_samples = self.fork_samples
+        return scheduler
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
         """Level 2's input, plus the copies a forked sequence's first write needs (copy-on-write)."""
-        mi = super().prepare_input(sched)
-        mi.block_copies = torch.tensor(self.kv.take_block_copies(), dtype=torch.long).reshape(-1, 2)  # [C, 2]
-        return mi
+        return CopyOnWriteInput.with_copies(super().prepare_input(sched), self.kv.take_block_copies())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks)."""

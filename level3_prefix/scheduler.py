@@ -2,7 +2,8 @@
 
 What it is: `ForkingScheduler`. Sample 0 of a request with `n` > 1 is admitted as usual; samples
 1 .. n-1 wait (in the queue, in their places) until sample 0's prompt is in the cache, then are
-admitted as forks: the KV manager (`fork_at_admission`) hands each the parent's blocks for all
+admitted as forks (level 2's `admissible` leaves them out until then): the KV manager
+(`fork_at_admission`, copy_on_write.py) hands each the parent's blocks for all
 but the prompt's last token, by reference count, and the sample computes that one token itself,
 which gives it its own logits row to sample its first token from (and, through
 copy-on-write, its own copy of the shared last block). The prompt is computed once, not n times,
@@ -31,10 +32,8 @@ Reference: Kwon et al., SOSP 2023, section 4.4 (parallel sampling); vLLM V0's `S
 
 from __future__ import annotations
 
-from collections import deque
-
 from level2_continuous.request import Request, RequestStatus
-from level2_continuous.scheduler import Scheduler, SchedulerOutput
+from level2_continuous.scheduler import Scheduler
 
 
 class ForkingScheduler(Scheduler):
@@ -58,17 +57,9 @@ class ForkingScheduler(Scheduler):
             return False
         return parent.status is not RequestStatus.RUNNING or parent.num_computed_tokens < req.num_tokens - 1
 
-    def _admit(self, out: SchedulerOutput, budget: int) -> None:
-        """Level 2's admission with the samples that must wait out of sight (they keep their places)."""
-        held = {id(r) for r in self.waiting if self._must_wait(r)}
-        if not held:
-            return super()._admit(out, budget)
-        everyone, self.waiting = self.waiting, deque(r for r in self.waiting if id(r) not in held)
-        try:
-            super()._admit(out, budget)
-        finally:
-            left = {id(r) for r in self.waiting}
-            self.waiting = deque(r for r in everyone if id(r) in held or id(r) in left)
+    def admissible(self) -> list[Request]:
+        """Level 2's waiting queue, less the samples that must wait (they keep their places in it)."""
+        return [r for r in self.waiting if not self._must_wait(r)]
 
     def finish(self, req: Request, reason: str | None = None) -> None:
         super().finish(req, reason)

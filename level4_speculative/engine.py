@@ -47,7 +47,8 @@ from level0_naive.loader import LoadedModel, load_model
 from level0_naive.metrics import Counter, Metric, Vector
 from level0_naive.outputs import logprob_entries
 from level0_naive.stats import Timer
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import LLM as PrefixLLM
 from level3_prefix.engine import PrefixCachingEngine

@@ -46,7 +46,8 @@ import torch
 
 from level0_naive.logits_processors import SamplingState
 from level0_naive.sampler import Sampler
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
 from level2_continuous.scheduler import SchedulerOutput
 
 from .request import SpecRequest

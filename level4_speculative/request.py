@@ -1,4 +1,4 @@
-"""A request under speculative decoding: level 2's `Request` plus its guesses and its draft's progress.
+"""A request under speculative decoding: level 3's request plus its guesses and its draft's progress.
 
 What it is: `SpecRequest`, vLLM V1's idea: the proposer runs after a step's sampling and
 leaves its guesses on the request (`spec_token_ids`, and `spec_probs`, the distributions q
@@ -27,11 +27,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from level2_continuous.request import Request
+from level3_prefix.block_hash import PrefixRequest
 
 
 @dataclass
-class SpecRequest(Request):
+class SpecRequest(PrefixRequest):
     draft_num_computed: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # d_1 .. d_k, verified next step
     spec_probs: torch.Tensor | None = None  # q [k, V] they were drawn from; None: greedy, or a point mass

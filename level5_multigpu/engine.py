@@ -12,7 +12,7 @@ to every rank; the logits come back. With both sizes 1 this is level 4, step for
 
 With pipeline_parallel_size = p > 1 the engine keeps up to p micro-batches of *disjoint*
 requests in flight (vLLM's batch queue): a request in flight is invisible to the next
-`schedule()` (it can be neither scheduled again nor preempted), so while stage 1 runs
+`schedule()` (it can be neither scheduled again nor preempted: scheduler.py), so while stage 1 runs
 micro-batch A, stage 0 runs B:
 
     stage 0 |A0|B0|C0|  |D0|       time ->     (each box: one micro-batch's forward on that stage)
@@ -43,7 +43,6 @@ from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
 from level1_paged.executor import Executor
-from level2_continuous.request import Request
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level4_speculative.config import SpeculativeEngineConfig
 from level4_speculative.engine import LLM as SpeculativeLLM
@@ -54,6 +53,7 @@ from .layers import kv_heads_of_rank
 from .model import kv_bytes_per_token_of_rank, partition_layers
 from .parallel_state import CommStats
 from .rank import ParallelSpec, rank_main
+from .scheduler import PipelineScheduler
 
 
 @dataclass
@@ -86,6 +86,7 @@ class ParallelEngineConfig(SpeculativeEngineConfig):
 
 class ParallelEngine(SpeculativeEngine):
     config_class = ParallelEngineConfig
+    scheduler_class = PipelineScheduler  # level 3's, with a micro-batch's requests out of sight while in flight
 
     def __init__(self, model: str, **kwargs):
         # per micro-batch in flight, oldest first: (SchedulerOutput, seconds to schedule it); level 4's
@@ -154,12 +155,7 @@ class ParallelEngine(SpeculativeEngine):
         raise SystemExit(0)
 
     # --- the step: micro-batches in flight -------------------------------------------------------------
-    def schedule(self, in_flight: list[Request] = ()) -> SchedulerOutput:
-        """Level 2's schedule over the requests that are not in flight."""
-        mine = [r for sched, _ in self.in_flight for r, _ in sched.scheduled]
-        return super().schedule(in_flight=[*in_flight, *mine])
-
-    def _step(self) -> list[Request]:
+    def _step(self) -> list:
         if self.pp == 1:
             return super()._step()
         with Timer() as t_step:
@@ -170,12 +166,14 @@ class ParallelEngine(SpeculativeEngine):
                         break
                     model_input = self.prepare_input(sched)
                 self.worker.submit(model_input)
+                self.scheduler.send_off(sched)  # its requests sit out the next schedules (scheduler.py)
                 self.in_flight.append((sched, t_sched.seconds))
             if not self.in_flight:
                 if self.scheduler.has_unfinished():
                     raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                 return []
             sched, sched_s = self.in_flight.popleft()
+            self.scheduler.take_back(sched)
             logits = self.take_prompt_logprobs(self.chunks(sched), self.worker.collect())
             output = self.sample(sched, logits)
             self._skip_aborted(sched, output)

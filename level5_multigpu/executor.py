@@ -58,7 +58,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from level1_paged.worker import ModelInput
+from level1_paged.model_input import ModelInput
 
 from .parallel_state import Comm, CommStats, Topology, init_process_group
 from .rank import ParallelSpec, build_rank, rank_main

@@ -37,8 +37,9 @@ from ladder import rooms
 from ladder.models import resolve_path
 from level0_naive.config import EngineConfig, resolve_kv_budget
 from level0_naive.loader import model_config_from_hf
-from level1_paged.paged_cache import PagedAttention, blocks_in_budget
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.block_table import blocks_in_budget
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
 
 from .layers import ShardReader
 from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
@@ -128,9 +129,7 @@ class RankWorker(Worker):
         """Hidden states [T, d] for the next stage; on the last stage the logits [S, V] (TP rank 0) or None."""
         t0 = time.perf_counter()
         mi = model_input.to(self.device)
-        out = self.model(
-            mi.input_ids, mi.positions, PagedAttention(self.cache, mi, self.impl, self.scale), hidden=hidden
-        )
+        out = self.model(mi.input_ids, mi.positions, mi.attention_backend(self.cache, self.impl, self.scale), hidden=hidden)
         if self.model.last:
             out = self.model.compute_logits(out[mi.logits_indices])
         self.timeline.events.append((mb, t0, time.perf_counter()))

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from level1_paged.worker import ModelInput
+from level1_paged.model_input import ModelInput
 
 from .parallel_state import Comm, fit_alpha_beta
 

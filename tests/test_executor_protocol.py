@@ -19,7 +19,8 @@ import torch
 
 from level0_naive.loader import load_model
 from level1_paged.executor import Executor
-from level1_paged.worker import ModelInput, Worker
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
 from level5_multigpu.engine import ParallelEngineConfig
 from level5_multigpu.executor import MultiprocExecutor
 from level5_multigpu.rank import ParallelSpec

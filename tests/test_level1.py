@@ -11,8 +11,8 @@ import level0_naive
 import level1_paged
 from level0_naive import SamplingParams
 from level1_paged.block_allocator import BlockAllocator, OutOfBlocks
-from level1_paged.paged_cache import BlockTables
-from level1_paged.worker import ModelInput
+from level1_paged.block_table import BlockTables
+from level1_paged.model_input import ModelInput
 
 pytestmark = pytest.mark.level1
 

@@ -12,9 +12,10 @@ from test_equivalence import kv_bytes
 
 import level0_naive
 from level0_naive import SamplingParams
-from level2_continuous.request import Request
 from level3_prefix import LLM, LLMEngine
-from level3_prefix.block_pool import BlockPool, hash_block
+from level3_prefix.block_hash import PrefixRequest as Request
+from level3_prefix.block_hash import hash_block
+from level3_prefix.block_pool import BlockPool
 from level3_prefix.kv_cache_manager import PrefixCachingKVCacheManager
 
 pytestmark = pytest.mark.level3

@@ -36,7 +36,7 @@ import level3_prefix
 import level4_speculative.rejection_sampler as rs
 from level0_naive import SamplingParams
 from level0_naive.kv_cache import causal_attention
-from level3_prefix.block_pool import hash_block
+from level3_prefix.block_hash import hash_block
 from level4_speculative import LLM, LLMEngine
 
 pytestmark = pytest.mark.level4

@@ -17,8 +17,8 @@ from test_equivalence import kv_bytes
 
 import level3_prefix
 from level0_naive import SamplingParams
-from level2_continuous.request import Request
 from level2_continuous.scheduler import ModelRunnerOutput, Scheduler
+from level3_prefix.block_hash import PrefixRequest as Request  # level 3's manager names blocks on its requests
 from level3_prefix.kv_cache_manager import PrefixCachingKVCacheManager
 
 pytestmark = pytest.mark.level3

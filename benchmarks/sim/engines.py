@@ -44,7 +44,7 @@ import torch
 from level0_naive.engine import NaiveEngine
 from level0_naive.loader import LoadedModel
 from level0_naive.model import ModelConfig
-from level1_paged.paged_cache import num_blocks_for_budget
+from level1_paged.block_table import num_blocks_for_budget
 from level2_continuous.engine import ContinuousEngine
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import PrefixCachingEngine

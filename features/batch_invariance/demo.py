@@ -38,7 +38,7 @@ from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, sa
 from ladder.models import default_model
 from level0_naive.sampling_params import SamplingParams
 from level1_paged.engine import LLM
-from level1_paged.worker import ModelInput
+from level1_paged.model_input import ModelInput
 
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks?\n"
 MODES = {"default": False, "batch_invariant": True}

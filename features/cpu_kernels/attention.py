@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from level1_paged.attention_ref import paged_attention_torch, write_kv_cache
+from level1_paged.attention_ref import paged_attention_torch
+from level1_paged.kv_cache import write_kv_cache
 
 from .native import NativeLibrary
 

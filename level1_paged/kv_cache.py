@@ -1,0 +1,115 @@
+"""The paged KV cache: its memory, where each new token's K and V are written, and the attention over it.
+
+What it is: PagedAttention's memory layout. One K and one V tensor per layer, shaped
+`[num_blocks, block_size, num_kv_heads, head_dim]`, sized once from the KV budget
+(`PagedKVCache`), and the attention backend the model calls for one flattened batch
+(`PagedAttention`), which does two things per layer:
+
+    write   the step's new k, v [T, Hkv, D] into their slots: slot = block * block_size + offset,
+            the step's `slot_mapping [T]` (slot_mapping.py), one indexed copy (`write_kv_cache`)
+    attend  every query over its sequence's cached keys and values, through `block_tables`
+            (attention_ref.py: the plain-torch oracle and CPU backend; triton_attention.py: the kernel)
+
+    k_cache of one layer, viewed as one long row of slots (block_size 4):
+    slot   0  1  2  3 | 4  5  6  7 | 8  9 10 11 | ...
+    block      0      |     1      |     2      |
+    write k[i] to slot_mapping[i]:   [ .. .. k0 k1 | .. .. .. .. | k2 .. .. .. ]
+
+`attention_impl` names the two functions (write and attend) of each backend: torch, ref, Triton,
+and on a CPU the compiled kernel (a room's, through ladder/rooms.py).
+
+What it is not: a block allocator or a block table (`block_table.py`), or a scheduler.
+
+Reference: Kwon et al., SOSP 2023, section 4.1; vLLM V1 `v1/attention/backends/`
+(`reshape_and_cache`: the cache write, `forward`: the attention).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+
+from ladder import rooms
+from level0_naive.model import ModelConfig
+
+
+class PagedKVCache:
+    """The physical memory: per layer, k and v of [num_blocks, block_size, Hkv, D]."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
+        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+
+def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Write the new tokens' keys and values into their cache slots, in place.
+
+    k, v: [T, Hkv, D]; k_cache, v_cache: [N, bs, Hkv, D] (contiguous, same dtype
+    as k and v); slot_mapping: [T] int64 with every entry in [0, N * bs).
+    Only the T named slots change. There is no "-1 means skip" convention
+    (vLLM uses one for padded CUDA-graph tokens): a negative slot would wrap
+    around in torch indexing, so the caller must not produce one.
+    """
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    # A slot is (block, offset) flattened; viewing the cache as one long row of
+    # slots turns the scatter into a single indexed copy.
+    k_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = k  # [N*bs, Hkv, D]
+    v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = v  # [N*bs, Hkv, D]
+
+
+class AttentionImpl(NamedTuple):
+    """One attention backend's two functions (write_kv_cache above and attention_ref.py, triton_attention.py)."""
+
+    write_kv: Callable  # (k [T, Hkv, D], v, k_cache [N, bs, Hkv, D], v_cache, slot_mapping [T]) -> None
+    attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
+
+
+def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
+    """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
+
+    'auto' is the Triton kernel on CUDA; on a CPU, and for 'cpu' or `batch_invariant`, the
+    compiled CPU kernel is a room's (ladder/rooms.py), and 'auto' falls back to the torch
+    backend where it cannot be built."""
+    from .attention_ref import paged_attention_ref, paged_attention_torch
+
+    if batch_invariant or name == "cpu" or (name == "auto" and device.type == "cpu"):
+        found = rooms.attention(name, device, batch_invariant)  # (write_kv, attend), or None
+        if found is not None:
+            return AttentionImpl(*found)
+        name = "torch"
+    if name == "auto":
+        name = "triton"  # on CUDA
+    if name == "torch":
+        return AttentionImpl(write_kv_cache, paged_attention_torch)
+    if name == "ref":
+        return AttentionImpl(write_kv_cache, paged_attention_ref)
+    if name == "triton":
+        from .triton_attention import paged_attention_triton, write_kv_cache_triton
+
+        return AttentionImpl(write_kv_cache_triton, paged_attention_triton)
+    raise ValueError(f"attention_backend={name!r} is not one of: auto, cpu, torch, triton, ref")
+
+
+class PagedAttention:
+    """The attention backend for one forward: write new k/v to their slots, attend through tables.
+
+    `meta` is the step's `ModelInput` (model_input.py): query_start_loc, seq_lens, block_tables and
+    slot_mapping, already on the cache's device. The same object serves every layer; a level
+    whose steps need more around the write overrides `__call__` (level 3: copy-on-write copies)."""
+
+    def __init__(self, cache: PagedKVCache, meta, impl: AttentionImpl, scale: float):
+        self.cache, self.meta, self.scale = cache, meta, scale
+        self.write_kv, self.attend = impl.write_kv, impl.attend
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        m = self.meta
+        k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [N, bs, Hkv, D]
+        self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)  # the new tokens' K/V, into their slots
+        return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
+
+
+__all__ = ["PagedKVCache", "PagedAttention", "write_kv_cache", "attention_impl", "AttentionImpl"]
