@@ -2,7 +2,7 @@
 
 from ladder import rooms
 
-from .config import EngineConfig
+from .config import CacheConfig, EngineConfig, ModelSettings, SchedulerConfig
 from .llm import LLM
 from .loader import load_model
 from .outputs import CompletionOutput, Logprob, RequestOutput
@@ -23,5 +23,8 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "EngineConfig",
+    "ModelSettings",
+    "CacheConfig",
+    "SchedulerConfig",
     "load_model",
 ]

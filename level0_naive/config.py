@@ -1,16 +1,29 @@
-"""Engine configuration: one dataclass passed down, extended (not copied) by each level.
+"""Engine configuration: every setting of `LLM(...)`, in parts, as vLLM's `VllmConfig` holds them.
 
-What it is: the keyword arguments of `LLM(...)`, with validation and the "auto" rules
-for device, dtype and the KV memory budget. Level 1 subclasses `EngineConfig` to add
-`block_size` and `attention_backend`, level 2 adds the scheduler budgets, and so on.
+What it is: `EngineConfig`, one object per engine, made of parts, each a dataclass of the
+settings of one concern with its validation (a `ValueError` naming the setting):
+
+    config.model       ModelSettings     the checkpoint, dtype, device, max_model_len, seed, and
+                                         the settings a room answers (ops, batch_invariant, ...)
+    config.cache       CacheConfig       the KV budget (level 1 adds the block size and the
+                                         attention backend, level 3 prefix caching)
+    config.scheduler   SchedulerConfig   the batch's seats (level 2 adds the token budget, ...)
+
+An engine says which part classes it uses (`config_parts`); a level swaps a part for its own
+subclass, or adds a part (level 4: `speculative`, level 5: `parallel`). The keywords stay flat,
+as vLLM's `LLM(...)` takes them: `LLM(model, block_size=16, max_num_seqs=8)` gives each keyword
+to the part that has it, and one no part has is a `TypeError`. The "auto" rules for device,
+dtype and the KV memory budget are here too.
 
 What it is not: global state. Every engine owns its own config object.
+
+Reference: vLLM `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -23,17 +36,26 @@ DTYPES = {
 OPS_NAMES = ("auto", "cpu", "torch")
 
 
+class Part:
+    """A part of the config: a dataclass whose fields are `LLM(...)` keywords (a part may take others)."""
+
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_settings(cls, **settings):
+        return cls(**settings)
+
+
 @dataclass
-class EngineConfig:
+class ModelSettings(Part):
     model: str
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto": CUDA if available, else CPU
     # None: what the model was trained for (the tokenizer's model_max_length, when it says less than the
     # checkpoint's max_position_embeddings); -1: max_position_embeddings, however far past training that is
     max_model_len: int | None = None
-    max_num_seqs: int = 256  # the most sequences in one batch
-    kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
-    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
     seed: int = 0  # seeds every unseeded sampling request, so whole runs repeat
     # The settings a room answers (ladder/rooms.py says which room, docs/engine_core.md draws them):
     ops: str = "auto"  # the model's norms and RoPE: torch (ops.py) | cpu | auto (compiled on a CPU when it builds)
@@ -42,18 +64,60 @@ class EngineConfig:
     structured_outputs_backend: str = "auto"  # which compiler a request's structured_outputs gets
 
     def __post_init__(self):
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (or -1: the model's positions)")
+
+
+@dataclass
+class CacheConfig(Part):
+    kv_cache_memory: int | None = None  # KV budget in bytes; default 1 GiB on CPU
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: fraction of total memory
+
+    def __post_init__(self):
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory={self.kv_cache_memory} must be a positive number of bytes")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+
+
+@dataclass
+class SchedulerConfig(Part):
+    max_num_seqs: int = 256  # the most sequences in one batch
+
+    def __post_init__(self):
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} must be >= 1")
+
+
+PARTS = {"model": ModelSettings, "cache": CacheConfig, "scheduler": SchedulerConfig}  # level 0's
+
+
+class EngineConfig:
+    """`LLM(model, **settings)`'s settings, each given to the part that has it (see the module docstring)."""
+
+    def __init__(self, model: str, parts: dict[str, type[Part]] | None = None, **settings):
+        parts = PARTS if parts is None else parts
+        settings["model"] = model
+        known = {name for part in parts.values() for name in part.setting_names()}
+        unknown = sorted(set(settings) - known)
+        if unknown:
+            raise TypeError(f"unknown setting(s) {', '.join(unknown)}; this engine takes: {', '.join(sorted(known))}")
+        self.parts = dict(parts)
+        for name, part in parts.items():
+            mine = {k: v for k, v in settings.items() if k in part.setting_names()}
+            setattr(self, name, part.from_settings(**mine))
+
+    @staticmethod
+    def setting_names(parts: dict[str, type[Part]]) -> set[str]:
+        """Every keyword an engine with these parts takes (level 6 asks which flags its engine has)."""
+        return {name for part in parts.values() for name in part.setting_names()}
+
+    def __repr__(self) -> str:
+        return "EngineConfig(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in self.parts) + ")"
 
 
 def resolve_device(device: str) -> torch.device:
@@ -81,7 +145,7 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
-def resolve_kv_budget(cfg: EngineConfig, device: torch.device) -> int:
+def resolve_kv_budget(cfg: CacheConfig, device: torch.device) -> int:
     """The KV cache memory budget in bytes."""
     if cfg.kv_cache_memory is not None:
         return int(cfg.kv_cache_memory)

@@ -30,7 +30,7 @@ import torch
 from ladder import rooms
 from ladder.progress import GenerateProgress
 
-from .config import EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
+from .config import PARTS, EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
 from .inputs import InputProcessor
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
@@ -43,14 +43,15 @@ from .stats import EngineStats
 
 
 class EngineBase:
-    config_class = EngineConfig
+    config_parts = PARTS  # the config's part classes (config.py); a level swaps or adds its own
     sequence_class = Sequence  # level 2 swaps in its Request (a Sequence with a scheduler state)
 
     def __init__(self, model: str, *, clock: Callable[[], float] = time.perf_counter, **kwargs):
         self.clock = clock
-        self.config = self.config_class(model=str(model), **kwargs)
-        self.device = resolve_device(self.config.device)
-        self.dtype = resolve_dtype(self.config.dtype, self.device)
+        self.config = EngineConfig(str(model), self.config_parts, **kwargs)
+        m = self.config.model
+        self.device = resolve_device(m.device)
+        self.dtype = resolve_dtype(m.dtype, self.device)
         self.ops = self.make_ops()
         self.loaded = self.load_model()
         self.model_config, self.tokenizer = self.loaded.config, self.loaded.tokenizer
@@ -60,18 +61,18 @@ class EngineBase:
         # "inputs up to": the default when it says less. Past it, ask explicitly (-1: all positions).
         trained = getattr(self.tokenizer, "model_max_length", None)
         default = min(limit, trained) if isinstance(trained, int) and trained >= 2 else limit
-        self.max_model_len = {None: default, -1: limit}.get(self.config.max_model_len, self.config.max_model_len)
+        self.max_model_len = {None: default, -1: limit}.get(m.max_model_len, m.max_model_len)
         if self.max_model_len > limit:
             raise ValueError(f"max_model_len={self.max_model_len} exceeds the model's max_position_embeddings={limit}")
         if self.tokenizer is not None:  # else transformers warns of "indexing errors" past the trained window
             self.tokenizer.model_max_length = self.max_model_len
-        self.kv_budget = resolve_kv_budget(self.config, self.device)
+        self.kv_budget = resolve_kv_budget(self.config.cache, self.device)
         self.bytes_per_token = self.kv_bytes_per_token()
         self.stats = EngineStats()
         # what prepares a request that asks for a room: structured outputs' compiler (ladder/rooms.py)
         self.request_preparer = rooms.request_preparer(self.tokenizer, self.model_config.vocab_size,
-                                                       self.loaded.eos_token_ids, self.config.structured_outputs_backend)
-        self.inputs = InputProcessor(self.loaded, self.max_model_len, self.config.seed, self.device,
+                                                       self.loaded.eos_token_ids, m.structured_outputs_backend)
+        self.inputs = InputProcessor(self.loaded, self.max_model_len, m.seed, self.device,
                                      self.sequence_class, self.check_fits, self.clock, (self.request_preparer,))  # fmt: skip
         self.outputs = OutputProcessor()
         self.sampler = self.make_sampler()
@@ -79,7 +80,7 @@ class EngineBase:
     def make_sampler(self) -> Sampler:
         """The sampler and its logits processors: level 0's, then the rooms' (ladder/rooms.py), whose
         sampler class replaces level 0's where a setting asks (`batch_invariant=True`)."""
-        sampler_class = rooms.sampler_class(self.config.batch_invariant) or Sampler
+        sampler_class = rooms.sampler_class(self.config.model.batch_invariant) or Sampler
         return sampler_class([*DEFAULT_PROCESSORS, *rooms.logits_processors()])
 
     @property
@@ -90,11 +91,12 @@ class EngineBase:
     def make_ops(self) -> Ops:
         """What the model's linears, norms, RoPE and SwiGLU compute with: ops.py's, or a room's kernels
         (`ops=`, `batch_invariant=`: ladder/rooms.py says which, and why when they cannot run here)."""
-        return rooms.ops(self.config.ops, self.config.batch_invariant, self.device, self.dtype)
+        m = self.config.model
+        return rooms.ops(m.ops, m.batch_invariant, self.device, self.dtype)
 
     def load_model(self) -> LoadedModel:
         """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
-        return load_model(self.config.model, self.dtype, self.device, self.ops)
+        return load_model(self.config.model.model, self.dtype, self.device, self.ops)
 
     def kv_bytes_per_token(self) -> int:
         """What one cached token costs in every KV cache the engine keeps (level 4 adds its draft's)."""

@@ -49,7 +49,7 @@ class NaiveEngine(EngineBase):
         self.waiting = deque(seqs)
         while self.waiting:
             batch = []
-            while self.waiting and len(batch) < self.config.max_num_seqs and self._admit_one(self.waiting[0]):
+            while self.waiting and len(batch) < self.config.scheduler.max_num_seqs and self._admit_one(self.waiting[0]):
                 batch.append(self.waiting.popleft())
             assert batch, "check_fits() guarantees a lone request fits an empty cache"
             self._run_batch(batch, bar)

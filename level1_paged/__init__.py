@@ -10,7 +10,7 @@ from level0_naive import (
     load_model,
 )
 
-from .engine import LLM, PagedEngine, PagedEngineConfig
+from .engine import LLM, PagedCacheConfig, PagedEngine
 from .model_input import ModelInput
 from .worker import Worker
 
@@ -22,7 +22,7 @@ __all__ = [
     "RequestOutputKind",
     "CompletionOutput",
     "Logprob",
-    "PagedEngineConfig",
+    "PagedCacheConfig",
     "PagedEngine",
     "ModelInput",
     "Worker",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from level0_naive.config import EngineConfig
+from level0_naive.config import PARTS, CacheConfig
 from level0_naive.engine import NaiveEngine
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.model_runner import Chunk
@@ -39,7 +39,7 @@ from .worker import Worker
 
 
 @dataclass
-class PagedEngineConfig(EngineConfig):
+class PagedCacheConfig(CacheConfig):
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto (triton on CUDA, the compiled kernel on CPU, else torch) | cpu | torch | triton | ref
 
@@ -50,18 +50,18 @@ class PagedEngineConfig(EngineConfig):
 
 
 class PagedEngine(NaiveEngine):
-    config_class = PagedEngineConfig
+    config_parts = {**PARTS, "cache": PagedCacheConfig}
 
     def _init_kv_cache(self) -> None:
-        bs = self.config.block_size
+        bs = self.config.cache.block_size
         self.num_blocks = num_blocks_for_budget(self.kv_budget, bs, self.bytes_per_token)
-        self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.attention_backend,
-                             self.config.batch_invariant)  # fmt: skip
+        self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.cache.attention_backend,
+                             self.config.model.batch_invariant)  # fmt: skip
         self.blocks = BlockTables(self.num_blocks, bs)
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 
     def check_fits(self, seq: Sequence, i: int) -> None:
-        check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)
+        check_fits_in_pool(seq, i, self.num_blocks, self.config.cache.block_size)
 
     def _admit_one(self, seq: Sequence) -> bool:
         """Admit if the pool holds the request's tokens *now* (its prefill)."""
@@ -89,7 +89,7 @@ class PagedEngine(NaiveEngine):
 
     def _execute(self, running: list[Sequence], chunks: list[Chunk]) -> torch.Tensor:
         tables = [self.blocks.tables[s.seq_id] for s in running]
-        return self.worker.execute(ModelInput.build(chunks, tables, self.config.block_size,
+        return self.worker.execute(ModelInput.build(chunks, tables, self.config.cache.block_size,
                                                     self.num_logits(running, chunks)))  # fmt: skip
 
     def _evict(self, seq: Sequence) -> None:
@@ -106,7 +106,7 @@ class PagedEngine(NaiveEngine):
         """Nothing left to free: blocks went back as each request finished."""
 
     def kv_usage(self) -> tuple[int, int]:
-        reserved = self.blocks.allocator.num_used * self.config.block_size
+        reserved = self.blocks.allocator.num_used * self.config.cache.block_size
         return reserved * self.bytes_per_token, sum(self.cached.values()) * self.bytes_per_token
 
 

@@ -10,7 +10,7 @@ from level0_naive import (
     load_model,
 )
 
-from .engine import LLM, ContinuousEngine, ContinuousEngineConfig, LLMEngine
+from .engine import LLM, ContinuousEngine, ContinuousSchedulerConfig, LLMEngine
 from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .request import Request, RequestStatus
 from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
@@ -25,7 +25,7 @@ __all__ = [
     "RequestOutputKind",
     "CompletionOutput",
     "Logprob",
-    "ContinuousEngineConfig",
+    "ContinuousSchedulerConfig",
     "KVCacheManager",
     "SimpleKVCacheManager",
     "ModelRunnerOutput",

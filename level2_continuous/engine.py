@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ladder.progress import GenerateProgress
+from level0_naive.config import PARTS, SchedulerConfig
 from level0_naive.core import EngineBase
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.metrics import Gauge, Metric
@@ -42,7 +43,7 @@ from level0_naive.outputs import RequestOutput
 from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import Timer
 from level1_paged.block_table import check_fits_in_pool, num_blocks_for_budget
-from level1_paged.engine import PagedEngineConfig
+from level1_paged.engine import PagedCacheConfig
 from level1_paged.model_input import ModelInput
 from level1_paged.worker import Worker
 
@@ -53,7 +54,7 @@ from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
 
 
 @dataclass
-class ContinuousEngineConfig(PagedEngineConfig):
+class ContinuousSchedulerConfig(SchedulerConfig):
     max_num_batched_tokens: int = 2048  # the token budget of one step (prefill chunks + decodes)
     policy: str = "fcfs"  # fcfs | priority
     kv_admission_headroom: int = 0  # admit only if this many free blocks per running request are left (0: vLLM's rule)
@@ -87,7 +88,7 @@ class StepRecord:
 
 
 class ContinuousEngine(EngineBase):
-    config_class = ContinuousEngineConfig
+    config_parts = {**PARTS, "cache": PagedCacheConfig, "scheduler": ContinuousSchedulerConfig}
     sequence_class = Request
     scheduler_class = Scheduler  # level 3 forks samples, level 5 keeps a pipeline's micro-batches out of sight
 
@@ -99,27 +100,27 @@ class ContinuousEngine(EngineBase):
         self.kv: KVCacheManager = self.make_kv_manager()
         self.scheduler = self.make_scheduler()
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
-        self.step_log: deque[StepRecord] = deque(maxlen=self.config.step_log_size)
+        self.step_log: deque[StepRecord] = deque(maxlen=self.config.scheduler.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
 
     def make_worker(self) -> Worker:
         """The model and its paged KV cache, as many blocks as the budget holds (level 5: an
         executor over ranks, which agree on the fewest any of them can hold)."""
-        num_blocks = num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token)
-        c = self.config
-        return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, c.batch_invariant)
+        c = self.config.cache
+        num_blocks = num_blocks_for_budget(self.kv_budget, c.block_size, self.bytes_per_token)
+        return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant)
 
     def make_kv_manager(self) -> KVCacheManager:
         """The part level 3 replaces with its prefix-caching manager."""
-        return SimpleKVCacheManager(self.num_blocks, self.config.block_size)
+        return SimpleKVCacheManager(self.num_blocks, self.config.cache.block_size)
 
     def make_scheduler(self) -> Scheduler:
-        c = self.config
+        c = self.config.scheduler
         return self.scheduler_class(self.kv, c.max_num_batched_tokens, c.max_num_seqs, c.policy, self.append_token,
                                     c.kv_admission_headroom)  # fmt: skip
 
     def check_fits(self, seq: Request, i: int) -> None:
-        check_fits_in_pool(seq, i, self.num_blocks, self.config.block_size)
+        check_fits_in_pool(seq, i, self.num_blocks, self.config.cache.block_size)
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
@@ -226,7 +227,7 @@ class ContinuousEngine(EngineBase):
             chunks.append((req.token_slice(req.num_computed_tokens, n), req.num_computed_tokens))
             tables.append(self.kv.block_table(req))
             num_logits.append(req.prompt_logprob_rows(req.num_computed_tokens, n) + req.num_logits(n))
-        return ModelInput.build(chunks, tables, self.config.block_size, num_logits)
+        return ModelInput.build(chunks, tables, self.config.cache.block_size, num_logits)
 
     @staticmethod
     def chunks(sched: SchedulerOutput) -> list[tuple[Request, int, int, int]]:
@@ -251,7 +252,7 @@ class ContinuousEngine(EngineBase):
         used_blocks, stored = self.kv.usage()
         running = len(self.scheduler.running)
         s.record_step(
-            running, used_blocks * self.config.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s
+            running, used_blocks * self.config.cache.block_size * self.bytes_per_token, stored * self.bytes_per_token, step_s
         )
         waiting, ids = len(self.scheduler.waiting), [r.request_id for r, _ in sched.scheduled]
         record = StepRecord(self.clock(), running, waiting, sched.num_batched_tokens, sched.num_prefill_tokens,

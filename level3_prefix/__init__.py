@@ -13,7 +13,7 @@ from level2_continuous import Request, RequestStatus
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .block_hash import PrefixRequest
-from .engine import LLM, LLMEngine, PrefixCachingEngine, PrefixEngineConfig
+from .engine import LLM, LLMEngine, PrefixCacheConfig, PrefixCachingEngine
 
 __all__ = [
     "LLM",
@@ -28,7 +28,7 @@ __all__ = [
     "RequestOutputKind",
     "CompletionOutput",
     "Logprob",
-    "PrefixEngineConfig",
+    "PrefixCacheConfig",
     "Request",
     "PrefixRequest",
     "RequestStatus",

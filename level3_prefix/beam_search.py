@@ -191,7 +191,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -
         raise RuntimeError(
             "beam_search() needs an idle engine: finish or abort the requests added with add_request first"
         )
-    inputs, kv, bs = engine.inputs, engine.kv, engine.config.block_size
+    inputs, kv, bs = engine.inputs, engine.kv, engine.config.cache.block_size
     eos = set() if params.ignore_eos else set(inputs.eos_token_ids)
     ids = iter(range(-1, -(2**62), -1))  # beams' seq ids: negative, never a request's
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from level0_naive.metrics import Counter, Metric
+from level1_paged.engine import PagedCacheConfig
 from level1_paged.model_input import ModelInput
 from level2_continuous.engine import LLM as ContinuousLLM
-from level2_continuous.engine import ContinuousEngine, ContinuousEngineConfig
+from level2_continuous.engine import ContinuousEngine
 from level2_continuous.scheduler import SchedulerOutput
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
@@ -37,19 +38,20 @@ from .scheduler import ForkingScheduler
 
 
 @dataclass
-class PrefixEngineConfig(ContinuousEngineConfig):
+class PrefixCacheConfig(PagedCacheConfig):
     enable_prefix_caching: bool = True
 
 
 class PrefixCachingEngine(ContinuousEngine):
-    config_class = PrefixEngineConfig
+    config_parts = {**ContinuousEngine.config_parts, "cache": PrefixCacheConfig}
     sequence_class = PrefixRequest
     scheduler_class = ForkingScheduler
 
     fork_samples = True  # n > 1: samples fork after the prompt (level 4 with a draft model: off)
 
     def make_kv_manager(self) -> PrefixCachingKVCacheManager:
-        return PrefixCachingKVCacheManager(self.num_blocks, self.config.block_size, self.config.enable_prefix_caching)
+        c = self.config.cache
+        return PrefixCachingKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
 
     def make_scheduler(self) -> ForkingScheduler:
         scheduler = super().make_scheduler()

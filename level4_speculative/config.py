@@ -3,7 +3,8 @@
     LLM(model, speculative_config={"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4})
     LLM(model, speculative_config={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
 
-What it is: the parsed, validated form, with vLLM's names and defaults: a "model" without
+What it is: the parsed, validated form, with vLLM's names and defaults, and level 4's part of the
+engine's config (`config.speculative`, None without speculation): a "model" without
 a "method" means a draft model; "ngram" without lookup sizes uses 5 and 5, and one size
 given sets the other; `disable_by_batch_size` (vLLM V0's knob) turns drafting off in
 steps whose running batch is larger, where the target is busy enough on its own. A bad
@@ -18,13 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from level3_prefix.engine import PrefixEngineConfig
+from level0_naive.config import Part
 
 METHODS = ("draft_model", "ngram")
 
 
 @dataclass
-class SpeculativeConfig:
+class SpeculativeConfig(Part):
     num_speculative_tokens: int
     method: str | None = None  # "draft_model" | "ngram"; None: "draft_model" when a model is given
     model: str | None = None  # the draft checkpoint (a directory, a built-in name, a cached hub id)
@@ -70,11 +71,11 @@ class SpeculativeConfig:
             raise ValueError("speculative_config.num_speculative_tokens is required")
         return cls(**value)
 
+    # As a part of the engine's config (level0_naive/config.py): `LLM(..., speculative_config=...)`, or None.
+    @classmethod
+    def setting_names(cls) -> list[str]:
+        return ["speculative_config"]
 
-@dataclass
-class SpeculativeEngineConfig(PrefixEngineConfig):
-    speculative_config: dict | SpeculativeConfig | None = None
-
-    def __post_init__(self):
-        super().__post_init__()
-        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
+    @classmethod
+    def from_settings(cls, speculative_config=None) -> SpeculativeConfig | None:
+        return cls.parse(speculative_config)

@@ -53,7 +53,7 @@ from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level3_prefix.engine import LLM as PrefixLLM
 from level3_prefix.engine import PrefixCachingEngine
 
-from .config import SpeculativeConfig, SpeculativeEngineConfig
+from .config import SpeculativeConfig
 from .kv_cache_manager import DraftAwareKVCacheManager
 from .proposers import DraftModelProposer, NgramProposer, Proposer, draft_state
 from .rejection_sampler import greedy_verify, rejection_sample
@@ -119,7 +119,7 @@ class SpecDecodeStats:
 
 
 class SpeculativeEngine(PrefixCachingEngine):
-    config_class = SpeculativeEngineConfig
+    config_parts = {**PrefixCachingEngine.config_parts, "speculative": SpeculativeConfig}
     sequence_class = SpecRequest
 
     # --- construction: the draft model, the KV split, the proposer, the scheduler -------------
@@ -132,7 +132,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         """The draft model (whole, on this process), checked against the target's vocabulary; a
         public step of loading, so that a level that loads its target otherwise (level 5: only
         its metadata, on the driver) still gets its draft."""
-        self.speculative_config: SpeculativeConfig | None = self.config.speculative_config
+        self.speculative_config: SpeculativeConfig | None = self.config.speculative
         self.draft: LoadedModel | None = None
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             self.draft = load_model(self.speculative_config.model, self.dtype, self.device, self.ops)
@@ -165,9 +165,10 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.draft.config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config.model {self.speculative_config.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
-        c = self.config
-        draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend, c.batch_invariant)
-        return DraftModelProposer(draft_worker, self.kv.block_table, self.config.block_size, self.sampler)
+        c = self.config.cache
+        draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend,
+                              self.config.model.batch_invariant)  # fmt: skip
+        return DraftModelProposer(draft_worker, self.kv.block_table, c.block_size, self.sampler)
 
     @property
     def fork_samples(self) -> bool:
@@ -179,7 +180,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         """Level 3's, but a block is named only once the draft's cache holds it too."""
         if self.draft is None:
             return super().make_kv_manager()
-        c = self.config
+        c = self.config.cache
         return DraftAwareKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
 
     # --- the step ------------------------------------------------------------------------------
@@ -245,7 +246,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         """KV slots for k guesses (the draft writes them now, the target verifies them next step),
         from free blocks only: when they run out, as many guesses as the request's blocks hold."""
         if k and not self.kv.allocate_slots(req, 1 + k):  # positions up to num_tokens + k
-            k = max(0, len(self.kv.block_table(req)) * self.config.block_size - req.num_tokens)
+            k = max(0, len(self.kv.block_table(req)) * self.config.cache.block_size - req.num_tokens)
         return k
 
     def _verify(

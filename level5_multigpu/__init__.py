@@ -12,8 +12,9 @@ from level0_naive import (
 from level2_continuous import RequestStatus
 from level4_speculative import Request, SpeculativeConfig
 
-from .engine import LLM, LLMEngine, ParallelEngine, ParallelEngineConfig
+from .config import ParallelConfig
+from .engine import LLM, LLMEngine, ParallelEngine
 from .executor import WorkerDiedError
 
 __all__ = ["LLM", "LLMEngine", "ParallelEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
-           "SpeculativeConfig", "ParallelEngineConfig", "WorkerDiedError", "Request", "RequestStatus", "load_model"]  # fmt: skip
+           "SpeculativeConfig", "ParallelConfig", "WorkerDiedError", "Request", "RequestStatus", "load_model"]  # fmt: skip

@@ -37,17 +37,16 @@ from __future__ import annotations
 
 import os
 from collections import deque
-from dataclasses import dataclass
 
 from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
 from level1_paged.executor import Executor
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
-from level4_speculative.config import SpeculativeEngineConfig
 from level4_speculative.engine import LLM as SpeculativeLLM
 from level4_speculative.engine import SpeculativeEngine
 
+from .config import ParallelConfig
 from .executor import MultiprocExecutor
 from .layers import kv_heads_of_rank
 from .model import kv_bytes_per_token_of_rank, partition_layers
@@ -56,36 +55,8 @@ from .rank import ParallelSpec, rank_main
 from .scheduler import PipelineScheduler
 
 
-@dataclass
-class ParallelEngineConfig(SpeculativeEngineConfig):
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
-    distributed_executor_backend: str | None = (
-        None  # "mp" (spawn the ranks here) | "torchrun" (they are started for us) | "ray" (Ray actors: ray_executor.py)
-    )
-    distributed_backend: str = "auto"  # "auto": nccl on CUDA, gloo on CPU | "gloo" | "nccl"
-    pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
-    distributed_timeout_s: float = 120.0  # a rank silent for this long is declared dead
-    enable_expert_parallel: bool = False  # MoE: whole experts per TP rank, all-to-all (features/moe); else sliced
-
-    def __post_init__(self):
-        super().__post_init__()
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be an integer >= 1")
-        if self.distributed_executor_backend not in (None, "mp", "torchrun", "ray"):
-            raise ValueError(
-                f"distributed_executor_backend={self.distributed_executor_backend!r} must be 'mp', 'torchrun' or 'ray'"
-            )
-        if self.distributed_backend not in ("auto", "gloo", "nccl"):
-            raise ValueError(f"distributed_backend={self.distributed_backend!r} must be 'auto', 'gloo' or 'nccl'")
-        if self.distributed_timeout_s <= 0:
-            raise ValueError(f"distributed_timeout_s={self.distributed_timeout_s} must be > 0")
-
-
 class ParallelEngine(SpeculativeEngine):
-    config_class = ParallelEngineConfig
+    config_parts = {**SpeculativeEngine.config_parts, "parallel": ParallelConfig}
     scheduler_class = PipelineScheduler  # level 3's, with a micro-batch's requests out of sight while in flight
 
     def __init__(self, model: str, **kwargs):
@@ -101,11 +72,11 @@ class ParallelEngine(SpeculativeEngine):
 
     @property
     def tp(self) -> int:
-        return self.config.tensor_parallel_size
+        return self.config.parallel.tensor_parallel_size
 
     @property
     def pp(self) -> int:
-        return self.config.pipeline_parallel_size
+        return self.config.parallel.pipeline_parallel_size
 
     @property
     def parallel(self) -> bool:
@@ -115,13 +86,13 @@ class ParallelEngine(SpeculativeEngine):
     def load_model(self) -> LoadedModel:
         if not self.parallel:
             return super().load_model()  # level 4, whole model in this process
-        loaded = load_metadata(self.config.model)  # the ranks read their own slices of the weights
+        loaded = load_metadata(self.config.model.model)  # the ranks read their own slices of the weights
         kv_heads_of_rank(loaded.config.num_kv_heads, self.tp, 0)  # fails now if the heads cannot be split
         if loaded.config.num_heads % self.tp:
             raise ValueError(
                 f"tensor_parallel_size={self.tp} must divide num_attention_heads={loaded.config.num_heads}"
             )
-        partition_layers(loaded.config.num_layers, self.pp, self.config.pipeline_partition)
+        partition_layers(loaded.config.num_layers, self.pp, self.config.parallel.pipeline_partition)
         self.load_draft(loaded)  # level 4: the draft lives with the driver, whole
         return loaded
 
@@ -130,7 +101,7 @@ class ParallelEngine(SpeculativeEngine):
         if not self.parallel:
             return super().kv_bytes_per_token()
         cfg, draft = self.model_config, self.draft_kv_bytes_per_token()
-        ranges = partition_layers(cfg.num_layers, self.pp, self.config.pipeline_partition)
+        ranges = partition_layers(cfg.num_layers, self.pp, self.config.parallel.pipeline_partition)
         return draft + sum(
             kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype) for r in ranges for t in range(self.tp)
         )

@@ -28,14 +28,13 @@ import time
 import traceback
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from ladder import rooms
 from ladder.models import resolve_path
-from level0_naive.config import EngineConfig, resolve_kv_budget
+from level0_naive.config import CacheConfig, EngineConfig, resolve_kv_budget
 from level0_naive.loader import model_config_from_hf
 from level1_paged.block_table import blocks_in_budget
 from level1_paged.model_input import ModelInput
@@ -45,9 +44,6 @@ from .layers import ShardReader
 from .model import StageModel, kv_bytes_per_token_of_rank, partition_layers
 from .parallel_state import Comm, CommStats, Topology, alpha_beta, init_process_group, local_gpu
 from .transport import CollectiveRPC, Execute, Shutdown, echo, isend_object, isend_tensor, p2p_alpha_beta, receive
-
-if TYPE_CHECKING:
-    from .engine import ParallelEngineConfig
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,7 +71,7 @@ class ParallelSpec:
     @classmethod
     def from_config(
         cls,
-        config: ParallelEngineConfig,
+        config: EngineConfig,
         *,
         model: str,
         dtype: torch.dtype,
@@ -83,27 +79,28 @@ class ParallelSpec:
         extra_bytes_rank0: int = 0,
     ) -> ParallelSpec:
         """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device."""
-        backend = config.distributed_backend
+        par, cache = config.parallel, config.cache
+        backend = par.distributed_backend
         if backend == "auto":
             backend = "nccl" if device_type == "cuda" else "gloo"
         return cls(
             model=model,
             dtype=dtype,
             device_type=device_type,
-            tp=config.tensor_parallel_size,
-            pp=config.pipeline_parallel_size,
-            partition=config.pipeline_partition,
-            block_size=config.block_size,
-            attention_backend=config.attention_backend,
-            ops=config.ops,
-            batch_invariant=config.batch_invariant,
-            kv_cache_memory=config.kv_cache_memory,
-            gpu_memory_utilization=config.gpu_memory_utilization,
+            tp=par.tensor_parallel_size,
+            pp=par.pipeline_parallel_size,
+            partition=par.pipeline_partition,
+            block_size=cache.block_size,
+            attention_backend=cache.attention_backend,
+            ops=config.model.ops,
+            batch_invariant=config.model.batch_invariant,
+            kv_cache_memory=cache.kv_cache_memory,
+            gpu_memory_utilization=cache.gpu_memory_utilization,
             backend=backend,
-            timeout_s=config.distributed_timeout_s,
+            timeout_s=par.distributed_timeout_s,
             extra_bytes_rank0=extra_bytes_rank0,
-            ranks_started_by=config.distributed_executor_backend or "mp",
-            expert_parallel=config.enable_expert_parallel,
+            ranks_started_by=par.distributed_executor_backend or "mp",
+            expert_parallel=par.enable_expert_parallel,
         )
 
 
@@ -169,8 +166,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
-    budget = resolve_kv_budget(EngineConfig(spec.model, kv_cache_memory=spec.kv_cache_memory,
-                                            gpu_memory_utilization=spec.gpu_memory_utilization), device)  # fmt: skip
+    budget = resolve_kv_budget(CacheConfig(spec.kv_cache_memory, spec.gpu_memory_utilization), device)
     capacity = torch.tensor([blocks_in_budget(budget, spec.block_size, per_token)], dtype=torch.int64, device=device)
     if topo.world > 1:
         dist.all_reduce(capacity, op=dist.ReduceOp.MIN)

@@ -28,7 +28,6 @@ import logging
 import re
 import signal
 import sys
-from dataclasses import fields
 
 from ladder.cli import LadderParser, check_device_and_models, nonneg_int, positive_float, positive_int, prog
 
@@ -140,9 +139,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
     check_device_and_models(p, args)
+    from level0_naive.config import EngineConfig
+
     from .base import LLMEngine, SpeculativeConfig  # after the cheap checks: this imports torch
 
-    known = {f.name for f in fields(LLMEngine.config_class)}
+    known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size"):
         if getattr(args, flag) != 1 and flag not in known:
             p.error(f"argument --{flag.replace('_', '-')}: {getattr(args, flag)} needs a parallel engine (level 5); "
@@ -158,13 +159,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
+    from level0_naive.config import EngineConfig
+
     from .base import LLMEngine
 
     kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=args.speculative_config, seed=args.seed)  # fmt: skip
-    known = {f.name for f in fields(LLMEngine.config_class)}
+    known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip
         if flag in known:

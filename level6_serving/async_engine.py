@@ -179,7 +179,7 @@ class AsyncLLMEngine:
         # What the server reports, read once from the engine's public attributes (never changed after
         # it is built): handlers read these, not the engine, which belongs to the engine thread.
         self.model_path, self.model_config = engine.model_path, engine.model_config
-        self.max_model_len, self.max_num_seqs = engine.max_model_len, engine.config.max_num_seqs
+        self.max_model_len, self.max_num_seqs = engine.max_model_len, engine.config.scheduler.max_num_seqs
         self.engine_name = type(engine).__module__  # which level's engine this wraps, e.g. "level5_multigpu.engine"
         # The front end's own tokenizer and metadata (the engine thread decodes with the engine's): the
         # same files, so the same token ids, and no object is shared between the two threads.

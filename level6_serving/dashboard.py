@@ -326,9 +326,9 @@ def engine_info(engine, model_name: str, mode: str, completions: bool, hz: float
         "engine": type(engine).__name__,
         "completions": completions,  # the prompt box and the burst button need /v1/completions
         "num_blocks": engine.num_blocks,
-        "block_size": c.block_size,
-        "max_num_seqs": c.max_num_seqs,
-        "prefix_caching": bool(getattr(c, "enable_prefix_caching", False)),
+        "block_size": c.cache.block_size,
+        "max_num_seqs": c.scheduler.max_num_seqs,
+        "prefix_caching": bool(getattr(c.cache, "enable_prefix_caching", False)),
         "speculative": getattr(engine, "speculative_config", None) is not None,
         "hz": hz,
     }

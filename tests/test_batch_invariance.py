@@ -307,7 +307,7 @@ def test_the_mode_says_what_it_cannot_do(monkeypatch, checkpoint_factory):
     with pytest.raises(ValueError, match="batch_invariant=1 must be True or False"):
         EngineConfig(str(path), batch_invariant=1)
     monkeypatch.setenv("LADDER_BATCH_INVARIANT", "1")
-    assert EngineConfig(str(path)).batch_invariant is True
+    assert EngineConfig(str(path)).model.batch_invariant is True
     assert isinstance(level1_paged.LLM(path, dtype="float32").llm_engine.ops, InvariantOps)
     monkeypatch.setenv("LADDER_BATCH_INVARIANT", "0")
-    assert EngineConfig(str(path)).batch_invariant is False
+    assert EngineConfig(str(path)).model.batch_invariant is False

@@ -17,11 +17,12 @@ import multiprocessing
 import pytest
 import torch
 
+from level0_naive.config import EngineConfig
 from level0_naive.loader import load_model
 from level1_paged.executor import Executor
 from level1_paged.model_input import ModelInput
 from level1_paged.worker import Worker
-from level5_multigpu.engine import ParallelEngineConfig
+from level5_multigpu.engine import ParallelEngine
 from level5_multigpu.executor import MultiprocExecutor
 from level5_multigpu.rank import ParallelSpec
 
@@ -37,7 +38,7 @@ def single_process_worker(path) -> Worker:
 def make_executor(path, tp: int, pp: int):
     if tp * pp == 1:
         return single_process_worker(path)
-    config = ParallelEngineConfig(str(path), dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+    config = EngineConfig(str(path), ParallelEngine.config_parts, dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
                                   block_size=BLOCK, attention_backend="torch", kv_cache_memory=1 << 20,
                                   distributed_timeout_s=60)  # fmt: skip
     return MultiprocExecutor(ParallelSpec.from_config(config, model=str(path), dtype=torch.float64, device_type="cpu"))

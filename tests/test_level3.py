@@ -132,7 +132,7 @@ def test_a_colliding_hash_never_returns_another_prefixs_kv(llama_dir, oracle):
     class Colliding(LLMEngine):
         def make_kv_manager(self):
             return PrefixCachingKVCacheManager(
-                self.num_blocks, self.config.block_size, hash_fn=lambda parent, tokens, extra=(): b"x" * 32
+                self.num_blocks, self.config.cache.block_size, hash_fn=lambda parent, tokens, extra=(): b"x" * 32
             )
 
     class CollidingLLM(LLM):

@@ -31,7 +31,7 @@ def test_disconnected_clients_are_aborted_and_free_their_blocks(server, llm, slo
     use, and the three that left were aborted (not finished: the steps are slowed down)."""
     names = ("KENT", "LEAR", "EDGAR", "REGAN", "GONERIL", "FOOL")
     prompts = [f"{n}:\n" if i % 2 == 0 else f"{n}: " + "the king is mad, " * 18 for i, n in enumerate(names)]
-    num_blocks, block = server.engine.engine.num_blocks, server.engine.engine.config.block_size
+    num_blocks, block = server.engine.engine.num_blocks, server.engine.engine.config.cache.block_size
     stayers_max = 3 * -(-(len("GONERIL:\n") + 150) // block)  # the most blocks three stayers can hold
     aborted_before = aborted(metrics(server.url))
 

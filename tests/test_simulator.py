@@ -423,7 +423,7 @@ def test_a_conversations_next_turn_follows_its_answer():
                 nxt = next(s for s in seqs if s.prompt_token_ids == exchange + turn.prompt)
                 assert nxt.metrics.arrival_time == pytest.approx(seq.metrics.finished_time + turn.arrival)
                 assert len(nxt.output_token_ids) == turn.output_len
-                held += (len(exchange) - 1) // engine.config.block_size * engine.config.block_size  # (no K/V yet
+                held += (len(exchange) - 1) // engine.config.cache.block_size * engine.config.cache.block_size  # (no K/V yet
                 # for the answer's last token: it was sampled, never fed back)
                 seq = nxt
         if system == "vllm-prefix":  # (80 GB: room for every conversation, nothing evicted)

@@ -92,7 +92,7 @@ class Simulated:
 
     def load_model(self) -> LoadedModel:
         """The config alone: no weights, no tokenizer (prompts are token ids)."""
-        path = Path(self.config.model)
+        path = Path(self.config.model.model)
         return LoadedModel(None, engine_model_config(self.hf), None, [self.shape.eos_token_id], path, self.hf, {})
 
     def make_executor(self, num_blocks: int) -> SimulatedExecutor:
@@ -108,7 +108,7 @@ class SimulatedContinuous(Simulated, ContinuousEngine):
     """Level 2 (vLLM without prefix caching) on the modelled clock."""
 
     def make_worker(self) -> SimulatedExecutor:
-        worker = self.make_executor(num_blocks_for_budget(self.kv_budget, self.config.block_size, self.bytes_per_token))
+        worker = self.make_executor(num_blocks_for_budget(self.kv_budget, self.config.cache.block_size, self.bytes_per_token))
         worker.probe = self.kv_tokens
         return worker
 
@@ -293,6 +293,6 @@ class SimulatedStatic(Simulated, NaiveEngine):
                 self.waiting.append(pending.popleft())
             while self.waiting:
                 batch = []
-                while self.waiting and len(batch) < self.config.max_num_seqs and self._admit_one(self.waiting[0]):
+                while self.waiting and len(batch) < self.config.scheduler.max_num_seqs and self._admit_one(self.waiting[0]):
                     batch.append(self.waiting.popleft())
                 self._run_batch(batch, bar)

@@ -102,7 +102,7 @@ def copies_in_batches(llm, others: list[list[int]], copies: int, max_tokens: int
 def one_step_alone_and_among(llm, others: list[list[int]]) -> list[tuple[str, float]]:
     """(layer, max |hidden alone - hidden among 15 others|) for one decode step of the prompt."""
     engine = llm.llm_engine
-    worker, bs = engine.worker, engine.config.block_size
+    worker, bs = engine.worker, engine.config.cache.block_size
     prompt = engine.tokenizer(PROMPT)["input_ids"]
     seqs = [prompt] + others  # sequence 0 is the one watched
     width = max(-(-(len(s) + 1) // bs) for s in seqs)
