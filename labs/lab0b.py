@@ -1,4 +1,4 @@
-"""Lab 0b: structured outputs, the mask step (level 0's `structured.py`).
+"""Lab 0b: structured outputs, the mask step (the room's `features/structured_outputs/grammar.py`).
 
 What it is: the lab's definition (see `labs/spec.py`): `ReferenceGrammar.allowed` (which
 tokens may come next, the plain way: every token tried against a partial match) and

@@ -55,9 +55,9 @@ Return (emitted token lists, accepted counts).""",
     Part(
         "greedy_verify",
         """\
-Temperature 0: accept draft[i, j] while it equals the target's argmax target_argmax[i, j] (and j < num_draft[i]);
-then emit the argmax at the first mismatch, or the bonus argmax target_argmax[i, k] if all matched.
-No division, no random draw. Return (emitted token lists, accepted counts).""",
+Accept draft[i, j] while it equals the target's token target_tokens[i, j] (at temperature 0 its argmax; and
+j < num_draft[i]); then emit the target's token at the first mismatch, or the bonus target_tokens[i, k] if all
+matched. No division, no random draw. Return (emitted token lists, accepted counts).""",
     ),
 )
 
@@ -89,7 +89,7 @@ CHECKS = (
     Check("greedy", "greedy verification accepts exactly the matching prefix", (L4 + "test_greedy_verify_accepts_exactly_the_matching_prefix",
                                                                                   OWN + "test_greedy_respects_num_draft"),
           "Accept while draft == argmax, only for j < num_draft[i]; emit the argmax at the first mismatch, or "
-          "the bonus target_argmax[i, k_i].",
+          "the bonus target_tokens[i, k_i].",
           rule="Greedy verification accepts a draft token exactly when the target would have chosen it, among the "
                "real drafts only, and always adds the target's own next token."),
     Check("engine", "in the engine: draft = target is accepted every time; a seeded request ignores its batch",

@@ -184,6 +184,24 @@ def plot_path(requested: Path | None, name: str) -> Path:
     return Path(requested) if requested else output_dir() / name
 
 
+def plot_flag(p: argparse.ArgumentParser, name: str, what: str) -> None:
+    """A demo's `--plot PATH`: where it saves `what` (default: `name` in `output_dir()`, outside the repository)."""
+    p.add_argument("--plot", type=Path, default=None,
+                   help=f"where to save {what} (default: {name} in a folder outside the repository)")  # fmt: skip
+
+
+def run_demo(p: argparse.ArgumentParser, argv, run, plot: str | None = None, model_flags=("model",), width=None):
+    """A demo's `main`: parse (the device and every model flag checked before any weight loads), put the
+    picture where `--plot` says (default file name `plot`), and `run(args, console)` on `--threads` threads."""
+    from rich.console import Console
+
+    args = parse_demo_args(p, argv, model_flags)
+    if plot is not None:
+        args.plot = plot_path(args.plot, plot)
+    with torch_threads(args.threads):
+        return run(args, Console(width=width))
+
+
 def save_figure(fig, path: Path, dpi: int = 110) -> None:
     """Lay out, save (making the folder) and close a demo's matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -8,7 +8,10 @@ with the same arguments:
     ladder bench ...   =  python -m benchmarks.throughput ...  (every engine on the workloads)
     ladder labs ...    =  python -m labs ...                   (start, check, experiment)
     ladder watch ...   =  python -m benchmarks.watch ...       (the live dashboard over an offline or simulated run)
+    ladder trace ...   =  python -m benchmarks.trace ...       (one step's call paths, each frame's level or room)
     ladder demo N ...  =  python -m levelN_xxx.demo ...        (level N's demo, N = 0..6)
+
+`python -m ladder ...` is the same command without the install's PATH entry.
 
 What it is not: a second set of flags. The tool's own parser reads everything after the
 subcommand; only the name its `--help` and errors show changes, to `ladder serve` and so on.
@@ -21,16 +24,18 @@ import contextlib
 import runpy
 import sys
 
-COMMANDS = {"serve": "level6_serving", "bench": "benchmarks.throughput", "labs": "labs", "watch": "benchmarks.watch"}
+COMMANDS = {"serve": "level6_serving", "bench": "benchmarks.throughput", "labs": "labs", "watch": "benchmarks.watch",
+            "trace": "benchmarks.trace"}  # fmt: skip
 DEMOS = {str(n): f"{name}.demo" for n, name in enumerate(["level0_naive", "level1_paged", "level2_continuous",
          "level3_prefix", "level4_speculative", "level5_multigpu", "level6_serving"])}  # fmt: skip
 
-USAGE = """usage: ladder {serve,bench,labs,watch,demo N} [ARGS ...]
+USAGE = """usage: ladder {serve,bench,labs,watch,trace,demo N} [ARGS ...]
 
   serve    python -m level6_serving: the OpenAI-compatible server (level 6)
   bench    python -m benchmarks.throughput: every engine and HF generate on the benchmark workloads
   labs     python -m labs: the classroom labs (start, check, experiment)
   watch    python -m benchmarks.watch: the live dashboard over an offline run or a simulated GPU
+  trace    python -m benchmarks.trace: one step's call paths, from LLMEngine.step to the attention call
   demo N   python -m levelN_xxx.demo: level N's demo, N = 0..6
 
 `ladder COMMAND --help` shows that command's flags.

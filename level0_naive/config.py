@@ -5,17 +5,17 @@ settings of one concern with its validation (a `ValueError` naming the setting):
 
     config.model       ModelSettings     the checkpoint, dtype, device, max_model_len, seed, and
                                          the settings a room answers (ops, batch_invariant, ...)
-    config.cache       CacheConfig       the KV budget (level 1 adds the block size and the
-                                         attention backend, level 3 prefix caching)
-    config.scheduler   SchedulerConfig   the batch's seats (level 2 adds the token budget, ...)
+    config.cache       CacheConfig       the KV budget
+    config.scheduler   SchedulerConfig   the batch's seats (`max_num_seqs`)
 
-An engine says which part classes it uses (`config_parts`); a level swaps a part for its own
-subclass, or adds a part (level 4: `speculative`, level 5: `parallel`). The keywords stay flat,
-as vLLM's `LLM(...)` takes them: `LLM(model, block_size=16, max_num_seqs=8)` gives each keyword
-to the part that has it, and one no part has is a `TypeError`. The "auto" rules for device,
-dtype and the KV memory budget are here too.
+An engine names its part classes (`config_parts`); a subclass may swap or add one. The
+keywords stay flat, as vLLM's `LLM(...)` takes them: `LLM(model, dtype="float32",
+max_num_seqs=8)` gives each keyword to the part that has it; one no part has is a `TypeError`.
+The "auto" rules for device, dtype and the KV memory budget are here too.
 
-What it is not: global state. Every engine owns its own config object.
+What it is not: global state (every engine owns its config). Later levels extend the parts
+(level 1's cache adds the block size and attention backend, level 2's scheduler the token
+budget, level 3 prefix caching) or add one (level 4: `speculative`, level 5: `parallel`).
 
 Reference: vLLM `vllm/config/` (`VllmConfig`, `ModelConfig`, `CacheConfig`, `SchedulerConfig`).
 """
@@ -113,7 +113,7 @@ class EngineConfig:
 
     @staticmethod
     def setting_names(parts: dict[str, type[Part]]) -> set[str]:
-        """Every keyword an engine with these parts takes (level 6 asks which flags its engine has)."""
+        """Every keyword an engine with these parts takes (what a command line may offer as flags)."""
         return {name for part in parts.values() for name in part.setting_names()}
 
     def __repr__(self) -> str:
@@ -121,8 +121,7 @@ class EngineConfig:
 
 
 def resolve_device(device: str) -> torch.device:
-    """ "auto" -> CUDA if available, else CPU. Asking for CUDA where there is none is a
-    clear error here, before any weight is loaded."""
+    """ "auto" -> CUDA if available, else CPU; CUDA where there is none is a clear error, before any weight loads."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -1,21 +1,21 @@
 """What every engine of the ladder has, whatever its batching: the parts around the model loop.
 
-What it is: `EngineBase`, the constructor and the small services that level 0's static
-engine and level 2's continuous engine share: the configuration, the loaded model and
-tokenizer, `max_model_len`, the KV budget and the bytes one cached token costs, the
-`InputProcessor` (prompts -> validated sequences), the `OutputProcessor` (sequences ->
-outputs), the sampling stage, and the statistics. The ops, the sampler and the request
-preparer are where rooms plug in: the engine asks `ladder/rooms.py` for them by the
-settings' values (`ops=`, `batch_invariant=`, `structured_outputs_backend=`). An engine subclass adds the loop
-(`run`) and its KV cache, and says whether a request could ever fit (`check_fits`).
+What it is: `EngineBase`, the constructor and the small services every engine shares: the
+configuration, the loaded model and tokenizer, `max_model_len`, the KV budget and the bytes
+one cached token costs, the `InputProcessor` (prompts -> validated sequences), the
+`OutputProcessor` (sequences -> outputs), the sampling stage, and the statistics. Rooms plug
+in at the ops, the sampler and the request preparer (`ladder/rooms.py` picks them by `ops=`,
+`batch_invariant=`, `structured_outputs_backend=`). A subclass adds the loop (`run`), its KV
+cache, and whether a request could ever fit (`check_fits`).
 
 The engine's `clock` (default `time.perf_counter`) is what every request's times (arrival,
 first scheduled, first and last token, finish: TTFT, ITL, end-to-end latency) and every
 step record are read from: a simulator passes a modelled GPU clock, a test a fake one. The
 stats' step timers (`Timer`) stay on the real clock: they measure what this machine spent.
 
-What it is not: an engine by itself, and not a home for hooks: nothing here is a
-static-batching or continuous-batching idea.
+What it is not: an engine by itself, and not a home for hooks: nothing here is a batching
+idea. Level 2's engine subclasses it too (with its own `sequence_class`), level 4 adds its
+draft's cache to `kv_bytes_per_token`, and level 5's ranks each load their shard in `load_model`.
 
 Reference: vLLM `v1/engine/llm_engine.py` and `core.py` (what EngineCore owns).
 """
@@ -28,6 +28,7 @@ from collections.abc import Callable
 import torch
 
 from ladder import rooms
+from ladder.metrics import Metric
 from ladder.progress import GenerateProgress
 
 from .config import PARTS, EngineConfig, resolve_device, resolve_dtype, resolve_kv_budget
@@ -35,7 +36,6 @@ from .inputs import InputProcessor
 from .kv_cache import kv_bytes_per_token
 from .loader import LoadedModel, load_model
 from .logits_processors import DEFAULT_PROCESSORS
-from .metrics import Metric
 from .ops import Ops
 from .outputs import OutputProcessor, Sequence, logprob_entries
 from .sampler import Sampler
@@ -44,7 +44,7 @@ from .stats import EngineStats
 
 class EngineBase:
     config_parts = PARTS  # the config's part classes (config.py); a level swaps or adds its own
-    sequence_class = Sequence  # level 2 swaps in its Request (a Sequence with a scheduler state)
+    sequence_class = Sequence  # what each sample is made as; a subclass may swap in a subclass of it
 
     def __init__(self, model: str, *, clock: Callable[[], float] = time.perf_counter, **kwargs):
         self.clock = clock
@@ -85,7 +85,7 @@ class EngineBase:
 
     @property
     def model_path(self):
-        """Where the checkpoint was loaded from (a Path): what a server reports as the model's root."""
+        """Where the checkpoint was loaded from (a Path)."""
         return self.loaded.path
 
     def make_ops(self) -> Ops:
@@ -95,11 +95,11 @@ class EngineBase:
         return rooms.ops(m.ops, m.batch_invariant, self.device, self.dtype)
 
     def load_model(self) -> LoadedModel:
-        """Weights, config and tokenizer (level 5's ranks each load only their shard)."""
+        """Weights, config and tokenizer."""
         return load_model(self.config.model.model, self.dtype, self.device, self.ops)
 
     def kv_bytes_per_token(self) -> int:
-        """What one cached token costs in every KV cache the engine keeps (level 4 adds its draft's)."""
+        """What one cached token costs, summed over every KV cache the engine keeps (here one)."""
         return kv_bytes_per_token(self.model_config, self.dtype)
 
     # --- what an engine must say ---------------------------------------------------------------
@@ -119,12 +119,11 @@ class EngineBase:
         return tokens.tolist(), logprob_entries(logits, tokens, [s.params.logprobs for s in seqs], self.tokenizer)
 
     def take_prompt_logprobs(self, chunks: list[tuple[Sequence, int, int, int]], logits: torch.Tensor) -> torch.Tensor:
-        """Record the prompt logprobs a forward's logits hold, and return the rows left for sampling.
+        """Record the prompt logprobs a forward's logits hold; return the rows left for sampling
+        (`logits` itself when no request asked for prompt logprobs).
 
-        chunks[i] = (sequence, first position of its chunk, tokens in the chunk, its sampling rows),
-        in batch order; each sequence's logits rows are its prompt-logprob rows
-        (`Sequence.prompt_logprob_rows`) followed by its sampling rows. Without a request that asked
-        for prompt logprobs this returns `logits` itself."""
+        chunks[i] = (sequence, position of its first new token, its new tokens, its sampling rows),
+        in batch order; a sequence's rows are its `prompt_logprob_rows`, then its sampling rows."""
         counts = [seq.prompt_logprob_rows(start, n) for seq, start, n, _ in chunks]
         if not any(counts):
             return logits
@@ -137,8 +136,7 @@ class EngineBase:
         return logits[keep]
 
     def append_token(self, seq: Sequence, token: int, logprob=None) -> None:
-        """One new token for one sequence (stop rules applied); it is counted, and its inter-token
-        latency recorded."""
+        """One new token for one sequence (stop rules applied), counted, its inter-token latency recorded."""
         before = seq.metrics.last_token_time
         seq.append_token(token, logprob)
         self.stats.generated_tokens += 1

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
-from ladder.cli import demo_parser, parse_demo_args, positive_int, prompts_for, spread_lengths, torch_threads
+from ladder.cli import demo_parser, positive_int, prompts_for, run_demo, spread_lengths
 from ladder.models import default_model
 
 from .llm import LLM
@@ -27,9 +27,7 @@ def parser():
 
 
 def main(argv=None):
-    args = parse_demo_args(parser(), argv)
-    with torch_threads(args.threads):
-        return run(args, Console())
+    return run_demo(parser(), argv, run)
 
 
 def run(args, console: Console):

@@ -1,5 +1,4 @@
-"""Incremental detokenization: each new token is decoded once, and stop strings are searched
-only where new text appeared.
+"""Incremental detokenization: each new token is decoded once; stop strings are searched only in new text.
 
 What it is: `IncrementalDetokenizer`, one per sequence. It keeps two offsets into the
 sequence's output tokens, as vLLM does:
@@ -10,20 +9,18 @@ sequence's output tokens, as vLLM does:
     new_text    = decode(t3 t4 t5 t6)    the same window plus what is new
     delta       = new_text[len(prefix_text):]
 
-Decoding a short window instead of the whole output makes each token's cost independent
-of how long the output is (decoding everything every step is O(L^2) over a request).
-The window starts at the last cut, and a cut is made only where the text so far is
-complete: if `new_text` ends in U+FFFD the newest bytes are the start of a multi-byte
-character (the built-in tokenizer is byte-level: "€" is three tokens), so nothing is
-emitted until it completes. At each cut, decode(all) == decode(before) + decode(after),
-so the concatenated deltas equal the one-shot decode; `finish()` emits whatever was
-held back (bytes that never became a valid character, shown as U+FFFD, as the one-shot
-decode shows them).
+Decoding a short window instead of the whole output makes each token's cost independent of
+the output's length (decoding everything every step is O(L^2) over a request). The window
+starts at the last cut, made only where the text so far is complete: if `new_text` ends in
+U+FFFD, the newest bytes start a multi-byte character (the built-in tokenizer is byte-level:
+"€" is three tokens), and nothing is emitted until it completes. At each cut, decode(all) ==
+decode(before) + decode(after), so the concatenated deltas equal the one-shot decode;
+`finish()` emits whatever was held back (bytes that never became a character, shown as U+FFFD,
+as the one-shot decode shows them).
 
-`find_stop(text, stops, checked)` is the one stop-string rule, shared by the streaming
-path and the one-shot path: the occurrence that *ends* first, after `checked`
-characters that were already searched. An occurrence that straddles tokens is found
-the step its last character arrives.
+`find_stop(text, stops, checked)` is the one stop-string rule, shared by the streaming and
+one-shot paths: the occurrence that *ends* first, after `checked` characters already searched.
+An occurrence that straddles tokens is found the step its last character arrives.
 
 What it is not: a tokenizer. Decoding is the checkpoint's own `tokenizer.decode`.
 
@@ -79,10 +76,9 @@ class IncrementalDetokenizer:
 def find_stop(text: str, stops: list[str], checked: int = 0) -> tuple[int, str] | None:
     """The stop string that ends first in `text`, among occurrences ending after `checked`.
 
-    Returns (start index, stop string) or None. Ties (two stops ending at the same
-    character) go to the one listed first. Searching from `checked - len(stop) + 1`
-    finds an occurrence that began in text searched before but ends in the new part.
-    """
+    Returns (start index, stop string) or None; ties (two stops ending at the same character) go
+    to the one listed first. Searching from `checked - len(stop) + 1` also finds an occurrence
+    that began in text searched before."""
     best = None
     for stop in stops:
         at = text.find(stop, max(0, checked - len(stop) + 1))
@@ -92,8 +88,7 @@ def find_stop(text: str, stops: list[str], checked: int = 0) -> tuple[int, str] 
 
 
 def stop_holdback(stops: list[str], include_stop_str_in_output: bool) -> int:
-    """Characters a streaming output must hold back while running: they may yet turn out to
-    be the start of a stop string that is cut from the output."""
+    """Characters a running streaming output holds back: they may yet start a stop string cut from it."""
     if not stops or include_stop_str_in_output:
         return 0
     return max(len(s) for s in stops) - 1

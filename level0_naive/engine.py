@@ -1,7 +1,7 @@
 """Level 0: the naive engine. Contiguous KV slabs and static batching.
 
 What it is: `NaiveEngine`, the engine behind level 0's `LLM.generate`, working the way
-systems did before PagedAttention and iteration-level scheduling:
+serving systems did before vLLM:
 
   1. Admission: take waiting requests in order while each one's slab of
      `prompt + max_tokens` KV slots fits in the KV memory budget (and `max_num_seqs`).
@@ -9,18 +9,17 @@ systems did before PagedAttention and iteration-level scheduling:
      the *longest* request finishes. Nobody joins a running batch (static batching).
   3. Only then are the slabs returned, and the next batch is admitted.
 
-Two kinds of waste follow, and later levels each remove one: slabs reserved for tokens
-that are never generated (level 1: paged blocks) and requests waiting behind a batch's
-longest member (level 2: continuous batching). `self.stats` measures the first; the
+Two kinds of waste follow: slabs reserved for tokens that are never generated, and
+requests waiting behind a batch's longest member. `self.stats` measures the first; the
 per-request TTFT / latency in `RequestOutput.metrics` shows the second.
 
 What it is not: fast, or clever. The KV cache is eight small methods (`_init_kv_cache`,
 `check_fits`, `_admit_one`, `_make_room`, `_execute`, `_on_finish`, `_end_batch`,
-`kv_usage`), and level 1 replaces exactly those eight, adding only `_evict` (what
-`_make_room` calls when the pool runs out); the batching loop stays.
+`kv_usage`) around the batching loop. Level 1 removes the first waste with paged blocks by
+replacing exactly those eight (adding `_evict`), and level 2 the second with continuous batching.
 
-Reference: Yu et al., "Orca" (OSDI 2022) section 2 for static batching; the
-PagedAttention paper (Kwon et al., SOSP 2023) section 2.3 for reservation waste.
+Reference: Yu et al., "Orca" (OSDI 2022) section 2 for static batching; Kwon et al.
+(SOSP 2023) section 2.3 for reservation waste.
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ class NaiveEngine(EngineBase):
 
     def _run_batch(self, batch: list[Sequence], bar: GenerateProgress) -> None:
         self.mark_scheduled(batch)
-        # Prefill feeds every token not yet in the cache (the prompt, or more after a recompute).
+        # Prefill feeds every token the sequence holds (its prompt, and any output it already has).
         running = list(batch)
         chunks: list[Chunk] = [(s.all_token_ids, 0) for s in running]
         self.stats.prompt_tokens += sum(len(c) for c, _ in chunks)
@@ -77,7 +76,7 @@ class NaiveEngine(EngineBase):
             chunks = [([s.output_token_ids[-1]], s.num_tokens - 1) for s in running]
         self._end_batch(batch)
 
-    # --- the KV cache: the part level 1 replaces ---------------------------------------------
+    # --- the KV cache: the eight methods of the module docstring ------------------------------
     def _init_kv_cache(self) -> None:
         self.runner = ModelRunner(self.loaded.model)
         self.slabs: dict[int, Slab] = {}  # seq_id -> its slab
@@ -101,7 +100,7 @@ class NaiveEngine(EngineBase):
         return True
 
     def _make_room(self, running: list[Sequence], chunks: list[Chunk]) -> tuple[list[Sequence], list[Chunk]]:
-        """Room for this step's new tokens: a slab already has it (level 1 may have to evict)."""
+        """Room for this step's new tokens, dropping whoever cannot have it: nobody, a slab has it."""
         return running, chunks
 
     @staticmethod

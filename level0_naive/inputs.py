@@ -1,17 +1,16 @@
 """Prompts in, validated sequences out: every check runs before any work starts.
 
-What it is: `InputProcessor`, shared by `LLM.generate` and `LLMEngine.add_request`. It
-tokenizes text prompts (or checks token ids against the vocabulary, as it does
-`stop_token_ids`), refuses an empty prompt or one that leaves no room to generate, asks
-the engine whether the request could ever fit its KV cache, gives each of the `n`
-samples its own seeded generator, runs the engine's request preparers (a room's work for
-the requests that ask for it: structured outputs compile their spec and give each sample its
-constraint; ladder/rooms.py), and names things with two separate counters: request
-ids ("0", "1", "2", ... for `generate`) and sequence ids (one per sample, what KV
-managers key on). Ids and seeds are handed out only once every prompt of a call has
-passed every check, so a refused call changes nothing.
+What it is: `InputProcessor`, shared by `LLM.generate` and level 2's `LLMEngine.add_request`.
+It tokenizes text prompts (or checks token ids against the vocabulary, as it does
+`stop_token_ids`), refuses an empty prompt or one that leaves no room to generate, asks the
+engine whether the request could ever fit its KV cache, gives each of the `n` samples its own
+seeded generator, runs the engine's request preparers (a room's work for the requests that ask:
+structured outputs compile their spec and give each sample its constraint; ladder/rooms.py), and
+numbers with two counters: request ids ("0", "1", ... for `generate`) and sequence ids (one per
+sample, what KV caches key on). Ids and seeds are handed out only once every prompt of a call
+has passed every check, so a refused call changes nothing.
 
-What it is not: a tokenizer (the checkpoint's own is used) or a scheduler.
+What it is not: a tokenizer (the checkpoint's own is used) or a batching policy.
 
 Reference: vLLM `v1/engine/processor.py` (Processor.process_inputs).
 """

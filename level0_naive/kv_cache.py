@@ -1,9 +1,8 @@
 """Level 0's KV cache: one contiguous slab per request, reserved for its maximum length.
 
-What it is: the way pre-vLLM systems (FasterTransformer, Orca, HF `generate`) hold the
-cache. When a request is admitted it reserves `prompt + max_tokens` token slots (capped
-at `max_model_len`) out of a fixed KV memory budget, whether or not it will ever use
-them; the slab is only returned when the whole static batch ends.
+What it is: the way pre-vLLM systems (FasterTransformer, Orca, HF `generate`) hold the cache.
+An admitted request reserves `prompt + max_tokens` token slots (capped at `max_model_len`) of a
+fixed KV memory budget, used or not; the slab is returned only when the whole static batch ends.
 
     slab of request A (reserved 12 slots, 5 used so far):
     [ k0 k1 k2 k3 k4 .  .  .  .  .  .  . ]   <- 7 reserved, unused: waste
@@ -14,11 +13,10 @@ them; the slab is only returned when the whole static batch ends.
 k/v into the slab and attend over the slab's filled prefix with a causal mask.
 
 What it is not: efficient. It loops over sequences in Python. Level 1 replaces this file's
-idea with a block pool (PagedAttention) and one kernel for the whole flattened batch.
+idea with a pool of blocks and one kernel for the whole flattened batch.
 
-Reference: Kwon et al., "Efficient Memory Management for LLM Serving with
-PagedAttention" (SOSP 2023), section 2.3 / figure 3 (reservation, internal and external
-fragmentation).
+Reference: Kwon et al., "Efficient Memory Management for LLM Serving with PagedAttention"
+(SOSP 2023), section 2.3 / figure 3 (reservation, internal and external fragmentation).
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ from .model import ModelConfig
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
                        num_kv_heads: int | None = None) -> int:  # fmt: skip
-    """K and V, every layer, every KV head: the cost of one cached token (level 5: a rank's
-    layers and heads)."""
+    """K and V, every layer, every KV head (or the `num_layers`, `num_kv_heads` given): one cached token's bytes."""
     layers = cfg.num_layers if num_layers is None else num_layers
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
     return 2 * layers * heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
@@ -53,9 +50,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, context_
     """Dense attention of new queries over a contiguous context: the plainest correct version.
 
     q [n, Hq, D] are positions context_len .. context_len+n-1; k, v [context_len+n, Hkv, D].
-    Query i sees keys 0 .. context_len+i (causal, offset by what was cached before).
-    Returns [n, Hq, D].
-    """
+    Query i sees keys 0 .. context_len+i (causal, offset by what was cached before). Returns [n, Hq, D]."""
     n, Hq, D = q.shape
     S, Hkv = k.shape[0], k.shape[1]
     k = k.repeat_interleave(Hq // Hkv, dim=1)  # [S, Hq, D]  (GQA: each KV head serves Hq/Hkv query heads)
@@ -73,8 +68,7 @@ class SlabAttention:
     """The attention backend for one forward over a flattened batch of slab-backed sequences.
 
     Sequence i owns query rows query_start_loc[i]:query_start_loc[i+1] of q/k/v, and
-    those tokens go to slab positions slab.used .. slab.used + n - 1.
-    """
+    those tokens go to slab positions slab.used .. slab.used + n - 1."""
 
     def __init__(self, slabs: list[Slab], query_start_loc: torch.Tensor):
         self.slabs = slabs

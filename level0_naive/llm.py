@@ -1,28 +1,27 @@
 """`LLM`: vLLM's offline entry point. It validates, generates and chats; an engine does the work.
 
 What it is: the front end every level shares. `LLM(model, **engine_kwargs)` builds
-`self.llm_engine` (the level's engine class: level 0's static-batching `NaiveEngine`,
-level 1's paged one, from level 2 on the continuous-batching `LLMEngine`) and offers:
+`self.llm_engine` (an `engine_class`: here the static-batching `NaiveEngine`) and offers:
 
     generate(prompts, sampling_params)   prompts: strings or token-id lists; outputs in order
     chat(messages, sampling_params)      renders with the checkpoint's chat template
     get_metrics()                        vLLM's offline metrics (counters, histograms)
 
 A level changes the engine, never this file: `class LLM(level0_naive.LLM): engine_class
-= ...` is all a level writes.
+= ...` is all it writes (level 1: its paged engine; level 2 on: the continuous `LLMEngine`).
 
-What it is not: an engine (no batching, no cache), and not asynchronous (level 6 is).
+What it is not: an engine (no batching, no cache); `generate` returns once every output is done.
 
 Reference: vLLM `vllm/entrypoints/llm.py`.
 """
 
 from __future__ import annotations
 
+from ladder.metrics import Metric
 from ladder.progress import GenerateProgress
 
 from .engine import NaiveEngine
 from .inputs import Prompt
-from .metrics import Metric
 from .outputs import RequestOutput
 from .sampling_params import SamplingParams
 from .stats import EngineStats, Timer
@@ -46,9 +45,7 @@ class LLM:
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  *, progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
         """Generate for every prompt (a string or a list of token ids); outputs in prompt order.
-
-        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is.
-        """
+        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is."""
         progress = progress if use_tqdm is None else use_tqdm
         engine = self.llm_engine
         groups = engine.inputs.make_requests(prompts, sampling_params)  # validates everything first

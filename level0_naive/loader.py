@@ -4,12 +4,12 @@ What it is: `load_model(path_or_hub_id, dtype, device)` reads `config.json`, sin
 sharded `*.safetensors` (via `model.safetensors.index.json`), `tokenizer.json` /
 `tokenizer_config.json` (chat template included) and `generation_config.json`. A
 built-in model is found by name from any directory ("tiny-shakespeare"), a hub id in the
-local Hugging Face cache only. Weights stored in bf16/fp16 are
-upcast to the requested dtype.
+local Hugging Face cache only. Weights stored in bf16/fp16 are upcast to the requested dtype.
 
 What it is not: a downloader. Nothing here touches the network; a model that is not on
 disk gives a `ValueError` listing every place we looked. No quantised formats, no
-`pytorch_model.bin` pickles (safetensors only: loading pickles runs code).
+`pytorch_model.bin` pickles (safetensors only: loading pickles runs code). Level 5's ranks
+use `load_metadata` and `checkpoint_name` to read only their own slices of the weights.
 
 Reference: transformers' `from_pretrained` conventions; vLLM's `model_loader/`.
 """
@@ -46,7 +46,7 @@ def our_name(name: str, model_type: str) -> str:
 
 
 def checkpoint_name(name: str, model_type: str) -> str:
-    """The model's tensor name -> the checkpoint's (level 5 reads slices by the checkpoint's names)."""
+    """The model's tensor name -> the checkpoint's: `our_name` backwards."""
     room = rooms.architecture(model_type)
     return name if room is None else room.checkpoint_name(name, model_type)
 
@@ -82,8 +82,8 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
     max_pos = hf.get("max_position_embeddings", 2048)
     window = hf.get("sliding_window") if hf.get("use_sliding_window", mtype in ("mistral", "mixtral")) else None
     if window:
-        # Sliding-window attention is not implemented; within the window it equals full
-        # attention, so the usable context is capped at the window instead.
+        # Sliding windows are not implemented; within the window attention is full, so the context
+        # is capped at the window instead.
         max_pos = min(max_pos, window)
     attention_bias = bool(hf.get("attention_bias", False))
     return ModelConfig(
@@ -138,8 +138,7 @@ def eos_ids(hf: dict, gen: dict, tokenizer) -> list[int]:
 
 
 def load_metadata(model: str | os.PathLike) -> LoadedModel:
-    """Everything but the weights: config, tokenizer, EOS ids (`model` is None). Level 5's driver
-    uses this: its ranks each load only their own slices of the weights."""
+    """Everything but the weights: config, tokenizer, EOS ids (`model` is None)."""
     path = resolve_path(model)
     hf = json.loads((path / "config.json").read_text())
     cfg = model_config_from_hf(hf)

@@ -8,10 +8,9 @@ output so far, its generator, its EOS ids, its constraint); the `LogitsProcessor
     Penalties   repetition (HF's, over prompt + output), presence and frequency (OpenAI's, over
                 the output): `apply_penalties` for one row, `Penalties.batch` for the batch
 
-Each says from the params alone whether it can touch a row (`applies`), so a batch where none
-applies to any greedy row takes the sampler's fast path, one `argmax`. A room adds its own
-processor to the chain through `ladder/rooms.py` (structured outputs mask what a request's
-constraint forbids).
+Each says from the params alone whether it can touch a row (`applies`), so a greedy batch none
+applies to takes the sampler's fast path, one `argmax`. A room adds its own processor to the
+chain through `ladder/rooms.py` (structured outputs mask what a request's constraint forbids).
 
 What it is not: the sampler (`sampler.py`: temperature, top-k, top-p, min-p, the draw).
 
@@ -50,9 +49,8 @@ class LogitsProcessor(Protocol):
         """row [V] -> row [V]."""
         ...
 
-    # Optional: `batch(logits [B, V], states) -> logits [B, V]`, the same for every row at once
-    # (rows it does not apply to unchanged). Without it, `Sampler.probabilities` calls the
-    # processor row by row.
+    # Optional: `batch(logits [B, V], states) -> logits [B, V]`, the same for every row at once (rows
+    # it does not apply to unchanged). Without it, `Sampler.probabilities` calls it row by row.
 
 
 def apply_penalties(logits: torch.Tensor, st: SamplingState) -> torch.Tensor:
@@ -114,10 +112,8 @@ class Penalties:
         return apply_penalties(row, st)
 
     def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """logits [B, V] -> penalised logits [B, V]: `apply_penalties` for every row at once.
-
-        Rows the penalties do not apply to get factor 1 and weights 0, which leave them
-        bit for bit as they were (x * 1, x - 0)."""
+        """logits [B, V] -> penalised logits [B, V]: `apply_penalties` for every row at once. Rows
+        the penalties do not apply to get factor 1 and weights 0: bit for bit as they were (x * 1, x - 0)."""
         B, V = logits.shape
         dev, dt = logits.device, logits.dtype
         rows = [i for i, st in enumerate(states) if self.applies(st.params)]

@@ -6,13 +6,12 @@ SwiGLU and tied or untied embeddings. Parameter names equal Hugging Face's, so a
 checkpoint's state dict loads as it is (see `loader.py`). A checkpoint whose MLPs are
 mixtures of experts brings its layer in `ModelConfig.moe` (a room's: ladder/rooms.py).
 
-What it is not: it never owns a KV cache and never decides how attention reads one.
-Every layer hands its new q, k, v to an *attention backend* object the engine passes in
-(`attn(layer, q, k, v) -> out`): level 0 passes a contiguous slab per request, level 1
-a paged cache with a Triton kernel. The model file never changes per level. Likewise
-every linear layer, norm, RoPE and SwiGLU computes through an *ops* object (`ops.py`:
-`linear`, `rms_norm`, `rope`, `silu_mul`), which `Transformer.set_ops` swaps, so compiled
-or fixed-order kernels can replace PyTorch's without an edit here.
+What it is not: it never owns a KV cache and never decides how attention reads one. Every
+layer hands its new q, k, v to an *attention backend* object the engine passes in (`attn(layer,
+q, k, v) -> out`; level 0's is a contiguous slab per request). Likewise every linear layer,
+norm, RoPE and SwiGLU computes through an *ops* object (`ops.py`), which `Transformer.set_ops`
+swaps, so compiled or fixed-order kernels replace PyTorch's without an edit here. The file never
+changes per level: level 1 passes a paged cache, and level 5's sharded layers override `Attention.qkv`.
 
 One flattened batch per forward, as in vLLM V1: the new tokens of every sequence are
 concatenated into `input_ids [T]` with their absolute `positions [T]`; which token
@@ -92,10 +91,9 @@ class Linear(nn.Linear):
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies [D/2] of RoPE, with the checkpoint's scaling applied.
 
-    Computed in float32 exactly as Hugging Face does, even for a float64 model: RoPE
-    angles are part of the function the checkpoint was trained with, and matching the
-    oracle bit for bit keeps our float64 equality tests free of near-tie flips.
-    """
+    In float32 exactly as Hugging Face computes them, even for a float64 model: the angles are part
+    of the function the checkpoint was trained with, and matching the oracle bit for bit keeps our
+    float64 equality tests free of near-tie flips."""
     d = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))  # [D/2]
     scaling = cfg.rope_scaling or {}
@@ -132,7 +130,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> q [T, Hq*D], k, v [T, Hkv*D] (level 5 computes them as one sharded matmul)."""
+        """x [T, hidden] -> q [T, Hq*D], k, v [T, Hkv*D] (a method, so a subclass can fuse the three)."""
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
     def forward(self, x, cos, sin, attn: AttentionBackend) -> torch.Tensor:
@@ -206,7 +204,7 @@ class Transformer(nn.Module):
         """Route every linear, norm, RoPE and SwiGLU of this model through `ops` (see ops.py)."""
         self.ops = ops
         for module in self.modules():
-            if hasattr(module, "ops"):  # Linear, RMSNorm, Attention, MLP, and level 5's sharded layers
+            if hasattr(module, "ops"):  # Linear, RMSNorm, Attention, MLP, and any other module with one
                 module.ops = ops
 
     def rope(self, positions: torch.Tensor, dtype: torch.dtype):

@@ -10,12 +10,13 @@ handed. The new tokens of every sequence are concatenated:
     query_start_loc  [ 0,              5,   6,         9 ]        B + 1 entries
     logits_indices   [             4,   5,         8 ]            the rows to sample from
 
-A sequence asks for the logits of its last `num_logits` rows: 1 for a decode or a
-prefill that reaches the end of its prompt, 0 for a chunk that does not (it samples
-nothing), k + 1 for a speculative verification (level 4).
+A sequence asks for the logits of its last `num_logits` rows, any number from 0: here its
+last token's (the next token is sampled from it), after the rows its prompt logprobs need.
 
-What it is not: a scheduler, a cache or a sampler. Level 1's `Worker` adds the paged
-KV cache it owns; the engines decide who runs and what to do with the logits.
+What it is not: a cache, a sampler or a batching policy; the engine decides who runs and what
+to do with the logits. Level 1's `Worker` adds the paged KV cache around the runner, level 2
+asks 0 rows of a prompt chunk that stops short, level 4 k + 1 to verify, and level 5
+broadcasts the batch to its ranks.
 
 Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`, logits indices).
 """
@@ -34,7 +35,7 @@ Chunk = tuple[list[int], int]  # (new token ids of one sequence, position of the
 
 @dataclass
 class FlatBatch:
-    """Plain tensors on the CPU (picklable, so level 5 can broadcast them to ranks)."""
+    """Plain tensors on the CPU (picklable: nothing refers to a sequence or a cache)."""
 
     input_ids: torch.Tensor  # [T] long
     positions: torch.Tensor  # [T] long
@@ -43,12 +44,10 @@ class FlatBatch:
 
     @staticmethod
     def geometry(chunks: list[Chunk], num_logits: list[int]) -> dict[str, torch.Tensor]:
-        """The token fields of a batch: what every level's batch has (level 1 adds the paging).
+        """The token fields of a batch: what every batch has, whatever its attention needs besides.
 
-        Built as Python lists and turned into one tensor each: for the batches an engine
-        builds every step (tens to a few thousand tokens) that is faster than a chain of
-        small tensor ops, whose fixed cost per op dominates at these sizes.
-        """
+        Built as Python lists, then one tensor each: for a step's batch (tens to a few thousand
+        tokens) that beats a chain of small tensor ops, whose fixed cost per op dominates there."""
         qsl = list(itertools.accumulate((len(toks) for toks, _ in chunks), initial=0))  # [B+1]
         rows = [end - j for end, k in zip(qsl[1:], num_logits) for j in range(k, 0, -1)]  # the last k rows of each
         return dict(

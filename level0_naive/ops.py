@@ -1,17 +1,16 @@
 """The ops seam: the model's matmuls, norms and rotary embedding, behind one small object.
 
-What it is: `Ops`, the computations of `model.py` that another kernel may want to do
-differently: the two whose result depends on the order of a reduction, `linear` (each
-output is a sum over the input features) and `rms_norm` (a mean over the hidden
-features); `rope`, the rotary embedding of q and k, which PyTorch spends ten small ops
-on; and `silu_mul`, SwiGLU's silu(gate) * up, which PyTorch computes with one function
-for most elements of a tensor and another for its last few (docs/batch_invariance.md).
-Every linear layer (q, k, v, o, gate, up, down, the LM head), every RMSNorm, every
-attention layer's RoPE and every MLP's activation calls `self.ops.<op>`, and so do level
-5's sharded layers; `Transformer.set_ops(ops)` hands one object to all of them. As
-attention goes through the backend the engine passes in, these go through this seam, so
-other kernels swap in by subclassing `Ops`, without touching `model.py` (the rooms do:
-compiled CPU kernels, fixed-order ones; ladder/rooms.py maps `ops=` to them):
+What it is: `Ops`, the computations of `model.py` another kernel may want to do differently:
+the two whose result depends on the order of a reduction, `linear` (a sum over the input
+features) and `rms_norm` (a mean over the hidden features); `rope`, the rotary embedding of q
+and k, which PyTorch spends ten small ops on; and `silu_mul`, SwiGLU's silu(gate) * up, which
+PyTorch computes with one function for most elements of a tensor and another for its last few
+(docs/batch_invariance.md). Every linear layer (q, k, v, o, gate, up, down, the LM head),
+RMSNorm, RoPE and MLP activation calls `self.ops.<op>`, and so do level 5's sharded layers;
+`Transformer.set_ops(ops)` hands one object to all of them. As attention goes through the
+engine's backend, these go through this seam: other kernels swap in by subclassing `Ops`,
+without touching `model.py` (the rooms' compiled CPU and fixed-order kernels do; ladder/rooms.py
+maps `ops=` to them):
 
     class Float64Ops(Ops):
         def linear(self, x, weight, bias=None):
@@ -22,10 +21,9 @@ compiled CPU kernels, fixed-order ones; ladder/rooms.py maps `ops=` to them):
 `DEFAULT_OPS` is exactly what the model computed before the seam existed (the same torch
 calls), so its outputs are bit for bit the same.
 
-What it is not: a kernel library, a dispatcher on device or dtype, or a home for every
-elementwise op (the residual adds are exact whatever computes them) or for attention
-(the backend's job). The weights stay in the modules, under their
-checkpoint names; an op receives them as arguments.
+What it is not: a kernel library, a dispatcher on device or dtype, or a home for attention (the
+backend's job) or for every elementwise op (the residual adds are exact whatever computes them).
+The weights stay in the modules, under their checkpoint names; an op receives them as arguments.
 
 Reference: vLLM's `LinearMethodBase.apply(layer, x, bias)` (`model_executor/layers/linear.py`),
 the per-layer seam quantisation plugs into; Thinking Machines, "Defeating Nondeterminism in
@@ -54,9 +52,8 @@ class Ops:
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x [..., dim], weight [dim] -> [..., dim]: x / rms(x) over the last dimension, times weight."""
-        # Normalise in float32, then cast back, exactly as Hugging Face does. Even a
-        # float64 model normalises in float32 there, and matching the oracle's
-        # rounding is what lets our float64 tests demand identical greedy tokens.
+        # Normalise in float32, then cast back, exactly as Hugging Face does, even for a float64
+        # model: matching the oracle's rounding lets our float64 tests demand identical greedy tokens.
         dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)

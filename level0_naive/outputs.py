@@ -1,17 +1,16 @@
 """What a request is while it runs (`Sequence`), and what the caller gets back (`RequestOutput`).
 
-What it is: plain data; `Sequence.append_token`, where a sampled token joins its sample (the
-stop rules it then applies are `stop_checker.py`'s); and the `OutputProcessor`, which turns
-sequences into outputs of the kind each request asked for (`RequestOutputKind`: cumulative,
-delta, final only). Text comes from each sequence's `IncrementalDetokenizer`, so a step
-decodes only new tokens, and a streaming output holds back what may still turn out to be part
-of a stop string. A sequence may carry a constraint on its tokens (`Constraint`: a room's,
-set when the request is prepared; structured outputs through ladder/rooms.py).
-The output types mirror vLLM's (`RequestOutput` holding one `CompletionOutput` per
-sample, `n` of them), so code written against vLLM reads the same.
+What it is: plain data; `Sequence.append_token`, where a sampled token joins its sample (then
+`stop_checker.py`'s stop rules apply); and the `OutputProcessor`, which turns sequences into
+outputs of the kind each request asked for (`RequestOutputKind`: cumulative, delta, final
+only). Text comes from each sequence's `IncrementalDetokenizer`, so a step decodes only new
+tokens, and a streaming output holds back what may yet be part of a stop string. A sequence
+may carry a constraint on its tokens (`Constraint`: a room's, set when the request is
+prepared; structured outputs through ladder/rooms.py). The output types mirror vLLM's (a
+`RequestOutput` holds one `CompletionOutput` per sample), so code written against vLLM reads the same.
 
-What it is not: a scheduler state machine. Level 0 only needs "running" and "finished";
-level 2's `Request` adds WAITING / RUNNING / PREEMPTED on top of this class.
+What it is not: a state machine. Level 0 only needs "running" and "finished" (level 2's
+`Request` adds WAITING / RUNNING / PREEMPTED on top of this class).
 
 Reference: vllm/outputs.py, vllm/v1/engine/output_processor.py and detokenizer.py.
 """
@@ -146,8 +145,7 @@ class Sequence:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_slice(self, start: int, n: int) -> list[int]:
-        """Tokens start .. start+n-1 of prompt + output, without building the whole list
-        (a decode step needs one token; `all_token_ids` would copy them all)."""
+        """Tokens start .. start+n-1 of prompt + output, without copying them all (`all_token_ids` does)."""
         p = len(self.prompt_token_ids)
         if start >= p:
             return self.output_token_ids[start - p : start - p + n]
@@ -172,12 +170,11 @@ class Sequence:
 
     # --- prompt logprobs -----------------------------------------------------
     def prompt_logprob_rows(self, start: int, n: int) -> int:
-        """Of a forward over positions start .. start + n - 1, how many rows (the chunk's last ones,
-        just before its sampling row if it has one) give prompt logprobs still missing: the logits
-        at position p are the distribution of prompt token p + 1.
+        """Of a forward over positions start .. start + n - 1, how many rows (its last ones, before any
+        sampling row) give prompt logprobs still missing: the logits at position p predict prompt token p + 1.
 
             prompt  t0 t1 t2 t3 t4 | (output)        recorded: t0 (None), t1
-            chunk      [t1 t2 t3]                    rows for t2, t3 -> positions 1, 2: 2 rows
+            forward    [t1 t2 t3]                    rows for t2, t3 -> positions 1, 2: 2 rows
         """
         if self.prompt_logprobs is None:
             return 0
@@ -227,8 +224,8 @@ class Sequence:
                 cut_at_stop(self, checked)  # come out now; a stop string may end in them
 
     def visible_text(self) -> str:
-        """The text an output may show now: all of it once finished; while running, minus
-        a tail that could still become a stop string that is cut from the output."""
+        """The text an output may show now: all once finished; while running, less what may yet be a
+        stop string cut from the output (`stop_holdback`)."""
         if self.detok is None:
             return ""
         self.detok.update()  # catch up: each token is decoded once, whenever this is asked
@@ -258,9 +255,8 @@ def top_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Logprobs of the raw model distribution (before penalties/temperature, as vLLM V1 reports).
 
-    logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]).
-    Rank 1 is the most likely token.
-    """
+    logits [B, V], chosen [B] -> (chosen_logprob [B], chosen_rank [B], top_ids [B, n], top_logprobs [B, n]);
+    rank 1 is the most likely token."""
     logp = torch.log_softmax(logits, dim=-1)  # [B, V], float32 or wider (compute_logits sees to it)
     chosen_lp = logp.gather(1, chosen[:, None])[:, 0]  # [B]
     rank = (logp > chosen_lp[:, None]).sum(-1) + 1  # [B]
@@ -299,11 +295,9 @@ def logprob_entries(
 class OutputProcessor:
     """Sequences -> `RequestOutput`s of the kind each request asked for.
 
-    One request is a group of `n` sequences (its samples). `make(group)` returns None
-    for a FINAL_ONLY request that has not finished; a DELTA request gets only the text,
-    tokens and logprobs it has not been given yet (concatenated, they are exactly the
-    final cumulative output).
-    """
+    One request is a group of `n` sequences (its samples). `make(group)` returns None for an
+    unfinished FINAL_ONLY request; a DELTA request gets only the text, tokens and logprobs it
+    has not had yet (concatenated, they are exactly the final cumulative output)."""
 
     def make(self, group: list[Sequence]) -> RequestOutput | None:
         kind = group[0].params.output_kind
@@ -320,8 +314,7 @@ class OutputProcessor:
 
     @staticmethod
     def _prompt_logprobs(group: list[Sequence], delta: bool) -> list | None:
-        """The prompt's logprobs once a sample has all of them (every sample computes the same
-        ones); a DELTA stream gets them in one output only."""
+        """The prompt's logprobs once a sample has them all (each computes the same); a DELTA stream gets them once."""
         done = next((s for s in group if s.prompt_logprobs and len(s.prompt_logprobs) == len(s.prompt_token_ids)), None)
         if done is None or (delta and group[0].sent_prompt_logprobs):
             return None

@@ -1,7 +1,7 @@
 """The sampler: logits in, tokens out. Where temperature, top-k, top-p and min-p are applied.
 
-What it is: `Sampler`, the one component every level samples with, in two stages so that
-speculative decoding (level 4) can reuse the first for its draft's q and its target's p:
+What it is: `Sampler`, the one component every level samples with, in two stages, so the
+distribution a row is drawn from can be had without the draw:
 
     logits [B, V] --probabilities()--> probs [B, V] --draw()--> tokens [B]
                    the logits processors that       one multinomial draw per row from
@@ -10,19 +10,18 @@ speculative decoding (level 4) can reuse the first for its draft's q and its tar
                    top-p, min-p (a greedy row:
                    one-hot at the argmax)
 
-and the filter itself, twice, kept side by side and tested equal (tests/test_sampling.py):
-`filter_logits`, one row (the definition, the one to read first; `probabilities_loop` runs
-every row through it), and `filter_logits_batch`, every row at once with its own settings
-(what `probabilities` runs). A batch where every row is greedy and no processor applies takes
-the fast path, one `argmax`.
+and the filter itself, twice, side by side and tested equal (tests/test_sampling.py):
+`filter_logits`, one row (the definition, read it first; `probabilities_loop` runs every row
+through it), and `filter_logits_batch`, every row at once with its own settings (what
+`probabilities` runs). A batch of plain greedy rows takes the fast path, one `argmax`.
 
 Each request draws from its own `torch.Generator`, so a seeded request gives the same tokens
 whatever batch it lands in. A room may swap the draw of a sampled row (`draw_row`) and add
-processors to the chain (`ladder/rooms.py`).
+processors to the chain (`ladder/rooms.py`). Level 4's rejection sampler reuses the first
+stage (its draft's q, its target's p) and reads `draws_by_position`.
 
-What it is not: fused. `probabilities` is a dozen tensor ops over the batch, and the draw is
-one `multinomial` per sampled row; vLLM's `v1/sample/sampler.py` draws the whole batch with
-one exponential race on the GPU.
+What it is not: fused. `probabilities` is a dozen tensor ops over the batch, the draw one
+`multinomial` per sampled row; vLLM's sampler draws the whole batch in one exponential race on the GPU.
 
 Reference: vLLM `v1/sample/sampler.py` and `v1/sample/ops/topk_topp_sampler.py`; Holtzman et
 al., "The Curious Case of Neural Text Degeneration" (2020) for top-p; Nguyen et al. (2024) for min-p.
@@ -41,11 +40,10 @@ from .sampling_params import SamplingParams
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """logits [V] (already divided by temperature) -> logits [V] with disallowed tokens at -inf.
 
-    Applied in HF's and vLLM's order: keep the k most likely (top_k > 0); then, of what
-    is left, the smallest set of most likely tokens whose renormalised probability
-    reaches top_p (the token that crosses the line is kept); then drop tokens below
-    min_p times the top probability (a ratio, so renormalising does not change it).
-    """
+    Applied in HF's and vLLM's order: keep the k most likely (top_k > 0); then, of what is left,
+    the smallest set of most likely tokens whose renormalised probability reaches top_p (the
+    token that crosses the line is kept); then drop tokens below min_p times the top probability
+    (a ratio, so renormalising does not change it)."""
     V = logits.shape[-1]
     if top_k and top_k < V:
         kth = torch.topk(logits, top_k).values[-1]
@@ -71,8 +69,7 @@ def filter_logits_batch(
     top_p [B], min_p [B] in logits' dtype -> logits [B, V] with disallowed tokens at -inf.
     Row i's result equals ``filter_logits(logits[i], top_k[i], top_p[i], min_p[i])``
     (tests/test_sampling.py): a per-row k becomes a per-row threshold read from one sort,
-    and a row whose setting is off keeps every token, as its twin would.
-    """
+    and a row whose setting is off keeps every token, as its twin would."""
     B, V = logits.shape
     if bool(((top_k > 0) & (top_k < V)).any()):
         k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [B]; V keeps everything
@@ -92,7 +89,7 @@ def filter_logits_batch(
 
 class Sampler:
     # True where a sampled row's token is a function of its seed and position alone (a room's draw:
-    # ladder/rooms.py); level 4 then verifies a guess against the target's own draw at its position.
+    # ladder/rooms.py), so the draw at a position can be repeated and compared.
     draws_by_position = False
 
     def __init__(self, processors: Sequence[LogitsProcessor] = DEFAULT_PROCESSORS):
@@ -103,9 +100,8 @@ class Sampler:
         return params.greedy and not any(p.applies(params) for p in self.processors)
 
     def process_row(self, row: torch.Tensor, st: SamplingState) -> torch.Tensor:
-        """One row of raw logits [V] -> the logits the request really samples from [V].
-        Greedy rows get the processors but no temperature (there is nothing to divide by);
-        sampled rows are divided by the temperature and filtered."""
+        """One row of raw logits [V] -> the logits the request really samples from [V]. Greedy rows get
+        the processors but no temperature (nothing to divide by); sampled rows are divided and filtered."""
         for proc in self.processors:
             if proc.applies(st.params):
                 row = proc(row, st)
@@ -115,10 +111,9 @@ class Sampler:
         return filter_logits(row / p.temperature, p.top_k, p.top_p, p.min_p)
 
     def probabilities_loop(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Stage 1, the reference: logits [B, V] -> the distribution each row is sampled from,
-        probs [B, V], one row at a time. A greedy row is one-hot at the argmax of its processed
-        logits: sampling from it is the argmax, and level 4's rejection sampler needs no
-        special case to be exact for it."""
+        """Stage 1, the reference: logits [B, V] -> the distribution each row is sampled from, probs
+        [B, V], one row at a time. A greedy row is one-hot at the argmax of its processed logits:
+        sampling from it is the argmax, so whoever reads the distribution needs no special case."""
         probs = torch.empty_like(logits)  # [B, V]
         for i, st in enumerate(states):
             row = self.process_row(logits[i], st)  # [V]
@@ -164,8 +159,7 @@ class Sampler:
         return probs
 
     def draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Stage 2. probs [B, V] -> one token per row [B] (long): a greedy row's argmax, a sampled
-        row's `draw_row`."""
+        """Stage 2. probs [B, V] -> one token per row [B] (long): a greedy row's argmax, else `draw_row`."""
         out = torch.empty(probs.shape[0], dtype=torch.long, device=probs.device)
         for i, st in enumerate(states):
             out[i] = probs[i].argmax() if st.params.greedy else self.draw_row(probs[i], st)

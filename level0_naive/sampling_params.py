@@ -2,11 +2,10 @@
 
 What it is: `SamplingParams` with vLLM's field names, defaults and validation (a
 `ValueError` that names the field, raised when the object is made), and
-`RequestOutputKind` (cumulative, delta, final only: what `LLMEngine.step()` returns).
+`RequestOutputKind` (cumulative, delta, final only: what level 2's `LLMEngine.step()` returns).
 
-What it is not: the sampling itself. The logits processors (penalties, min-tokens) are in
-`logits_processors.py`; temperature, top-k, top-p, min-p and the draw in `sampler.py`; the
-stop rules in `stop_checker.py`.
+What it is not: the sampling: the logits processors (penalties, min-tokens) are in `logits_processors.py`,
+temperature, top-k, top-p, min-p and the draw in `sampler.py`, the stop rules in `stop_checker.py`.
 
 Reference: vLLM `vllm/sampling_params.py`; the OpenAI API for presence/frequency penalties.
 """
@@ -20,7 +19,7 @@ from ladder import rooms
 
 
 class RequestOutputKind(enum.Enum):
-    """What `LLMEngine.step()` returns for a request that moved (vLLM's names)."""
+    """What an output reports of a request that moved (vLLM's names)."""
 
     CUMULATIVE = 0  # everything so far, every step
     DELTA = 1  # only what is new since the last output (streaming)

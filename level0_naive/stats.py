@@ -1,18 +1,18 @@
 """Engine statistics: how much KV memory was reserved vs. really used, and how fast.
 
-What it is: counters every level fills in the same way, so their numbers line up in
-one table, and fixed-bucket histograms of request latencies. KV waste is sampled once
-per model step:
+What it is: counters every level fills in the same way, so their numbers line up in one table,
+and fixed-bucket histograms of request latencies. KV waste is sampled once per model step:
 
     waste = 1 - (sum over steps of bytes holding real tokens)
               / (sum over steps of bytes reserved)
 
-a time average of the PagedAttention paper's "fraction of KV memory that holds real
+a time average of Kwon et al.'s (SOSP 2023) "fraction of KV memory that holds real
 token states" (figure 2). Everything here is a number or a fixed-size histogram: an
 engine that runs for a million steps holds no more statistics than one that ran ten.
 
-What it is not: a profiler or an exporter (`metrics()` turns this into vLLM-named
-metrics; level 6 serves them to Prometheus).
+What it is not: a profiler or an exporter (`metrics()` turns this into vLLM-named metrics).
+Later levels fill the fields level 0 leaves at 0 (`preemptions`: level 1's evictions, level 2's
+preemptions; level 2's `schedule_seconds`), and level 6 serves the metrics to Prometheus.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .metrics import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, Buckets, Counter, Metric
+from ladder.metrics import E2E_BUCKETS, ITL_BUCKETS, TOKEN_BUCKETS, TTFT_BUCKETS, Buckets, Counter, Metric
 
 
 @dataclass
 class EngineStats:
     steps: int = 0
-    prompt_tokens: int = 0  # tokens fed through prefill (recomputation included)
+    prompt_tokens: int = 0  # tokens fed through prefill (a token fed twice counts twice)
     generated_tokens: int = 0
     preemptions: int = 0
     peak_running: int = 0
@@ -37,7 +37,7 @@ class EngineStats:
     kv_used_peak: int = 0
     busy_time: float = 0.0  # seconds spent inside generate()
     step_seconds: float = 0.0  # summed over steps
-    schedule_seconds: float = 0.0  # level 2+: scheduler + bookkeeping + batch building, summed
+    schedule_seconds: float = 0.0  # deciding who runs + bookkeeping + batch building, summed
     finished: dict[str, int] = field(default_factory=dict)  # finish reason -> requests (a few keys)
     ttft: Buckets = field(default_factory=lambda: Buckets(TTFT_BUCKETS))
     itl: Buckets = field(default_factory=lambda: Buckets(ITL_BUCKETS))

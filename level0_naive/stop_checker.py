@@ -8,13 +8,12 @@ every token that joins a sample, at every level, in this order:
         an EOS token (unless ignore_eos)                               "stop", stop_reason None
         one of stop_token_ids                                          "stop", stop_reason the id
         a stop string ends in the newly decoded text                   "stop", stop_reason the string
-                                                                       (the text cut before it, or
-                                                                        after it with include_stop_str_in_output)
     max_tokens reached, or the context (max_model_len) is full         "length"
 
-A stop string is searched for only in the text the new token added (and the few characters
-before it that a string could straddle): each token costs the string's length, not the text's.
-Text decoded before `min_tokens` is never searched, as in vLLM.
+A stop string cuts the text before it (after it, with `include_stop_str_in_output`). It is
+searched for only in the text the new token added (and the few characters before it that a
+string could straddle): each token costs the string's length, not the text's. Text decoded
+before `min_tokens` is never searched, as in vLLM.
 
 What it is not: a place that decides anything else. A rule that fires sets `finish_reason`
 (and `stop_reason`) on the sample; the engine frees it and the output processor reports it.

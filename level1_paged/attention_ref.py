@@ -39,7 +39,8 @@ The contract shared by every backend
     Causal rule: with ``context_len = seq_len - query_len``, query token
     ``q_pos`` (0-based within its sequence's query) sees key positions
     ``k_pos <= context_len + q_pos``. GQA: query head ``h`` reads KV head
-    ``h // (Hq // Hkv)``.
+    ``h // (Hq // Hkv)``. A query of any length may follow any context:
+    levels 2 to 4 send prefill chunks, prefix-cache hits and verifications.
 """
 
 from __future__ import annotations
@@ -123,11 +124,11 @@ def _decode_attention(q, k, v, scale: float):
     return torch.matmul(probs, v.transpose(0, 1)).reshape(num_q_heads, head_dim)  # [Hq, D]
 
 
-SHORT_QUERY = 16  # queries up to this long (speculative verification, small chunks) skip SDPA
+SHORT_QUERY = 16  # queries up to this long skip SDPA (its fixed cost dominates them)
 
 
 def _short_query_attention(q, k, v, context_len: int, scale: float):
-    """A few query tokens (a speculative verification of k + 1, a short chunk) against the context.
+    """A few query tokens (up to SHORT_QUERY) against the context that precedes them.
 
     q: [Lq, Hq, D]; k, v: [L, Hkv, D] (compute dtype). Returns [Lq, Hq, D]. The decode
     path's copy-free GQA matmuls with Lq * G rows per KV head instead of G, and an explicit
@@ -148,8 +149,8 @@ def _short_query_attention(q, k, v, context_len: int, scale: float):
 
 
 def _prefill_attention(q, k, v, context_len: int, scale: float):
-    """One sequence's multi-token query (a prefill chunk, a prefix-cache hit,
-    a speculative verification) against its gathered context.
+    """One sequence's multi-token query against its gathered context (which
+    may hold keys before the query's first position).
 
     q: [Lq, Hq, D]; k, v: [L, Hkv, D] (already in the compute dtype).
     Returns [Lq, Hq, D].
@@ -180,9 +181,9 @@ def paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_
     One pass per sequence: gather its blocks with one index_select (whole
     blocks, bs * Hkv * D contiguous values each), then a decode (query length
     1) goes through two copy-free matmuls, a short query (up to SHORT_QUERY
-    tokens: a speculative verification) through the same matmuls with a
-    causal mask, and a longer one through scaled_dot_product_attention with a
-    causal mask offset by the context.
+    tokens) through the same matmuls with a causal mask, and a longer one
+    through scaled_dot_product_attention with a causal mask offset by the
+    context.
 
     Why a loop and not one padded batch for all decodes: measured on a 2-core
     EPYC (docs/level1_kernel.md), gathering every decode's context into one

@@ -17,8 +17,8 @@ Why the split size is fixed: a kernel that picks the number of splits by the wor
 row's keys differently in different batches, and floating-point addition is not
 associative, so the row's bits change with the batch. Cut at fixed key positions (0, S,
 2S, ...) and merged in order, a row's result depends only on its own query and keys: a
-decode, a row of a prefill chunk and a row of a verification at the same position reduce
-over the same splits in the same order. (The Thinking Machines kernels fix the split size
+row at a given position reduces over the same splits in the same order, whether it is a
+decode or one row of a longer query. (The Thinking Machines kernels fix the split size
 for exactly this; cpu_attention.cpp has no splits at all: one sequential pass per row.)
 
 Every torch op here has shapes that depend only on the row's position and the split size,

@@ -7,14 +7,14 @@ used as a stack) gives O(1) allocate and free; a boolean array catches double fr
 What it is not: a cache. Level 3 puts freed blocks in an LRU queue and keeps their
 contents for reuse; here a freed block is simply empty again.
 
-Reference: vLLM V1 `v1/core/block_pool.py` (BlockPool), without the prefix cache.
+Reference: vLLM V1 `v1/core/block_pool.py` (BlockPool), without its cache of freed blocks.
 """
 
 from __future__ import annotations
 
 
 class OutOfBlocks(RuntimeError):
-    """Asked for more blocks than are free. The caller decides: wait, preempt or refuse."""
+    """Asked for more blocks than are free. The caller decides: wait, evict someone, or refuse."""
 
 
 class BlockAllocator:

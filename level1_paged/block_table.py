@@ -14,8 +14,8 @@ versus a whole `max_tokens` reservation at level 0. `BlockTables` grows and free
 told to, all or nothing, over a `BlockAllocator`; the helpers say how many blocks tokens and a
 byte budget make, and refuse up front a request that could never fit the pool.
 
-What it is not: a scheduler. Who runs, and who is evicted when blocks run out, is the engine's
-(level 1) or the scheduler's (level 2) decision; where a token's K/V goes is the slot mapping
+What it is not: a policy. Who runs, and who is evicted when blocks run out, is the engine's
+decision (from level 2 on, its scheduler's); where a token's K/V goes is the slot mapping
 (`slot_mapping.py`).
 
 Reference: Kwon et al., SOSP 2023, sections 4.1-4.3; vLLM V1 `v1/core/kv_cache_manager.py`.

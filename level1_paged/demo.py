@@ -32,13 +32,12 @@ from rich.text import Text
 from ladder.cli import (
     at_least_one,
     demo_parser,
-    parse_demo_args,
-    plot_path,
+    plot_flag,
     positive_int,
     prompts_for,
+    run_demo,
     save_figure,
     spread_lengths,
-    torch_threads,
 )
 from ladder.models import default_model
 from level0_naive.llm import LLM as NaiveLLM
@@ -83,20 +82,12 @@ def parser():
         default=64,
         help="the step whose slabs and block tables are drawn (default 64)",
     )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="where to save the memory picture (default: level1_memory.png in a folder outside the repository)",
-    )
+    plot_flag(p, "level1_memory.png", "the memory picture")
     return p
 
 
 def main(argv=None) -> dict:
-    args = parse_demo_args(parser(), argv)
-    args.plot = plot_path(args.plot, "level1_memory.png")
-    with torch_threads(args.threads):
-        return run(args, Console())
+    return run_demo(parser(), argv, run, plot="level1_memory.png")
 
 
 def run(args, console: Console) -> dict:

@@ -10,13 +10,14 @@ ends, nobody joins it), so the only difference a reader sees is memory:
 Because requests are admitted on their current size, a batch can outgrow the pool. Then
 the youngest request in the batch is evicted: its blocks are freed and it goes back to
 the head of the queue, keeping the tokens it generated, to be recomputed (prefilled
-again) in a later batch. Level 2 turns this emergency exit into a scheduling policy.
+again) in a later batch.
 
 The model now runs in a `Worker` (`worker.py`) that owns the paged KV cache; each step
 the engine hands it one `ModelInput` built from the block tables.
 
-What it is not: continuous batching (level 2) or prefix sharing (level 3). Only the KV
-methods of `level0_naive.engine.NaiveEngine` are replaced here.
+What it is not: a change to the batching: only the KV methods of `level0_naive.engine.NaiveEngine`
+are replaced here. Level 2 turns the emergency exit into a scheduling policy, and level 3
+shares blocks between requests with a common prefix.
 
 Reference: Kwon et al., SOSP 2023, sections 4.2 (block table) and 4.5 (recomputation).
 """

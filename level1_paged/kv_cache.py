@@ -15,10 +15,10 @@ What it is: PagedAttention's memory layout. One K and one V tensor per layer, sh
     block      0      |     1      |     2      |
     write k[i] to slot_mapping[i]:   [ .. .. k0 k1 | .. .. .. .. | k2 .. .. .. ]
 
-`attention_impl` names the two functions (write and attend) of each backend: torch, ref, Triton,
-and on a CPU the compiled kernel (a room's, through ladder/rooms.py).
+Which two functions (write and attend) a backend uses is `attention_backend.py`'s choice: torch,
+ref, Triton, and on a CPU the compiled kernel (a room's, through ladder/rooms.py).
 
-What it is not: a block allocator or a block table (`block_table.py`), or a scheduler.
+What it is not: a block allocator or a block table (`block_table.py`), or a batching policy.
 
 Reference: Kwon et al., SOSP 2023, section 4.1; vLLM V1 `v1/attention/backends/`
 (`reshape_and_cache`: the cache write, `forward`: the attention).
@@ -26,12 +26,8 @@ Reference: Kwon et al., SOSP 2023, section 4.1; vLLM V1 `v1/attention/backends/`
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 
-from ladder import rooms
 from level0_naive.model import ModelConfig
 
 
@@ -61,39 +57,6 @@ def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
     v_cache.view(num_blocks * block_size, num_kv_heads, head_dim)[slot_mapping] = v  # [N*bs, Hkv, D]
 
 
-class AttentionImpl(NamedTuple):
-    """One attention backend's two functions (write_kv_cache above and attention_ref.py, triton_attention.py)."""
-
-    write_kv: Callable  # (k [T, Hkv, D], v, k_cache [N, bs, Hkv, D], v_cache, slot_mapping [T]) -> None
-    attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
-
-
-def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
-    """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
-
-    'auto' is the Triton kernel on CUDA; on a CPU, and for 'cpu' or `batch_invariant`, the
-    compiled CPU kernel is a room's (ladder/rooms.py), and 'auto' falls back to the torch
-    backend where it cannot be built."""
-    from .attention_ref import paged_attention_ref, paged_attention_torch
-
-    if batch_invariant or name == "cpu" or (name == "auto" and device.type == "cpu"):
-        found = rooms.attention(name, device, batch_invariant)  # (write_kv, attend), or None
-        if found is not None:
-            return AttentionImpl(*found)
-        name = "torch"
-    if name == "auto":
-        name = "triton"  # on CUDA
-    if name == "torch":
-        return AttentionImpl(write_kv_cache, paged_attention_torch)
-    if name == "ref":
-        return AttentionImpl(write_kv_cache, paged_attention_ref)
-    if name == "triton":
-        from .triton_attention import paged_attention_triton, write_kv_cache_triton
-
-        return AttentionImpl(write_kv_cache_triton, paged_attention_triton)
-    raise ValueError(f"attention_backend={name!r} is not one of: auto, cpu, torch, triton, ref")
-
-
 class PagedAttention:
     """The attention backend for one forward: write new k/v to their slots, attend through tables.
 
@@ -101,7 +64,8 @@ class PagedAttention:
     slot_mapping, already on the cache's device. The same object serves every layer; a level
     whose steps need more around the write overrides `__call__` (level 3: copy-on-write copies)."""
 
-    def __init__(self, cache: PagedKVCache, meta, impl: AttentionImpl, scale: float):
+    def __init__(self, cache: PagedKVCache, meta, impl, scale: float):
+        """`impl`: the backend's (write_kv, attend) functions (attention_backend.py's AttentionImpl)."""
         self.cache, self.meta, self.scale = cache, meta, scale
         self.write_kv, self.attend = impl.write_kv, impl.attend
 
@@ -112,4 +76,4 @@ class PagedAttention:
         return self.attend(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)  # [T, Hq, D]
 
 
-__all__ = ["PagedKVCache", "PagedAttention", "write_kv_cache", "attention_impl", "AttentionImpl"]
+__all__ = ["PagedKVCache", "PagedAttention", "write_kv_cache"]

@@ -1,10 +1,10 @@
 """The step input: one flattened batch plus vLLM's paged-attention metadata, built once per step.
 
 What it is: `ModelInput`, level 0's `FlatBatch` plus what attention over the paged cache
-needs, built by `ModelInput.build` from each scheduled sequence's new tokens and its block
+needs, built by `ModelInput.build` from each running sequence's new tokens and its block
 table:
 
-    scheduled: A prefill 5 tokens from 0, table [3, 2]   B decode at 7, table [0, 1]   (block_size 4)
+    batch: A prefill 5 tokens from 0, table [3, 2]   B decode at 7, table [0, 1]   (block_size 4)
     input_ids        [ a0 a1 a2 a3 a4 | b7 ]
     positions        [  0  1  2  3  4 |  7 ]
     query_start_loc  [ 0, 5, 6 ]          seq_lens [ 5, 8 ]
@@ -14,13 +14,14 @@ table:
                                            grows a table before the step that needs it)
     logits_indices   [ 4, 5 ]
 
-A `ModelInput` is plain CPU tensors with no reference to any request, scheduler or cache: it
-can be pickled and broadcast to other ranks (level 5), and two workers can run the same one
-(level 4's target and draft share block tables and slots). It also names the attention backend
-that runs it (`attention_backend`): level 1's `PagedAttention`, or a higher level's, whose input
-carries more for the backend to do (level 3: blocks to copy before the write).
+A `ModelInput` is plain CPU tensors with no reference to any request, engine or cache: it can
+be pickled and sent to another process, and two workers can run the same one. It also names
+the attention backend that runs it (`attention_backend`): level 1's `PagedAttention`, or a
+subclass's whose input carries more for the backend to do. Level 3's input adds blocks to copy
+before the write, level 4's target and draft run the same input, and level 5 broadcasts it to
+its ranks.
 
-What it is not: a scheduler or a worker. Which tokens run is decided before; who runs them, after.
+What it is not: a batching policy or a worker. Which tokens run is decided before; who runs them, after.
 
 Reference: vLLM V1 `gpu_model_runner.py` (`_prepare_inputs`) and `v1/attention/backends/utils.py`
 (`CommonAttentionMetadata`).
@@ -34,7 +35,8 @@ import torch
 
 from level0_naive.model_runner import Chunk, FlatBatch
 
-from .kv_cache import AttentionImpl, PagedAttention, PagedKVCache
+from .attention_backend import AttentionImpl
+from .kv_cache import PagedAttention, PagedKVCache
 from .slot_mapping import slot_mapping
 
 

@@ -13,8 +13,8 @@ offset) of the pool in one row, so
 
 Every new token of a step gets one, in batch order: the `slot_mapping [T]` of the step's
 `ModelInput` (model_input.py), which the attention backend's cache write follows (kv_cache.py).
-A position is the token's place in the whole sequence, not in its chunk: a chunk of a long
-prompt, a decode and a prefix hit's first chunk all index their tables the same way.
+A position is the token's place in the whole sequence, not in the step's tokens: a prefill and
+a decode index their tables the same way, whatever position a step's tokens start at.
 
 What it is not: an allocator. The table must already cover every position (the engine grows it
 before the step that needs it); a position past its table is an IndexError, never a wrong slot.

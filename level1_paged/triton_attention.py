@@ -3,9 +3,9 @@
 What this is
     ``paged_attention_triton`` runs one "unified" kernel over a flattened batch
     (vLLM V1 style): every sequence brings 1..n new query tokens (a decode, a
-    prefill chunk, a prefix-cache hit, a speculative verification) and attends
-    causally to its whole context, read from the paged KV cache through its
-    block table. ``write_kv_cache_triton`` is the tiny kernel that puts new
+    prefill; levels 2-4 add prefill chunks, prefix-cache hits and speculative
+    verifications) and attends causally to its whole context, read from the
+    paged KV cache through its block table. ``write_kv_cache_triton`` is the tiny kernel that puts new
     tokens' K/V into their slots first. Same contract as
     ``level1_paged/attention_ref.py`` (read its docstring for the metadata).
 

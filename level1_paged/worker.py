@@ -13,7 +13,7 @@ writes the step's K/V into the cache and attends through the block tables.
 It is also the one-process `Executor` (executor.py): `submit` runs the forward at once and
 `collect` hands back its logits; level 5 replaces it with an executor over ranks.
 
-What it is not: a scheduler or a sampler. Which tokens run is decided before; what to do
+What it is not: a batching policy or a sampler. Which tokens run is decided before; what to do
 with the logits, after.
 
 Reference: vLLM V1 `v1/worker/gpu_worker.py` (Worker) and `gpu_model_runner.py` (GPUModelRunner).
@@ -26,7 +26,8 @@ import torch
 from level0_naive.model import Transformer
 from level0_naive.model_runner import ModelRunner
 
-from .kv_cache import PagedKVCache, attention_impl
+from .attention_backend import attention_impl
+from .kv_cache import PagedKVCache
 from .model_input import ModelInput
 
 
@@ -70,7 +71,7 @@ class Worker:
         return self._uncollected.pop(0)
 
     def collective_rpc(self, method: str, *args) -> list:
-        """`method(*args)` of this worker, the only rank: [its answer]."""
+        """`method(*args)` of this worker, the only one: [its answer]."""
         return [getattr(self, method)(*args)]
 
     def kv_cache_bytes(self) -> int:

@@ -32,12 +32,11 @@ from rich.table import Table
 from ladder.cli import (
     demo_parser,
     fraction,
-    parse_demo_args,
-    plot_path,
+    plot_flag,
     positive_int,
     prompts_for,
+    run_demo,
     save_figure,
-    torch_threads,
 )
 from ladder.models import default_model
 from level0_naive.llm import LLM as NaiveLLM
@@ -61,20 +60,12 @@ def parser():
     p.add_argument(
         "--long-fraction", type=fraction, default=0.2, help="share of long requests, in [0, 1] (default 0.2)"
     )
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="where to save the timeline (default: level2_timeline.png in a folder outside the repository)",
-    )
+    plot_flag(p, "level2_timeline.png", "the timeline")
     return p
 
 
 def main(argv=None) -> dict:
-    args = parse_demo_args(parser(), argv)
-    args.plot = plot_path(args.plot, "level2_timeline.png")
-    with torch_threads(args.threads):
-        return run(args, Console())
+    return run_demo(parser(), argv, run, plot="level2_timeline.png")
 
 
 def run(args, console: Console) -> dict:

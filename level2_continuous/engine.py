@@ -9,7 +9,7 @@ level 0's front end over it. One step reads as vLLM's `EngineCore.step` does:
     logits = self.worker.execute(self.prepare_input(sched)) the flattened batch through the paged cache
     output = self.sample(sched, logits)                    processed probabilities, then the draw
     moved  = self.scheduler.update_from_output(sched, output)  tokens join, stop rules, finish, free
-    self.post_step(sched)                                  nothing here (level 4 proposes its next guesses)
+    self.post_step(sched)                                  nothing here: a hook after the books are kept
 
 then `step()` turns the requests that moved into outputs (cumulative, delta or final
 only), and each observer is called with the step's StepRecord and a KVSnapshot
@@ -18,9 +18,10 @@ only), and each observer is called with the step's StepRecord and a KVSnapshot
 A request leaves the batch the step it finishes, its blocks go back at once, and a
 waiting one joins the next step: nobody waits for the batch's longest member.
 
-What it is not: asynchronous (level 6 wraps it) or multi-device (level 5 replaces the
-Worker with an executor over ranks). It inherits no static-batching code: `EngineBase`
-gives it only configuration, model loading, input/output processing and statistics.
+What it is not: asynchronous or multi-device. It inherits no static-batching code: `EngineBase`
+gives it only configuration, model loading, input/output processing and statistics. Level 3
+swaps the KV manager and the scheduler, level 4 overrides `prepare_input`, `sample` and `post_step`, level 5
+replaces the worker with an executor over ranks, and level 6 wraps the engine in asyncio.
 
 Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.py`,
 `v1/core/sched/scheduler.py` (update_from_output).
@@ -34,11 +35,11 @@ from dataclasses import dataclass
 
 import torch
 
+from ladder.metrics import Gauge, Metric
 from ladder.progress import GenerateProgress
 from level0_naive.config import PARTS, SchedulerConfig
 from level0_naive.core import EngineBase
 from level0_naive.llm import LLM as NaiveLLM
-from level0_naive.metrics import Gauge, Metric
 from level0_naive.outputs import RequestOutput
 from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import Timer
@@ -90,7 +91,7 @@ class StepRecord:
 class ContinuousEngine(EngineBase):
     config_parts = {**PARTS, "cache": PagedCacheConfig, "scheduler": ContinuousSchedulerConfig}
     sequence_class = Request
-    scheduler_class = Scheduler  # level 3 forks samples, level 5 keeps a pipeline's micro-batches out of sight
+    scheduler_class = Scheduler  # a subclass may swap in a subclass of it
 
     def __init__(self, model: str, *, observers: Iterable[StepObserver] = (), **kwargs):
         super().__init__(model, **kwargs)
@@ -104,14 +105,13 @@ class ContinuousEngine(EngineBase):
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
 
     def make_worker(self) -> Worker:
-        """The model and its paged KV cache, as many blocks as the budget holds (level 5: an
-        executor over ranks, which agree on the fewest any of them can hold)."""
+        """The model and its paged KV cache, as many blocks as the budget holds."""
         c = self.config.cache
         num_blocks = num_blocks_for_budget(self.kv_budget, c.block_size, self.bytes_per_token)
         return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant)
 
     def make_kv_manager(self) -> KVCacheManager:
-        """The part level 3 replaces with its prefix-caching manager."""
+        """Level 1's block tables behind the `KVCacheManager` Protocol (kv_cache_manager.py)."""
         return SimpleKVCacheManager(self.num_blocks, self.config.cache.block_size)
 
     def make_scheduler(self) -> Scheduler:
@@ -127,7 +127,7 @@ class ContinuousEngine(EngineBase):
                     arrival_time: float | None = None) -> None:  # fmt: skip
         """Queue a request; a bad one raises ValueError here and nothing else is affected.
         `arrival_time` (on the engine's clock: time.perf_counter() by default) is when it really
-        arrived, if earlier than now (level 6: when the HTTP request came in), so TTFT counts from there."""
+        arrived, if earlier than now (when the caller received it, say), so TTFT counts from there."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
         group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id)
@@ -156,7 +156,7 @@ class ContinuousEngine(EngineBase):
         return self.scheduler.has_unfinished() or bool(self._aborted)
 
     def unfinished_request_ids(self) -> list[str]:
-        """Ids of the requests added with add_request that have not finished (level 6 aborts them on failure)."""
+        """Ids of the requests added with add_request that have not finished (to abort them all, say)."""
         return list(self.requests)
 
     def check_health(self) -> None:
@@ -164,11 +164,11 @@ class ContinuousEngine(EngineBase):
         can die but the process itself; an engine with worker processes checks them."""
 
     def num_free_blocks(self) -> int:
-        """KV blocks no request holds (cached prefix blocks count as free: they can be evicted)."""
+        """KV blocks no request holds (blocks kept for reuse count as free: they can be evicted)."""
         return self.kv.num_free_blocks
 
     def num_waiting(self) -> int:
-        """Requests (samples) not yet admitted: what a server's backpressure watches."""
+        """Requests (samples) not yet admitted: what a caller's backpressure watches."""
         return len(self.scheduler.waiting)
 
     def step(self) -> list[RequestOutput]:
@@ -195,7 +195,7 @@ class ContinuousEngine(EngineBase):
             Gauge("vllm:kv_cache_usage_perc", value=used_blocks / self.num_blocks),
         ]
 
-    # --- one iteration: the pipeline --------------------------------------------------------
+    # --- one iteration: its stages ----------------------------------------------------------
     def _step(self) -> list[Request]:
         with Timer() as t_step:
             with Timer() as t_sched:
@@ -242,7 +242,7 @@ class ContinuousEngine(EngineBase):
         return ModelRunnerOutput(reqs, [[t] for t in tokens], [[lp] for lp in logprobs])
 
     def post_step(self, sched: SchedulerOutput) -> None:
-        """After the books are kept: nothing at level 2 (level 4 drafts the next step's tokens here)."""
+        """After the books are kept: nothing here (a subclass may prepare the next step's tokens)."""
 
     def _record(self, sched: SchedulerOutput, sched_s: float, step_s: float) -> None:
         s = self.stats

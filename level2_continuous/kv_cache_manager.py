@@ -2,17 +2,16 @@
 
 What it is: `KVCacheManager`, the interface (a Protocol) vLLM V1's scheduler talks to,
 keyed by request, and `SimpleKVCacheManager`, level 2's implementation over level 1's
-`BlockTables`. Level 3's `PrefixCachingKVCacheManager` implements the same Protocol
-over a hash-named block pool; neither inherits from the other.
+`BlockTables`. Level 3's `PrefixCachingKVCacheManager` implements the same Protocol over a
+hash-named block pool (finding cached prefixes, naming full blocks); neither inherits from the other.
 
   - `get_computed_blocks(req)`: blocks whose K/V already exist for this request's
     prefix (never any here), found before the request is admitted;
   - `allocate_slots(req, n, computed_blocks)`: all-or-nothing room for positions up
     to `num_computed + n`, with the computed blocks as the head of the table;
   - `cache_blocks(req, num_tokens)`: after a step, the request's first `num_tokens`
-    tokens (default: `num_computed_tokens`) are in its blocks: name the newly full
-    ones (level 3) and count them as stored, so `usage()` is a counter, not a walk
-    over every table;
+    tokens (default: `num_computed_tokens`) are in its blocks: count them as stored,
+    so `usage()` is a counter, not a walk over every table;
   - `free(req)`, `block_table(req)`, `num_free_blocks`, `usage()`.
 
 What it is not: a policy. It never picks a victim; when `allocate_slots` says no, the

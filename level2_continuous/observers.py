@@ -1,6 +1,6 @@
 """Step observers: a look at the engine after every step, for whoever wants one.
 
-What it is: the seam the live dashboard, a simulator's timeline and tests plug into. An
+What it is: the seam a live view, a simulator's timeline and tests plug into. An
 observer is any callable `observer(record, snapshot)`; the engine calls each one once per
 step that ran (`LLMEngine(..., observers=[...])`), after the step's bookkeeping, with
 
@@ -12,19 +12,20 @@ step that ran (`LLMEngine(..., observers=[...])`), after the step's bookkeeping,
         requests       (request_id, sample index, status, block ids in logical order, and its
                        progress: prompt, output and computed tokens, preemptions, max_tokens), running first
         ref_counts     one per physical block: how many running requests hold it (0: free)
-        cached_free    free blocks that still hold a named prefix (level 3), least recently
-                       freed first: the order they will be evicted in
+        cached_free    free blocks that still hold reusable content (none here), least
+                       recently freed first: the order they will be evicted in
         num_free_blocks, num_blocks, block_size
 
 With no observer registered nothing is built: the engine's step costs what it did. An
-observer that only needs a snapshot now and then (the dashboard: a few a second) says so
+observer that only needs a snapshot now and then (a live view: a few a second) says so
 with a `wants_snapshot(record) -> bool` method; the engine builds the snapshot only when
 some observer wants it, and calls the others with `None` in its place. An observer without
 that method gets a snapshot every step.
 
 What it is not: a way to change the engine. A snapshot is a copy, and the engine never
 reads anything back from an observer (an observer that raises stops the step with its
-exception, as any bug in the engine would).
+exception, as any bug in the engine would). Level 3 fills `cached_free`, and level 6's
+dashboard is an observer.
 
 Reference: vLLM's `StatLoggerBase` (called once per step with the scheduler's stats);
 mini-sglang's `check_integrity()`, which walks the same state when idle.
@@ -56,7 +57,7 @@ class KVSnapshot:
     num_free_blocks: int
     requests: tuple[RequestBlocks, ...]  # running requests first (schedule order), then the waiting queue
     ref_counts: tuple[int, ...]  # [num_blocks]
-    cached_free: tuple[int, ...]  # free blocks still holding a named prefix, next to be evicted first
+    cached_free: tuple[int, ...]  # free blocks still holding reusable content, next to be evicted first
 
     @property
     def running(self) -> tuple[str, ...]:

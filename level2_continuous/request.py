@@ -15,7 +15,8 @@ recompute sets it back to 0, and the request later prefills prompt + output agai
 
 What it is not: the owner of its KV blocks. The `KVCacheManager` keeps each request's
 block table (`kv_manager.block_table(request)`), so a level can change how blocks are
-found and shared without touching this class.
+found and shared without touching this class (level 3 admits a request with a cached prefix
+computed; level 4 feeds guesses past its last token, each with a logits row).
 
 Reference: vLLM V1 `v1/request.py` (Request, RequestStatus).
 """
@@ -85,13 +86,12 @@ class Request(Sequence):
 
     def num_logits(self, n: int) -> int:
         """Logits rows for a chunk of its next n tokens: one per position from its last known
-        token on (1 when the chunk reaches its end, 0 for a prompt chunk that stops short;
-        level 4's verification asks for more)."""
+        token on (1 when the chunk reaches its end, 0 for a prompt chunk that stops short)."""
         return max(0, self.num_computed_tokens + n - self.num_tokens + 1)
 
     def set_computed(self, n: int) -> None:
-        """The cache holds exactly this request's first n tokens: a prefix hit at admission, or 0
-        after a preemption."""
+        """The cache holds exactly this request's first n tokens: what the KV manager found at
+        admission (0 here), or 0 after a preemption."""
         self.num_computed_tokens = n
 
     def finish(self, reason: str) -> None:

@@ -27,8 +27,9 @@ The scheduler decides and keeps the books; it never touches a tensor. One step i
 
 so a test, or a simulator, can drive it with a fake model that returns chosen tokens.
 
-What it is not: fair beyond FCFS, aware of prefix sharing (level 3 adds that through
-the KV manager's hooks), or able to swap KV to the CPU (preemption is by recompute).
+What it is not: fair beyond FCFS, or able to swap KV to the CPU (preemption is by recompute).
+Level 3 shares prefixes through the KV manager's hooks and holds back forked samples in
+`admissible`; level 5's pipeline leaves micro-batches in flight out of `schedulable`.
 
 Reference: vLLM V1 `v1/core/sched/scheduler.py`; Yu et al., "Orca" (OSDI 2022);
 Agrawal et al., "Sarathi-Serve" (OSDI 2024) for chunked prefill.
@@ -73,7 +74,7 @@ class ModelRunnerOutput:
     """What the model and the sampler produced, per request whose logits were computed (batch order)."""
 
     requests: list[Request] = field(default_factory=list)
-    token_ids: list[list[int]] = field(default_factory=list)  # one token each here (a higher level: more)
+    token_ids: list[list[int]] = field(default_factory=list)  # one token each here (the books take any number)
     logprobs: list[list] = field(default_factory=list)  # entries matching token_ids (None: not asked)
 
 
@@ -127,13 +128,11 @@ class Scheduler:
         return out
 
     def schedulable(self) -> list[Request]:
-        """The running requests this step may schedule or preempt, in admission order: all of them here
-        (level 5's pipeline leaves out those whose micro-batch is still in flight)."""
+        """The running requests this step may schedule or preempt, in admission order: all of them here."""
         return list(self.running)
 
     def admissible(self) -> list[Request]:
-        """The waiting requests this step may admit, in queue order: all of them here (level 3 leaves out
-        the samples that wait for their parent to compute the prompt they share)."""
+        """The waiting requests this step may admit, in queue order: all of them here."""
         return list(self.waiting)
 
     def _admit(self, out: SchedulerOutput, budget: int, running: list[Request]) -> None:
@@ -161,7 +160,7 @@ class Scheduler:
     def update_from_output(self, sched: SchedulerOutput, output: ModelRunnerOutput) -> list[Request]:
         """The step ran. Its sampled tokens join their requests one by one (a stop rule cuts a run
         of several exactly where it fires); each scheduled request's cache now holds its tokens up
-        to, not including, its newest one (fed next step); full blocks are named (level 3); whoever
+        to, not including, its newest one (fed next step), recorded by the KV manager; whoever
         stopped leaves, its blocks free when this returns. Returns the requests that got tokens."""
         for req, tokens, logprobs in zip(output.requests, output.token_ids, output.logprobs):
             for tok, lp in zip(tokens, logprobs):
@@ -211,4 +210,4 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self.kv.free(req)  # also for a waiting request: level 3 may hold its block names
+        self.kv.free(req)  # also for a waiting request: its KV manager may hold something for it

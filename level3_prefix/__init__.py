@@ -1,36 +1,12 @@
 """Level 3: automatic prefix caching. Level 2 with a hash-named, ref-counted block pool (and beam search on it)."""
 
-from level0_naive import (
-    CompletionOutput,
-    Logprob,
-    RequestOutput,
-    RequestOutputKind,
-    SamplingParams,
-    StructuredOutputsParams,
-    load_model,
-)
+from level0_naive import api
+from level0_naive.api import *  # noqa: F403 (the names every level exports)
 from level2_continuous import Request, RequestStatus
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from .block_hash import PrefixRequest
 from .engine import LLM, LLMEngine, PrefixCacheConfig, PrefixCachingEngine
 
-__all__ = [
-    "LLM",
-    "LLMEngine",
-    "BeamSearchParams",
-    "BeamSearchOutput",
-    "BeamSearchSequence",
-    "PrefixCachingEngine",
-    "SamplingParams",
-    "StructuredOutputsParams",
-    "RequestOutput",
-    "RequestOutputKind",
-    "CompletionOutput",
-    "Logprob",
-    "PrefixCacheConfig",
-    "Request",
-    "PrefixRequest",
-    "RequestStatus",
-    "load_model",
-]
+__all__ = [*api.__all__, "LLM", "LLMEngine", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
+           "PrefixCachingEngine", "PrefixCacheConfig", "Request", "PrefixRequest", "RequestStatus"]  # fmt: skip

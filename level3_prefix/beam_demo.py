@@ -17,7 +17,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.text import Text
 
-from ladder.cli import demo_parser, parse_demo_args, positive_int, torch_threads
+from ladder.cli import demo_parser, positive_int, run_demo
 from ladder.models import default_model
 from level0_naive.sampling_params import SamplingParams
 
@@ -55,12 +55,10 @@ def main(argv=None) -> dict:
     p.add_argument("--beam-width", type=positive_int, default=4)
     p.add_argument("--block-size", type=positive_int, default=8, help="tokens per KV block (default 8: small, to see)")
     p.set_defaults(max_tokens=48, temperature=0.0)
-    args = parse_demo_args(p, argv)
-    with torch_threads(args.threads):
-        return run_demo(args, Console())
+    return run_demo(p, argv, run)
 
 
-def run_demo(args, console: Console) -> dict:
+def run(args, console: Console) -> dict:
     model = args.model or default_model()
     llm = LLM(model, dtype=args.dtype, device=args.device, block_size=args.block_size, seed=args.seed,
               enable_prefix_caching=False)  # fmt: skip

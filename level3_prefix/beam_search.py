@@ -28,7 +28,7 @@ vLLM's `LLM.beam_search` differs in two ways (docs/beam_search.md): it divides b
 length (prompt included, EOS not) and it keeps every EOS candidate, not the first W; it never
 stops early. Without EOS and with equal lengths the three agree.
 
-What it is not: sampling (`temperature` only reshapes the scores), a server endpoint, or a
+What it is not: sampling (`temperature` only reshapes the scores), online (level 6 serves it), or a
 scheduler: the search runs its own loop on an idle engine, batching all live beams of all
 admitted prompts in one forward; prompts are admitted while their worst case (W beams of
 full length, nothing shared) fits the KV cache. Beams' blocks are not named for the prefix

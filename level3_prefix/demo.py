@@ -23,7 +23,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
+from ladder.cli import demo_parser, plot_flag, positive_int, run_demo, save_figure
 from ladder.models import default_model
 from level0_naive.sampling_params import SamplingParams
 
@@ -86,24 +86,16 @@ def shared_blocks_picture(model, prompts: list[list[int]], args) -> Text:
 def parser():
     p = demo_parser(__doc__, "level3_prefix.demo")
     p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="where to save the TTFT plot (default: level3_ttft.png in a folder outside the repository)",
-    )
+    plot_flag(p, "level3_ttft.png", "the TTFT plot")
     p.set_defaults(max_tokens=16, temperature=0.8)
     return p
 
 
 def main(argv=None) -> dict:
-    args = parse_demo_args(parser(), argv)
-    args.plot = plot_path(args.plot, "level3_ttft.png")
-    with torch_threads(args.threads):
-        return run_demo(args, Console())
+    return run_demo(parser(), argv, demo, plot="level3_ttft.png")
 
 
-def run_demo(args, console: Console) -> dict:
+def demo(args, console: Console) -> dict:
     model = args.model or default_model()
 
     results = {}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from level0_naive.metrics import Counter, Metric
+from ladder.metrics import Counter, Metric
 from level1_paged.engine import PagedCacheConfig
 from level1_paged.model_input import ModelInput
 from level2_continuous.engine import LLM as ContinuousLLM

@@ -36,7 +36,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
+from ladder.cli import demo_parser, plot_flag, positive_int, run_demo, save_figure
 from ladder.models import BUILTIN_DRAFT, default_model
 from level0_naive.sampling_params import SamplingParams
 from level3_prefix.engine import LLM as PrefixLLM
@@ -66,22 +66,13 @@ def parser():
     )
     p.add_argument("--max-k", type=positive_int, default=6, help="the largest k of the tokens/s sweep (default 6)")
     p.add_argument("--batch-size", type=positive_int, default=16, help="the larger batch (default 16)")
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="where to save the speedup plot (default: level4_speedup.png outside the repository)",
-    )
+    plot_flag(p, "level4_speedup.png", "the speedup plot")
     p.set_defaults(max_tokens=96, temperature=0.0)
     return p
 
 
 def main(argv=None) -> dict:
-    p = parser()
-    args = parse_demo_args(p, argv, model_flags=("model", "draft_model"))
-    args.plot = plot_path(args.plot, "level4_speedup.png")
-    with torch_threads(args.threads):
-        return run(args, Console())
+    return run_demo(parser(), argv, run, plot="level4_speedup.png", model_flags=("model", "draft_model"))
 
 
 def timed_generate(llm, prompts, params) -> tuple[list, float]:

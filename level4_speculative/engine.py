@@ -8,7 +8,8 @@ next step's scheduler sees only "this request has k more tokens to compute"
     stage                 component                                  file
     make_kv_manager()     name a block once the draft's cache has it too  kv_cache_manager.py
     prepare_input()       the draft's cache follows the prompt chunks     proposers.py (prefill)
-    sample()              rejection sampling over k + 1 logits rows       rejection_sampler.py
+    sample()              each request's guesses judged (greedy, by position
+                          or rejection sampling) over k + 1 logits rows  rejection_sampler.py
     post_step()           num_drafts, reserve KV slots, propose guesses  engine.py, proposers.py
 
 One decoding request over two steps:
@@ -42,9 +43,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ladder.metrics import Counter, Metric, Vector
 from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.loader import LoadedModel, load_model
-from level0_naive.metrics import Counter, Metric, Vector
 from level0_naive.outputs import logprob_entries
 from level0_naive.stats import Timer
 from level1_paged.model_input import ModelInput
@@ -56,7 +57,7 @@ from level3_prefix.engine import PrefixCachingEngine
 from .config import SpeculativeConfig
 from .kv_cache_manager import DraftAwareKVCacheManager
 from .proposers import DraftModelProposer, NgramProposer, Proposer, draft_state
-from .rejection_sampler import greedy_verify, rejection_sample
+from .rejection_sampler import Guesses, verify
 from .request import SpecRequest
 
 
@@ -252,55 +253,21 @@ class SpeculativeEngine(PrefixCachingEngine):
     def _verify(
         self, spec: list[tuple[SpecRequest, int, int]], logits: torch.Tensor
     ) -> dict[int, tuple[list[int], list]]:
-        """Rejection sampling for every speculating request; greedy ones take the exact-match path."""
-        K, V = max(k for _, k, _ in spec), logits.shape[-1]
-        draft = torch.zeros(len(spec), K, dtype=torch.long)
-        num_draft = torch.tensor([k for _, k, _ in spec])
-        for i, (req, k, _) in enumerate(spec):
-            draft[i, :k] = torch.tensor(req.spec_token_ids[:k])  # the budget may have cut the rest
-        rows = [logits[r : r + k + 1] for _, k, r in spec]  # each [k+1, V]
-        target_argmax = torch.zeros(len(spec), K + 1, dtype=torch.long)
-        p = torch.zeros(len(spec), K + 1, V, dtype=logits.dtype)
-        sampled = []
-        for i, (req, k, _) in enumerate(spec):
-            if self.sampler.is_plain_greedy(req.params):
-                target_argmax[i, : k + 1] = rows[i].argmax(-1)
-                continue
-            states = [draft_state(req, draft[i, :j].tolist()) for j in range(k + 1)]
-            p[i, : k + 1] = self.sampler.probabilities(rows[i], states)  # processed exactly as the draft's q was
-            if req.params.greedy or self.sampler.draws_by_position:
-                # greedy: the argmax. Keyed draws (batch_invariant): the target's own sample at each position,
-                # argmax(log p + noise keyed by the position), the noise the draft sampled its guess with; a
-                # guess is accepted iff it is that sample, so what is emitted at a position never depends on
-                # the guesses (an exact sample of p, coupled through shared noise instead of a rejection test).
-                target_argmax[i, : k + 1] = self.sampler.draw(p[i, : k + 1], states)
-            else:
-                sampled.append(i)
-        results = dict(zip(range(len(spec)), zip(*greedy_verify(draft, num_draft, target_argmax))))
-        if sampled:
-            q = torch.stack([self._draft_probs(spec[i][0], spec[i][1], K, V, logits.dtype) for i in sampled])
-            toks, accepted = rejection_sample(
-                draft[sampled], num_draft[sampled], q, p[sampled], [spec[i][0].generator for i in sampled]
-            )
-            results.update(zip(sampled, zip(toks, accepted)))
+        """Every speculating request's guesses judged (rejection_sampler.verify decides each one's path), the
+        counters kept, the logprobs of what it emits. spec[i] = (request, k, its first logits row)."""
+        batch = []
+        for req, k, row in spec:
+            draft = req.spec_token_ids[:k]  # the budget may have cut the rest
+            states = [draft_state(req, draft[:j]) for j in range(k + 1)]  # processed exactly as the draft's q was
+            q = None if req.spec_probs is None else req.spec_probs[:k]  # None: a point mass (n-grams)
+            batch.append(Guesses(draft, logits[row : row + k + 1], states, q))
         emitted = {}
-        for i, (req, k, _) in enumerate(spec):
-            tokens, accepted = results[i]
+        for (req, k, _), g, (tokens, accepted) in zip(spec, batch, verify(batch, self.sampler)):
             self.spec_stats.record(k, accepted)
-            lps = logprob_entries(rows[i][: len(tokens)], torch.tensor(tokens), [req.params.logprobs] * len(tokens),
+            lps = logprob_entries(g.logits[: len(tokens)], torch.tensor(tokens), [req.params.logprobs] * len(tokens),
                                   self.tokenizer)  # fmt: skip
             emitted[req.seq_id] = (tokens, lps)
         return emitted
-
-    def _draft_probs(self, req: SpecRequest, k: int, K: int, V: int, dtype) -> torch.Tensor:
-        """q [K, V] for one request: what its proposer sampled from, or a point mass on each guess
-        when the proposer is deterministic (n-gram). Rows past k are padding."""
-        q = torch.zeros(K, V, dtype=dtype)
-        if req.spec_probs is not None:
-            q[:k] = req.spec_probs[:k].to(dtype)
-        else:
-            q[torch.arange(k), torch.tensor(req.spec_token_ids[:k])] = 1.0
-        return q
 
     # --- metrics ---------------------------------------------------------------------------------
     def get_metrics(self) -> list[Metric]:

@@ -17,9 +17,23 @@ any token x, P(emit x at step i) = q(x) min(1, p(x)/q(x)) + (1 - sum_y min(p(y),
   - `rejection_sample`: the same, vectorised over the batch (the random draws stay per
     request, from each request's own generator, in the same order as the loop's: k
     uniforms, then one final draw), tested equal to the loop.
-  - `greedy_verify`: temperature 0 has its own path: accept d_i iff it is the target's
-    argmax, then emit the target's argmax at the first mismatch (or as the bonus). No
-    division, no random draw.
+  - `greedy_verify`: the path of a request whose token at each position is fixed by the
+    target alone (temperature 0: its argmax): accept d_i iff it is the target's token, then
+    emit the target's token at the first mismatch (or as the bonus). No division, no draw.
+
+Where it is decided and done: `verify`, which the engine calls with every verifying request of
+a step, picks each request's path, runs each path once for the batch, and returns what each
+request emits:
+
+    the request                                      its path                 a guess is accepted iff
+    greedy, and nothing reshapes its logits          verify_greedy            it is the target's argmax
+    greedy with logits processors, or a sampler      verify_by_position       it is the target's own token at
+      whose draws are keyed by position (a room's)                            its position: the argmax of the
+                                                                              processed p, or its keyed draw
+    sampled                                          verify_sampled           u * q(d) < p(d): the rejection test
+
+The keyed path is exact too: the target's token at a position is a sample of p that does not
+depend on the guesses, and a guess is kept only when it is that token.
 
 What it is not: the proposer, or the bookkeeping (level 2's `update_from_output` counts
 as computed only the positions up to the newest accepted token).
@@ -31,7 +45,11 @@ Sampling" (2023); vLLM `v1/sample/rejection_sampler.py`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+
+from level0_naive.logits_processors import SamplingState
 
 
 def _final_distribution(p_row: torch.Tensor, q_row: torch.Tensor | None) -> torch.Tensor:
@@ -83,14 +101,87 @@ def rejection_sample(draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tens
 
 
 def greedy_verify(
-    draft: torch.Tensor, num_draft: torch.Tensor, target_argmax: torch.Tensor
+    draft: torch.Tensor, num_draft: torch.Tensor, target_tokens: torch.Tensor
 ) -> tuple[list[list[int]], list[int]]:
-    """Temperature 0. draft [B, K], num_draft [B], target_argmax [B, K+1] (of the processed
-    target logits). Accept while the draft matches the target's argmax; then the argmax."""
+    """draft [B, K], num_draft [B], target_tokens [B, K+1]: the target's token at each position (at
+    temperature 0 the argmax of its processed logits). Accept while the draft matches; then the target's."""
     B, K = draft.shape
     valid = torch.arange(K, device=draft.device)[None, :] < num_draft[:, None]  # [B, K]
-    matches = (draft == target_argmax[:, :K]) & valid  # [B, K]
+    matches = (draft == target_tokens[:, :K]) & valid  # [B, K]
     num_accepted = matches.long().cumprod(-1).sum(-1)  # [B]
     counts = num_accepted.tolist()
-    rows = target_argmax.tolist()
+    rows = target_tokens.tolist()
     return [draft[i, :a].tolist() + [rows[i][a]] for i, a in enumerate(counts)], counts
+
+
+# --- the step's verification: each request's path, decided here ------------------------------
+@dataclass
+class Guesses:
+    """One request's guesses, as the step verifies them."""
+
+    draft: list[int]  # d_1 .. d_k
+    logits: torch.Tensor  # [k+1, V]: the target's raw logits at [last token, d_1 .. d_k]
+    states: list[SamplingState]  # [k+1]: each position's row, the guesses before it taken as output
+    q: torch.Tensor | None  # [k, V]: what the proposer drew d_i from; None: a point mass (n-grams)
+
+
+def verify(batch: list[Guesses], sampler) -> list[tuple[list[int], int]]:
+    """(emitted tokens, accepted guesses) for each request of `batch`, in order: each request's path
+    (the table in the module docstring), each path run once for the whole batch."""
+    greedy = [i for i, g in enumerate(batch) if sampler.is_plain_greedy(g.states[0].params)]
+    p = {i: sampler.probabilities(g.logits, g.states) for i, g in enumerate(batch) if i not in greedy}  # [k+1, V]
+    by_position = [i for i in p if batch[i].states[0].params.greedy or sampler.draws_by_position]
+    sampled = [i for i in p if i not in by_position]
+    results = {}
+    results.update(zip(greedy, verify_greedy([batch[i] for i in greedy])))
+    results.update(zip(by_position, verify_by_position([batch[i] for i in by_position], [p[i] for i in by_position], sampler)))
+    results.update(zip(sampled, verify_sampled([batch[i] for i in sampled], [p[i] for i in sampled])))
+    return [results[i] for i in range(len(batch))]
+
+
+def _padded(rows: list[list[int]] | list[torch.Tensor], width: int) -> torch.Tensor:
+    """Token rows of different lengths -> [B, width] long, padded with 0 (never read: num_draft bounds them)."""
+    out = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+    return out
+
+
+def _match(batch: list[Guesses], targets: list[torch.Tensor]) -> list[tuple[list[int], int]]:
+    """greedy_verify over requests whose target token at each position is known (`targets[i]` [k+1])."""
+    if not batch:
+        return []
+    K = max(len(g.draft) for g in batch)
+    num_draft = torch.tensor([len(g.draft) for g in batch])
+    return list(zip(*greedy_verify(_padded([g.draft for g in batch], K), num_draft, _padded(targets, K + 1))))
+
+
+def verify_greedy(batch: list[Guesses]) -> list[tuple[list[int], int]]:
+    """Plain greedy: the target's token at each position is the argmax of its raw logits."""
+    return _match(batch, [g.logits.argmax(-1) for g in batch])
+
+
+def verify_by_position(batch: list[Guesses], p: list[torch.Tensor], sampler) -> list[tuple[list[int], int]]:
+    """The target's token at each position is its own draw from its processed p (`sampler.draw`: the
+    argmax for a greedy row, the keyed sample under `draws_by_position`), whatever the guesses were."""
+    return _match(batch, [sampler.draw(pi, g.states) for g, pi in zip(batch, p)])
+
+
+def verify_sampled(batch: list[Guesses], p: list[torch.Tensor]) -> list[tuple[list[int], int]]:
+    """Modified rejection sampling (`rejection_sample`) against the draft's q (a point mass on each guess
+    where the proposer kept none), each request drawing from its own generator."""
+    if not batch:
+        return []
+    K, V = max(len(g.draft) for g in batch), p[0].shape[-1]
+    q = torch.zeros(len(batch), K, V, dtype=p[0].dtype)  # [B, K, V]; rows past a request's k are padding
+    pp = torch.zeros(len(batch), K + 1, V, dtype=p[0].dtype)  # [B, K+1, V]
+    for i, (g, pi) in enumerate(zip(batch, p)):
+        k = len(g.draft)
+        pp[i, : k + 1] = pi
+        if g.q is not None:
+            q[i, :k] = g.q[:k].to(q.dtype)
+        else:
+            q[i, torch.arange(k), torch.tensor(g.draft)] = 1.0
+    num_draft = torch.tensor([len(g.draft) for g in batch])
+    generators = [g.states[0].generator for g in batch]
+    return list(zip(*rejection_sample(_padded([g.draft for g in batch], K), num_draft, q, pp, generators)))

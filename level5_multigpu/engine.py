@@ -38,8 +38,8 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from ladder.metrics import Counter, Metric
 from level0_naive.loader import LoadedModel, load_metadata
-from level0_naive.metrics import Counter, Metric
 from level0_naive.stats import Timer
 from level1_paged.executor import Executor
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput

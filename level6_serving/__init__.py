@@ -1,22 +1,7 @@
 """Level 6: serving. The engine core on a background thread behind an OpenAI-compatible HTTP API."""
 
+from . import base
 from .async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from .base import (
-    LLM,
-    CompletionOutput,
-    LLMEngine,
-    Logprob,
-    Request,
-    RequestOutput,
-    RequestOutputKind,
-    RequestStatus,
-    SamplingParams,
-    SpecDecodeStats,
-    SpeculativeConfig,
-    StructuredOutputsParams,
-    load_model,
-)
+from .base import *  # noqa: F403 (the served level's names: base.py)
 
-__all__ = ["LLM", "LLMEngine", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
-           "SpeculativeConfig", "SpecDecodeStats", "Request", "RequestStatus", "load_model", "AsyncLLMEngine",
-           "RequestStream", "EngineDeadError"]  # fmt: skip
+__all__ = [*base.__all__, "AsyncLLMEngine", "RequestStream", "EngineDeadError"]

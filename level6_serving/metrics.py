@@ -27,7 +27,7 @@ from collections import defaultdict
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from level0_naive.metrics import Counter, Gauge, Histogram, Metric, Vector
+from ladder.metrics import Counter, Gauge, Histogram, Metric, Vector
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

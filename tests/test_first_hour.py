@@ -25,7 +25,8 @@ pytestmark = pytest.mark.docs
 @pytest.mark.parametrize(
     "args,usage",
     [
-        ([], "usage: ladder {serve,bench,labs,watch,demo N}"),
+        ([], "usage: ladder {serve,bench,labs,watch,trace,demo N}"),
+        (["trace"], "usage: ladder trace "),
         (["watch"], "usage: ladder watch "),
         (["serve"], "usage: ladder serve "),
         (["bench"], "usage: ladder bench "),

@@ -50,9 +50,10 @@ from hypothesis import strategies as st  # noqa: E402
 pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux); the torch backends are tested elsewhere")
 
 from features.cpu_kernels import attention as cpu_attention  # noqa: E402
+from level1_paged.attention_backend import attention_impl  # noqa: E402
 from level1_paged.attention_ref import paged_attention_ref, paged_attention_torch  # noqa: E402
 from level1_paged.attention_split import paged_attention_split  # noqa: E402
-from level1_paged.kv_cache import attention_impl, write_kv_cache  # noqa: E402
+from level1_paged.kv_cache import write_kv_cache  # noqa: E402
 from level1_paged.triton_attention import (  # noqa: E402
     _launch,
     paged_attention_triton,

@@ -34,7 +34,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, save_figure, torch_threads
+from ladder.cli import demo_parser, plot_flag, positive_int, run_demo, save_figure
 from ladder.models import default_model
 from level0_naive.sampling_params import SamplingParams
 from level1_paged.engine import LLM
@@ -47,15 +47,12 @@ MODES = {"default": False, "batch_invariant": True}
 def parser():
     p = demo_parser(__doc__, "features.batch_invariance.demo")
     p.add_argument("--copies", type=positive_int, default=12, help="copies of the prompt, each in its own batch (12)")
-    p.add_argument("--plot", type=Path, default=None, help="where to save the layer-by-layer picture")
+    plot_flag(p, "batch_invariance_layers.png", "the layer-by-layer picture")
     return p
 
 
 def main(argv=None) -> dict:
-    args = parse_demo_args(parser(), argv)
-    args.plot = plot_path(args.plot, "batch_invariance_layers.png")
-    with torch_threads(args.threads):
-        return run(args, Console())
+    return run_demo(parser(), argv, run, plot="batch_invariance_layers.png")
 
 
 def run(args, console: Console) -> dict:

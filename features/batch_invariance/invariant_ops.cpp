@@ -52,25 +52,7 @@ constexpr int VBYTES = 64, MR = 6, NV = 4;  // 24 accumulators in the 32 zmm reg
 constexpr int VBYTES = 32, MR = 4, NV = 3;  // 12 accumulators in the 16 ymm registers (or 32 NEON halves)
 #endif
 
-struct bf16 {
-  uint16_t bits;
-};
-static inline float widen(float x) { return x; }
-static inline double widen(double x) { return x; }
-static inline float widen(bf16 x) {
-  uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-template <typename T, typename A> static inline T narrow(A x) { return static_cast<T>(x); }
-template <> inline bf16 narrow<bf16, float>(float x) {  // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (x != x) return bf16{uint16_t(0x7fc0)};
-  u += 0x7fff + ((u >> 16) & 1);
-  return bf16{uint16_t(u >> 16)};
-}
+#include "bf16.h"  // bf16, widen, narrow: the one copy the kernels share
 
 template <typename A> struct Panel {
   typedef A vec __attribute__((vector_size(VBYTES)));

@@ -56,27 +56,7 @@
 #include <limits>
 #include <vector>
 
-// bfloat16 is the top half of a float32: widening is a shift; narrowing rounds to nearest even
-// (what torch's .to(torch.bfloat16) does).
-struct bf16 {
-  uint16_t bits;
-};
-static inline float widen(float x) { return x; }
-static inline double widen(double x) { return x; }
-static inline float widen(bf16 x) {
-  uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-template <typename T, typename A> static inline T narrow(A x) { return static_cast<T>(x); }
-template <> inline bf16 narrow<bf16, float>(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return bf16{uint16_t(0x7fc0)};
-  u += 0x7fff + ((u >> 16) & 1);
-  return bf16{uint16_t(u >> 16)};
-}
+#include "bf16.h"  // bf16, widen, narrow: the one copy the kernels share
 
 // 32 bytes of lanes: 8 floats or 4 doubles.
 template <typename A> struct Lanes {

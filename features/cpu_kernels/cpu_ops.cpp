@@ -42,25 +42,7 @@
 #include <cstring>
 #include <type_traits>
 
-struct bf16 {
-  uint16_t bits;
-};
-static inline float widen(float x) { return x; }
-static inline double widen(double x) { return x; }
-static inline float widen(bf16 x) {
-  uint32_t u = uint32_t(x.bits) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-template <typename T, typename A> static inline T narrow(A x) { return static_cast<T>(x); }
-template <> inline bf16 narrow<bf16, float>(float x) {  // round to nearest even, as torch's .to(bfloat16)
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  if (std::isnan(x)) return bf16{uint16_t(0x7fc0)};
-  u += 0x7fff + ((u >> 16) & 1);
-  return bf16{uint16_t(u >> 16)};
-}
+#include "bf16.h"  // bf16, widen, narrow: the one copy the kernels share
 // What one elementwise op of PyTorch leaves in a tensor of dtype T: the value rounded to T
 // (nothing to do for float and double, whose arithmetic already rounds to them).
 template <typename T, typename A> static inline A rounded(A x) { return widen(narrow<T, A>(x)); }

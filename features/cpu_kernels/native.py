@@ -3,8 +3,9 @@
 What it is: `NativeLibrary(source, signatures)`, the one way the ladder turns a small C++
 file into functions Python can call (this room's `cpu_ops.cpp` and `cpu_attention.cpp`, and
 `features/batch_invariance/invariant_ops.cpp`). The sources include no torch header (they take raw pointers
-and sizes), so one `c++ -O3 -shared` call of about a second makes a shared library, named by
-a hash of the source, the flags, the compiler and the CPU it was built for (`-march=native`:
+and sizes; the one header they share is `bf16.h`, beside this file), so one `c++ -O3 -shared`
+call of about a second makes a shared library, named by a hash of the source and the shared
+header, the flags, the compiler and the CPU it was built for (`-march=native`:
 a library built for one CPU may not run on another that shares the cache folder), in
 `$LADDER_CACHE_DIR` (default `~/.cache/inference-ladder`).
 The first process that needs it builds it into a temporary name and renames it (atomic:
@@ -57,6 +58,8 @@ CFLAGS = [
     "-fPIC",
 ]
 
+HEADERS = (Path(__file__).with_name("bf16.h"),)  # what every source may #include (its folder is on -I)
+
 # ctypes codes for `signatures`: p a pointer (data_ptr()), i an int64, d a double; "ppi->i" returns an int64
 _CTYPES = {"p": ctypes.c_void_p, "i": ctypes.c_int64, "d": ctypes.c_double}
 
@@ -91,7 +94,8 @@ class NativeLibrary:
         if shutil.which(cxx) is None:
             raise RuntimeError(f"no C++ compiler: {cxx!r} is not on PATH")
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-        parts = [self.source.read_text(), " ".join(self.flags), version, cpu_signature()]
+        parts = [self.source.read_text(), *(h.read_text() for h in HEADERS), " ".join(self.flags), version,
+                 cpu_signature()]  # fmt: skip
         key = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
         path = cache_dir() / f"{self.source.stem}-{key}.so"
         if not path.exists():
@@ -99,7 +103,9 @@ class NativeLibrary:
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=path.parent)
             os.close(fd)
             try:
-                done = subprocess.run([cxx, *self.flags, str(self.source), "-o", tmp], capture_output=True, text=True)
+                include = [f"-I{h.parent}" for h in HEADERS]
+                done = subprocess.run([cxx, *self.flags, *include, str(self.source), "-o", tmp], capture_output=True,
+                                      text=True)  # fmt: skip
                 if done.returncode != 0:
                     raise RuntimeError(f"{cxx} failed: {done.stderr.strip()[:500]}")
                 os.chmod(tmp, 0o755)  # mkstemp makes it private: another user sharing the folder could not load it

@@ -36,7 +36,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
+from ladder.cli import demo_parser, plot_flag, positive_int, prompts_for, run_demo, save_figure
 from ladder.models import BUILTIN_MOE
 from level0_naive.sampling_params import SamplingParams
 from level5_multigpu.engine import LLM
@@ -51,16 +51,13 @@ LINE = "ROMEO:\nBut, soft! what light through yonder window breaks?"
 def parser():
     p = demo_parser(__doc__, "features.moe.demo")
     p.add_argument("--requests", type=positive_int, default=8, help="how many requests (default 8)")
-    p.add_argument("--plot", type=Path, default=None, help="where to draw the routing (default: outside the repository)")
+    plot_flag(p, "moe_routing.png", "the routing picture")
     p.set_defaults(max_tokens=32, temperature=0.0, dtype="float64", model=None)
     return p
 
 
 def main(argv=None) -> dict:
-    args = parse_demo_args(parser(), argv)
-    args.plot = plot_path(args.plot, "moe_routing.png")
-    with torch_threads(args.threads):
-        return run(args, Console(width=110))
+    return run_demo(parser(), argv, run, plot="moe_routing.png", width=110)
 
 
 def run(args, console: Console) -> dict:

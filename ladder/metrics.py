@@ -4,9 +4,9 @@ What it is: the four record types of vLLM's `vllm.v1.metrics.reader` (`Counter`,
 `Gauge`, `Histogram`, `Vector`), each with a `name` and `labels`, and `Buckets`, a
 fixed-size histogram accumulator (its memory never grows, however long the engine
 runs). `LLM.get_metrics()` returns a list of these with vLLM's names
-(`vllm:prompt_tokens`, `vllm:num_preemptions`, `vllm:time_to_first_token_seconds`, ...);
-level 6 serves the same numbers on `/metrics` in Prometheus' text format, where a
-counter's name gains a `_total` suffix.
+(`vllm:prompt_tokens`, `vllm:num_preemptions`, `vllm:time_to_first_token_seconds`, ...),
+every level's engine from its statistics (level0_naive/stats.py); level 6 serves the same
+numbers on `/metrics` in Prometheus' text format, where a counter's name gains a `_total` suffix.
 
 What it is not: an exporter. Nothing here talks to Prometheus.
 
