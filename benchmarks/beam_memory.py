@@ -31,13 +31,12 @@ PagedAttention", SOSP 2023, section 6.3 and figure 15.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 
 import torch
 
 from benchmarks.workloads import TEXTS
-from ladder.cli import output_dir
+from ladder.cli import save_json
 from ladder.models import default_model
 
 BLOCK_SIZE = 16
@@ -138,10 +137,7 @@ def main(argv=None) -> dict:
             print(f"{method:18s} {mix:14s} " + " ".join(f"{100 * r['saved']:7.1f}%" for r in cells)
                   + f"   {PAPER[method, mix]}")  # fmt: skip
     result = {"block_size": BLOCK_SIZE, "requests": args.requests, "rows": rows}
-    path = output_dir() / "beam_memory.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"json: {path}")
+    save_json(result, "beam_memory.json")
     return result
 
 

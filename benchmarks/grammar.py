@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from ladder.cli import output_dir
+from ladder.cli import save_json
 from ladder.models import default_model
 
 SCHEMA = {"type": "object", "properties": {
@@ -157,10 +157,7 @@ def main(argv=None) -> dict:
     s = result["step"]
     print(f"level 3, batch {args.batch}: {s['plain_ms']:.2f} ms per decode step plain, {s['masked_ms']:.2f} ms with a JSON "
           f"schema on every request ({s['ratio']:.2f}x); the schema's compile: {s['compile_ms']:.1f} ms, once")  # fmt: skip
-    path = output_dir() / "grammar.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=1))
-    print(f"json: {path}")
+    save_json(result, "grammar.json")
     return result
 
 

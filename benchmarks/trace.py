@@ -5,8 +5,8 @@ the built-in model, runs a prompt's prefill, then traces the next step (a decode
 per request, or with `--spec` a verification of the draft's guesses) and prints its call
 paths, each frame with the level (or room) that owns its file, in the step's order:
 
-    to the KV cache's room   from the engine's step down to the KV manager's `allocate_slots`
-                             (levels 2-5: the scheduler's decision)
+    to the KV manager's      from the engine's step down to the KV manager's `allocate_slots`
+      allocation             (levels 2-5: the scheduler's decision)
     to the attention call    down to the function that attends over the KV cache (the first
                              of the step's layers)
     to the tokens            down to where the step's tokens are chosen (the sampler, or level
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -55,14 +56,29 @@ def owner(path: Path) -> str:
     return parts[0]
 
 
+def qualname(frame) -> str:
+    """The running function's name with its *defining* class (`ContinuousEngine._step` in a level-3 engine)."""
+    return getattr(frame.f_code, "co_qualname", None) or defining_name(frame)  # co_qualname: Python 3.11 on
+
+
+def defining_name(frame) -> str:
+    """What co_qualname says, found without it (Python 3.10): the class in self's MRO whose function runs this code."""
+    code, self = frame.f_code, frame.f_locals.get("self")
+    for cls in type(self).__mro__ if self is not None else ():
+        fn = cls.__dict__.get(code.co_name)
+        fn = fn.fget if isinstance(fn, property) else getattr(fn, "__func__", fn)
+        if fn is not None and getattr(inspect.unwrap(fn), "__code__", None) is code:
+            return f"{cls.__qualname__}.{code.co_name}"
+    return code.co_name
+
+
 def frames_to(frame, root) -> list[tuple[str, str, str]]:
     """(owner, file, function) of every repository frame from `root`'s frame down to `frame`, outermost first."""
     out = []
     while frame is not None:
         path = Path(frame.f_code.co_filename).resolve()
         if path.is_relative_to(REPO):
-            name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # Python 3.11: the defining class
-            out.append((owner(path), str(path.relative_to(REPO)), name))
+            out.append((owner(path), str(path.relative_to(REPO)), qualname(frame)))
         if frame.f_code is root:
             return out[::-1]
         frame = frame.f_back
@@ -163,7 +179,7 @@ def render(level: int, args, paths: dict, what: str) -> str:
     lines = [f"$ python -m ladder trace --level {level}{flags}",
              f"level {level} ({LEVELS[level]}), the built-in model: {what}"]  # fmt: skip
     width = max(len(f) for path in paths.values() for _, f, _ in path)
-    for name, title in (("blocks", "to the KV cache's room for the step"), ("attention", "to the attention call"),
+    for name, title in (("blocks", "to the KV manager's allocation"), ("attention", "to the attention call"),
                         ("tokens", "to the tokens it chooses")):
         if name not in paths:
             continue

@@ -21,7 +21,7 @@ changes the repository.
 (a file that does not parse, a missing file, an unknown lab), it is the usual report with
 score 0 and the reason in `problem`, so an autograder's `json.load` never fails.
 
-What it is not: the checks (each lab's `labs/lab<id>.py` lists them) or a sandbox.
+What it is not: the checks (each lab's `labs/lab<id>.toml` lists them) or a sandbox.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """What a lab is made of: the module a student rewrites, the checks, the planted bugs, the experiment.
 
-What it is: plain dataclasses, and `get(lab_id)`, which imports `labs.lab<id>` and returns
-its `LAB`. Nothing here imports a level, so the command line can describe a lab without
-loading the engine it is about to swap a piece of.
+What it is: plain dataclasses, and `get(lab_id)`, which reads the lab's definition,
+`labs/lab<id>.toml` (course content, not code: the functions a student writes and their
+guiding comments, the checks and their hints, the planted bugs, the experiment; a teacher
+edits it without touching Python), into them. Nothing here imports a level, so the command
+line can describe a lab without loading the engine it is about to swap a piece of.
 
   - `Part`: one function or method the starter removes (`qualname`, as in
     `Scheduler.schedule`), with the guiding comment left in its place; `keep_until`
@@ -27,9 +29,13 @@ Reference: minitorch's per-task test markers; CS336's assignment adapters.
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
 LAB_IDS = ["0", "0b", "0c", "0d", "1", "1b", "2", "2b", "3", "3b", "4", "5", "5b", "5c", "6", "6b", "6c", "6d"]
@@ -112,7 +118,19 @@ def get(lab_id: str) -> Lab:
     lab_id = str(lab_id).lower()
     if lab_id not in LAB_IDS:
         raise ValueError(f"there is no lab {lab_id!r}; the labs are {', '.join(LAB_IDS)}")
-    return importlib.import_module(f"labs.lab{lab_id}").LAB
+    return load(REPO / "labs" / f"lab{lab_id}.toml")
+
+
+def load(path: Path) -> Lab:
+    """A lab's definition file -> its Lab (a missing key is a KeyError naming it)."""
+    d = tomllib.loads(Path(path).read_text())
+    modules = tuple(Module(m["name"], tuple(Part(p["qualname"], p["hint"], p.get("keep_until")) for p in m["parts"]))
+                    for m in d["modules"])  # fmt: skip
+    checks = tuple(Check(c["id"], c["title"], tuple(c["tests"]), c["hint"], c["rule"]) for c in d["checks"])
+    bugs = tuple(Bug(b["name"], b["module"], b["old"], b["new"], tuple(b["caught_by"])) for b in d.get("bugs", ()))
+    e = d.get("experiment")
+    experiment = None if e is None else Experiment(e["module"], tuple(e["args"]), tuple(e["smoke_args"]))
+    return Lab(d["id"], d["topic"], d["handout"], modules, checks, bugs, experiment, d["minutes"])
 
 
 def all_labs() -> list[Lab]:

@@ -202,6 +202,17 @@ def run_demo(p: argparse.ArgumentParser, argv, run, plot: str | None = None, mod
         return run(args, Console(width=width))
 
 
+def save_json(result, name: str) -> Path:
+    """Write a run's result as `output_dir() / name` (making the folder), say where, and return the path."""
+    import json
+
+    path = output_dir() / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1))
+    print(f"json: {path}")
+    return path
+
+
 def save_figure(fig, path: Path, dpi: int = 110) -> None:
     """Lay out, save (making the folder) and close a demo's matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -3,7 +3,8 @@
 What it is: the one door between the levels and the rooms (`features/`). A room is a
 capability that cuts across the levels; it lives in one package named for it and plugs
 into a seam the levels expose. A level asks here, by a setting's value, and the room's
-package is imported then, not before:
+package is imported then, not before (structured outputs' at every engine's construction,
+since any request may carry a spec; the others only where a setting or a checkpoint names them):
 
     the setting                                  the room                      the seam it plugs into
     ops="auto" | "cpu"                           features.cpu_kernels          the ops (level0_naive/ops.py)
@@ -83,6 +84,11 @@ def logits_processors() -> list:
     return [load("structured_outputs").GrammarMask()]
 
 
+def structured_outputs_backends() -> tuple[str, ...]:
+    """The values `structured_outputs_backend=` takes (the room's compilers)."""
+    return load("structured_outputs").BACKENDS
+
+
 def request_preparer(tokenizer, vocab_size: int, stop_ids: list[int], backend: str):
     """What prepares a request whose parameters ask for a room (structured outputs: its spec is
     compiled, each sample gets its constraint); `backend` is `structured_outputs_backend=`."""
@@ -95,4 +101,4 @@ def architecture(model_type: str) -> ModuleType | None:
 
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
-           "logits_processors", "request_preparer", "architecture"]  # fmt: skip
+           "logits_processors", "structured_outputs_backends", "request_preparer", "architecture"]  # fmt: skip

@@ -1,14 +1,13 @@
 """The names every level exports, so that a script picks a level by its module name alone.
 
-What it is: `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`,
-`Logprob`, `load_model` and `StructuredOutputsParams` (a room's, loaded when first asked for:
-ladder/rooms.py). Every level's `__init__.py` re-exports them (`from level0_naive.api import *`)
-beside its own `LLM` (and from level 2 on `LLMEngine`):
-
-    for name in ["level0_naive", "level1_paged", "level2_continuous", "level3_prefix"]:
-        LLM = importlib.import_module(name).LLM      # the same SamplingParams works with each
+What it is: `SamplingParams`, `RequestOutputKind`, `RequestOutput`, `CompletionOutput`, `Logprob`,
+`load_model` and `StructuredOutputsParams` (a room's class, which level 0 cannot import:
+`__getattr__` fetches it through ladder/rooms.py). Every level's `__init__.py` re-exports them
+(`from level0_naive.api import *`) beside its own `LLM` (and from level 2 on `LLMEngine`).
 
 What it is not: a level's own names (each `__init__.py` adds those).
+
+Reference: vLLM's `vllm/__init__.py` (`LLM`, `SamplingParams`, `RequestOutput`, ... from one place).
 """
 
 from ladder import rooms
@@ -19,11 +18,9 @@ from .sampling_params import RequestOutputKind, SamplingParams
 
 
 def __getattr__(name: str):
-    """The public names a room lends every level (StructuredOutputsParams), loaded when first asked for."""
+    """The public names a room lends every level (StructuredOutputsParams), through the registry."""
     return rooms.export(name)
 
 
-__all__ = [  # noqa: F822 (StructuredOutputsParams is a room's: __getattr__)
-    "SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind", "CompletionOutput", "Logprob",
-    "load_model",
-]  # fmt: skip
+__all__ = ["SamplingParams", "StructuredOutputsParams", "RequestOutput", "RequestOutputKind",  # noqa: F822 (__getattr__)
+           "CompletionOutput", "Logprob", "load_model"]  # fmt: skip

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from ladder import rooms
+
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -66,6 +68,9 @@ class ModelSettings(Part):
     def __post_init__(self):
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
+        if self.structured_outputs_backend not in (backends := rooms.structured_outputs_backends()):
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} is not one of: "
+                             f"{', '.join(backends)}")  # fmt: skip
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
@@ -102,7 +107,7 @@ class EngineConfig:
     def __init__(self, model: str, parts: dict[str, type[Part]] | None = None, **settings):
         parts = PARTS if parts is None else parts
         settings["model"] = model
-        known = {name for part in parts.values() for name in part.setting_names()}
+        known = self.setting_names(parts)
         unknown = sorted(set(settings) - known)
         if unknown:
             raise TypeError(f"unknown setting(s) {', '.join(unknown)}; this engine takes: {', '.join(sorted(known))}")

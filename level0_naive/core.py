@@ -78,10 +78,15 @@ class EngineBase:
         self.sampler = self.make_sampler()
 
     def make_sampler(self) -> Sampler:
-        """The sampler and its logits processors: level 0's, then the rooms' (ladder/rooms.py), whose
-        sampler class replaces level 0's where a setting asks (`batch_invariant=True`)."""
+        """The sampler over `logits_processors()`; a room's sampler class replaces level 0's where a
+        setting asks (`batch_invariant=True`: ladder/rooms.py)."""
         sampler_class = rooms.sampler_class(self.config.model.batch_invariant) or Sampler
-        return sampler_class([*DEFAULT_PROCESSORS, *rooms.logits_processors()])
+        return sampler_class(self.logits_processors())
+
+    def logits_processors(self) -> list:
+        """The sampler's chain: level 0's, then the rooms' (each applies only to the requests that ask).
+        Extend it here (`[*super().logits_processors(), Mine()]`): the rooms' stay in the chain."""
+        return [*DEFAULT_PROCESSORS, *rooms.logits_processors()]
 
     @property
     def model_path(self):

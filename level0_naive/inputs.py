@@ -89,6 +89,8 @@ class InputProcessor:
         self.check_fits(group[0], i)
         for prepare in self.preparers:
             prepare(group, i)
+        if params.structured_outputs is not None and group[0].constraint is None:  # asked for, and no room answered
+            raise ValueError(f"sampling_params.structured_outputs for prompt {i}: this engine has no preparer for it")
         return group
 
     def _number(self, group: list[Sequence], request_id: str | None = None) -> list[Sequence]:

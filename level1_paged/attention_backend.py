@@ -8,10 +8,10 @@ cache, two functions with the contracts of kv_cache.py's `write_kv_cache` and at
     "torch"    write_kv_cache (kv_cache.py)          paged_attention_torch (attention_ref.py): plain torch
     "ref"      write_kv_cache                         paged_attention_ref: the oracle, one sequence at a time
     "triton"   write_kv_cache_triton                  paged_attention_triton (triton_attention.py): the kernel
-    "cpu"      a room's compiled CPU kernel and write (ladder/rooms.py: features/cpu_kernels)
-    "auto"     "triton" on CUDA; on a CPU "cpu" where it builds, else "torch"
+    "auto"     "triton" on CUDA; on a CPU, "torch" unless a room answers
 
-With `batch_invariant=True` the room of that name answers (the compiled kernel for every query).
+On a CPU ("auto", "cpu") and for `batch_invariant=True` the registry (ladder/rooms.py) answers with a
+room's compiled kernel, and "auto" falls back to "torch" where it cannot be built.
 
 What it is not: a backend (the files named above are), or the attention backend object the model
 calls per layer (kv_cache.py's `PagedAttention`, which calls these two functions).
@@ -39,11 +39,7 @@ class AttentionImpl(NamedTuple):
 
 
 def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
-    """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions.
-
-    'auto' is the Triton kernel on CUDA; on a CPU, and for 'cpu' or `batch_invariant`, the
-    compiled CPU kernel is a room's (ladder/rooms.py), and 'auto' falls back to the torch
-    backend where it cannot be built."""
+    """'auto' | 'cpu' | 'torch' | 'triton' | 'ref' -> the backend's functions (the module docstring says which)."""
     from .attention_ref import paged_attention_ref, paged_attention_torch  # (a kernel module is imported when chosen)
 
     if batch_invariant or name == "cpu" or (name == "auto" and device.type == "cpu"):

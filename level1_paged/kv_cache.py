@@ -15,8 +15,7 @@ What it is: PagedAttention's memory layout. One K and one V tensor per layer, sh
     block      0      |     1      |     2      |
     write k[i] to slot_mapping[i]:   [ .. .. k0 k1 | .. .. .. .. | k2 .. .. .. ]
 
-Which two functions (write and attend) a backend uses is `attention_backend.py`'s choice: torch,
-ref, Triton, and on a CPU the compiled kernel (a room's, through ladder/rooms.py).
+Which two functions (write and attend) a backend uses is `attention_backend.py`'s choice.
 
 What it is not: a block allocator or a block table (`block_table.py`), or a batching policy.
 

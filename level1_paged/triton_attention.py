@@ -334,7 +334,7 @@ def _write_kv_kernel(
 
 
 def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Same as attention_ref.write_kv_cache, as a one-program-per-token kernel
+    """Same as kv_cache.write_kv_cache, as a one-program-per-token kernel
     (vLLM's reshape_and_cache_flash, minus quantisation and slot -1 skipping).
 
     Pure data movement: values are stored with the cache's dtype, never

@@ -151,30 +151,13 @@ class PrefixCachingKVCacheManager:
         """The copies recorded since the last call, for the next step's input."""
         return self.cow.take_block_copies()
 
-    # --- what the engine, its metrics and its readers ask --------------------------------------------
-    @property
-    def queries(self) -> int:
-        return self.prefix.queries
-
-    @property
-    def hits(self) -> int:
-        return self.prefix.hits
-
-    @property
-    def block_copies(self) -> list[tuple[int, int]]:
-        return self.cow.block_copies
-
-    @property
-    def num_copied(self) -> int:
-        return self.cow.num_copied
-
-    @property
-    def forked_tokens(self) -> int:
-        return self.cow.forked_tokens
-
-    @property
-    def fork_parents(self) -> dict:
-        return self.cow.parents
+    # --- what the engine, its metrics and its readers ask: the parts' counters ---------------------
+    queries = property(lambda self: self.prefix.queries)  # tokens looked up at admission
+    hits = property(lambda self: self.prefix.hits)  # of which found in the cache
+    block_copies = property(lambda self: self.cow.block_copies)  # copies the next step must make
+    num_copied = property(lambda self: self.cow.num_copied)
+    forked_tokens = property(lambda self: self.cow.forked_tokens)
+    fork_parents = property(lambda self: self.cow.parents)
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset()

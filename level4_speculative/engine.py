@@ -258,9 +258,10 @@ class SpeculativeEngine(PrefixCachingEngine):
         batch = []
         for req, k, row in spec:
             draft = req.spec_token_ids[:k]  # the budget may have cut the rest
-            states = [draft_state(req, draft[:j]) for j in range(k + 1)]  # processed exactly as the draft's q was
+            plain = self.sampler.is_plain_greedy(req.params)  # its argmax needs no per-position state
+            states = [] if plain else [draft_state(req, draft[:j]) for j in range(k + 1)]  # as the draft's q was
             q = None if req.spec_probs is None else req.spec_probs[:k]  # None: a point mass (n-grams)
-            batch.append(Guesses(draft, logits[row : row + k + 1], states, q))
+            batch.append(Guesses(draft, logits[row : row + k + 1], req.params, states, q))
         emitted = {}
         for (req, k, _), g, (tokens, accepted) in zip(spec, batch, verify(batch, self.sampler)):
             self.spec_stats.record(k, accepted)

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from level0_naive.logits_processors import SamplingState
+from level0_naive.sampling_params import SamplingParams
 
 
 def _final_distribution(p_row: torch.Tensor, q_row: torch.Tensor | None) -> torch.Tensor:
@@ -121,16 +122,18 @@ class Guesses:
 
     draft: list[int]  # d_1 .. d_k
     logits: torch.Tensor  # [k+1, V]: the target's raw logits at [last token, d_1 .. d_k]
+    params: SamplingParams  # the request's
     states: list[SamplingState]  # [k+1]: each position's row, the guesses before it taken as output
+    # (empty for a plain greedy request, whose argmax needs none)
     q: torch.Tensor | None  # [k, V]: what the proposer drew d_i from; None: a point mass (n-grams)
 
 
 def verify(batch: list[Guesses], sampler) -> list[tuple[list[int], int]]:
     """(emitted tokens, accepted guesses) for each request of `batch`, in order: each request's path
     (the table in the module docstring), each path run once for the whole batch."""
-    greedy = [i for i, g in enumerate(batch) if sampler.is_plain_greedy(g.states[0].params)]
+    greedy = [i for i, g in enumerate(batch) if sampler.is_plain_greedy(g.params)]
     p = {i: sampler.probabilities(g.logits, g.states) for i, g in enumerate(batch) if i not in greedy}  # [k+1, V]
-    by_position = [i for i in p if batch[i].states[0].params.greedy or sampler.draws_by_position]
+    by_position = [i for i in p if batch[i].params.greedy or sampler.draws_by_position]
     sampled = [i for i in p if i not in by_position]
     results = {}
     results.update(zip(greedy, verify_greedy([batch[i] for i in greedy])))

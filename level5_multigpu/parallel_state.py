@@ -158,7 +158,7 @@ class Comm:
             self._timed(kind, _nbytes(x), lambda: dist.all_reduce(x, group=self.tp_group))
         return x
 
-    # --- expert parallelism: tokens to their experts' ranks and back (moe.py) -------------------
+    # --- expert parallelism: tokens to their experts' ranks and back (features/moe/parallel.py) -
     def exchange_counts(self, counts: list[int]) -> list[int]:
         """Tell each TP rank q how many rows it will get from this one (counts[q]); returns how many
         this rank gets from each. (The all-to-all of the rows needs the sizes before it starts.)"""

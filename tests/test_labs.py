@@ -10,7 +10,7 @@ What it is (marker `labs`):
     `python -m labs check 2 ... --json`, which leaves nothing in the temporary folder);
   - `--json` prints one JSON object whatever happens: a file that does not parse, a
     runner that crashes, Ctrl-C are a report with a `problem` and score 0;
-  - each planted bug (labs/lab<id>.py: one string replaced in the reference) fails the
+  - each planted bug (labs/lab<id>.toml: one string replaced in the reference) fails the
     checks it names, and the failure prints the hint that points at it, as much of it as
     `--hints` asks for; every check has a short hint (its rule) that is not its full one;
   - the handouts' commands run: every `python -m labs ...` line of docs/labs/*.md parses,

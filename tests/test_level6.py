@@ -18,7 +18,7 @@ The rest of level 6's tests, by topic: test_level6_disconnects.py (clients that 
 aborted and free their blocks), test_level6_errors.py (bad input, the spec's other forms,
 failures inside the server), test_level6_cli.py (`python -m level6_serving` as a real
 process, the demo, the benchmark client), test_level6_limits.py (hostile input, dead ranks),
-test_level6_clients.py (guidellm, the SDK's nulls, a schema fuzzer). labs/lab6.py runs
+test_level6_clients.py (guidellm, the SDK's nulls, a schema fuzzer). labs/lab6.toml runs
 some of the tests here by name.
 
 What it is not: a speed test (`python -m benchmarks.serving` measures; nothing here can

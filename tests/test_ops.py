@@ -163,7 +163,7 @@ def test_level5_sharded_layers_go_through_the_seam(checkpoint_factory):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fused matmuls may round differently
 
 
-# --- the CPU fast path (cpu_ops.py) ---------------------------------------------------------------
+# --- the CPU fast path (features/cpu_kernels/ops.py) -----------------------------------------------
 needs_cpu_ops = pytest.mark.skipif(
     not cpu_ops.LIBRARY.available(), reason=f"cpu_ops.cpp did not build: {cpu_ops.LIBRARY.error}"
 )

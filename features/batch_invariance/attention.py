@@ -8,6 +8,8 @@ blocked matmuls add in an order chosen by the shapes: fast, but not invariant.
 
 What it is not: a GPU kernel (vLLM's VLLM_BATCH_INVARIANT=1 has Triton ones), or a new one:
 the same C++ as the default path, called without the routing.
+
+Reference: vLLM `model_executor/layers/batch_invariant.py` (fixed-order attention under VLLM_BATCH_INVARIANT=1).
 """
 
 from __future__ import annotations

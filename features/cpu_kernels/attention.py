@@ -28,6 +28,10 @@ What this is not
     Not a GPU path (level 1's ``triton_attention.py`` is), and not the fastest CPU attention there
     is: vLLM's ``csrc/cpu/`` kernels tile queries and use intrinsics. This one is written
     to be read beside the Triton kernel.
+
+Reference
+    vLLM ``csrc/cpu/attention.cpp`` (paged attention on the CPU); the loop nest of level 1's
+    ``triton_attention.py``; Milakov and Gimelshein, "Online normalizer calculation for softmax" (2018).
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ def build_error() -> str | None:
 def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
     """One call of the C++ kernel: the contract of ``attention_ref.paged_attention_ref`` for
     float32, float64 and bfloat16 CPU tensors (the metadata int32 and contiguous, as
-    ``worker.ModelInput`` builds it; anything else is converted first)."""
+    level 1's ``model_input.ModelInput`` builds it; anything else is converted first)."""
     lib = require()
     if q.dtype not in SUFFIX:
         raise TypeError(f"the CPU kernel takes {', '.join(map(str, SUFFIX))}, not {q.dtype}")
@@ -140,7 +144,7 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """``attention_ref.write_kv_cache`` in one C++ call: k, v [T, Hkv, D] (each row's Hkv x D
+    """Level 1's ``kv_cache.write_kv_cache`` in one C++ call: k, v [T, Hkv, D] (each row's Hkv x D
     values contiguous; rows may be further apart) into their slots of [N, bs, Hkv, D]."""
     rows_ok = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
     if k.dtype not in SUFFIX or not rows_ok or slot_mapping.dtype != torch.int64:

@@ -29,6 +29,8 @@ turn a branch into a vector select; neither changes a single result.
 
 What it is not: a kernel library or a JIT; no torch tensors cross this file (the callers
 pass `data_ptr()`s).
+
+Reference: Python's `ctypes`; `torch.utils.cpp_extension.load_inline`, the heavier way to the same end.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from level0_naive.config import OPS_NAMES
 from level0_naive.ops import DEFAULT_OPS, Ops
 
 from .native import NativeLibrary
@@ -41,7 +42,6 @@ LIBRARY = NativeLibrary(
     {f"{op}_{s}": codes for s in SUFFIX.values() for op, codes in
      (("rms_norm", "ppiiidp"), ("rope", "pppiiiip"), ("silu_mul", "ppiiiip"))},
 )  # fmt: skip
-OPS_NAMES = ("auto", "cpu", "torch")
 
 
 def _row_stride(x: torch.Tensor) -> int | None:
@@ -109,4 +109,4 @@ def resolve_ops(name: str, device: torch.device) -> Ops:
     return CpuOps()
 
 
-__all__ = ["CpuOps", "resolve_ops", "LIBRARY", "OPS_NAMES", "SUFFIX"]
+__all__ = ["CpuOps", "resolve_ops", "LIBRARY", "SUFFIX"]
