@@ -34,7 +34,16 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder import rooms
-from ladder.cli import demo_parser, parse_demo_args, plot_path, positive_int, prompts_for, save_figure, torch_threads
+from ladder.cli import (
+    demo_parser,
+    parse_demo_args,
+    plot_flag,
+    plot_path,
+    positive_int,
+    prompts_for,
+    save_figure,
+    torch_threads,
+)
 from ladder.models import default_model
 from level0_naive.sampling_params import SamplingParams
 
@@ -50,12 +59,7 @@ def parser():
     p.add_argument("--moe", action="store_true", help="run the mixture-of-experts demo instead (features/moe/demo.py)")
     p.add_argument("--pipeline-partition", type=partition_arg, default=None,
                    help="layers per stage for the PP=2 layouts, e.g. 4,2 (default: as even as possible)")  # fmt: skip
-    p.add_argument(
-        "--plot",
-        type=Path,
-        default=None,
-        help="where to save the pipeline schedule (default: level5_pipeline.png outside the repository)",
-    )
+    plot_flag(p, "level5_pipeline.png", "the pipeline schedule")
     p.set_defaults(max_tokens=32, temperature=0.0, dtype="float64")
     return p
 

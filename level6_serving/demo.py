@@ -29,7 +29,16 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from ladder.cli import demo_parser, int_at_least, parse_demo_args, plot_path, positive_int, prompts_for, save_figure
+from ladder.cli import (
+    demo_parser,
+    int_at_least,
+    parse_demo_args,
+    plot_flag,
+    plot_path,
+    positive_int,
+    prompts_for,
+    save_figure,
+)
 
 from .metrics import aborted, parse, value
 from .process import ServerProcess
@@ -47,9 +56,7 @@ def parser():
     p.add_argument("--clients", type=positive_int, default=16, help="concurrent streaming clients (default 16)")
     p.add_argument("--max-model-len", type=int_at_least(64), default=512,
                    help="the server's context length; the abandoned stream asks for nearly all of it (default 512)")  # fmt: skip
-    p.add_argument(
-        "--plot", type=Path, default=None, help="where to save the stream timeline (default: outside the repository)"
-    )
+    plot_flag(p, "level6_streams.png", "the stream timeline")
     p.set_defaults(max_tokens=48)
     return p
 
