@@ -184,7 +184,7 @@ class Sequence:
     def record_prompt_logprobs(self, logits: torch.Tensor, tokenizer) -> None:
         """logits [r, V]: the rows `prompt_logprob_rows` counted, in position order."""
         r = len(self.prompt_logprobs)  # the next prompt token to record
-        targets = torch.tensor(self.prompt_token_ids[r : r + logits.shape[0]])  # [r]
+        targets = torch.tensor(self.prompt_token_ids[r : r + logits.shape[0]], device=logits.device)  # [r]
         k = self.params.prompt_logprobs
         self.prompt_logprobs += logprob_entries(logits, targets, [k if k >= 0 else logits.shape[-1]] * len(targets),
                                                 tokenizer)  # fmt: skip
@@ -262,7 +262,7 @@ def top_logprobs(
     rank = (logp > chosen_lp[:, None]).sum(-1) + 1  # [B]
     top = logp.topk(min(n, logp.shape[-1]), dim=-1) if n else None
     if top is None:
-        empty = torch.empty(logits.shape[0], 0)
+        empty = torch.empty(logits.shape[0], 0, device=logits.device)
         return chosen_lp, rank, empty.long(), empty
     return chosen_lp, rank, top.indices, top.values
 
@@ -276,18 +276,17 @@ def logprob_entries(
     want = [n for n in wanted if n is not None]
     if not want:
         return [None] * len(wanted)
+    # One copy to the host per tensor (a sync each on a GPU), not one per row and value.
     chosen_lp, rank, top_ids, top_vals = top_logprobs(logits, tokens, max(want))
+    chosen_lp, rank, top_ids, top_vals = chosen_lp.tolist(), rank.tolist(), top_ids.tolist(), top_vals.tolist()
     decode = (lambda t: None) if tokenizer is None else (lambda t: tokenizer.decode([t]))
     entries = []
     for i, (n, tok) in enumerate(zip(wanted, tokens.tolist())):
         if n is None:
             entries.append(None)
             continue
-        entry = {
-            int(t): Logprob(float(v), r + 1, decode(int(t)))
-            for r, (t, v) in enumerate(zip(top_ids[i, :n].tolist(), top_vals[i, :n].tolist()))
-        }
-        entry[tok] = Logprob(float(chosen_lp[i]), int(rank[i]), decode(tok))
+        entry = {t: Logprob(v, r + 1, decode(t)) for r, (t, v) in enumerate(zip(top_ids[i][:n], top_vals[i][:n]))}
+        entry[tok] = Logprob(chosen_lp[i], rank[i], decode(tok))
         entries.append(entry)
     return entries
 

@@ -69,20 +69,21 @@ def filter_logits_batch(
     top_p [B], min_p [B] in logits' dtype -> logits [B, V] with disallowed tokens at -inf.
     Row i's result equals ``filter_logits(logits[i], top_k[i], top_p[i], min_p[i])``
     (tests/test_sampling.py): a per-row k becomes a per-row threshold read from one sort,
-    and a row whose setting is off keeps every token, as its twin would."""
+    and a row whose setting is off keeps every token, as its twin would. A setting is None where every
+    row has it off: the host knows that from the requests (asking `(top_p < 1).any()` would wait for the GPU)."""
     B, V = logits.shape
-    if bool(((top_k > 0) & (top_k < V)).any()):
+    if top_k is not None:
         k = torch.where((top_k > 0) & (top_k < V), top_k, V)  # [B]; V keeps everything
         kth = logits.sort(dim=-1, descending=True).values.gather(1, (k - 1)[:, None])  # [B, 1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)  # [B, V], over what top-k left
     keep = torch.ones(B, V, dtype=torch.bool, device=logits.device)
-    if bool((top_p < 1).any()):
+    if top_p is not None:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V]: probability of strictly better tokens
         keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1)[:, None]  # a row with top_p 1 keeps all
         keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
-    if bool((min_p > 0).any()):
+    if min_p is not None:
         keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values
     return logits.masked_fill(~keep, float("-inf"))
 
@@ -142,20 +143,22 @@ class Sampler:
         dev, dt = logits.device, logits.dtype
         logits = self.process(logits, states)  # [B, V]
         params = [st.params for st in states]
-        greedy = torch.tensor([p.greedy for p in params], device=dev)  # [B]
+        # Decided from the requests, on the host, so none waits for the device; a filter no row uses is None.
+        greedy = [i for i, p in enumerate(params) if p.greedy]
         probs = torch.empty_like(logits)  # [B, V]
-        if not greedy.all():
+        if len(greedy) < len(params):
+            setting = lambda xs, on, d=dt: torch.tensor(xs, dtype=d, device=dev) if any(map(on, xs)) else None  # noqa: E731
             temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=dt, device=dev)[:, None]  # [B, 1]
             filtered = filter_logits_batch(
                 logits / temperature,
-                torch.tensor([p.top_k for p in params], device=dev),
-                torch.tensor([p.top_p for p in params], dtype=dt, device=dev),
-                torch.tensor([p.min_p for p in params], dtype=dt, device=dev),
+                setting([p.top_k for p in params], lambda k: 0 < k < V, torch.long),
+                setting([p.top_p for p in params], lambda p: p < 1),
+                setting([p.min_p for p in params], lambda p: p > 0),
             )  # [B, V]
             probs = torch.softmax(filtered, dim=-1)
-        if greedy.any():
-            one_hot = torch.nn.functional.one_hot(logits[greedy].argmax(-1), V).to(dt)  # [G, V]
-            probs[greedy] = one_hot
+        if greedy:
+            rows = torch.tensor(greedy, device=dev)  # [G]
+            probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), V).to(dt)  # [G, V]
         return probs
 
     def draw(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

@@ -143,16 +143,16 @@ class Search:
     def advance(self, logprobs: torch.Tensor, kv) -> None:
         """logprobs [len(live), V]: pick the next beams, fork them from their parents, free the rest."""
         W, V = self.params.beam_width, logprobs.shape[-1]
-        cum = torch.tensor([b.cum_logprob for b in self.live], dtype=logprobs.dtype)
+        cum = torch.tensor([b.cum_logprob for b in self.live], dtype=logprobs.dtype, device=logprobs.device)
         scores = (cum[:, None] + logprobs).flatten()  # [len(live) * V]
         k = min(max(2, 1 + len(self.eos)) * W, scores.numel())  # HF keeps enough for W beams past the EOS ones
         top, idx = scores.topk(k)
+        lps = logprobs.flatten()[idx].tolist()  # each candidate's own logprob: one copy to the host, not one each
         improvable = len(self.finished) < W or self._best_live_score() > self.finished[-1].score
         last = len(self.live[0].output_token_ids) + 1 >= self.max_tokens
         children: list[tuple[Beam, int, float, float]] = []
-        for rank, (score, i) in enumerate(zip(top.tolist(), idx.tolist())):
+        for rank, (score, i, lp) in enumerate(zip(top.tolist(), idx.tolist(), lps)):
             parent, token = self.live[i // V], i % V
-            lp = logprobs[i // V, token].item()
             is_eos = token in self.eos  # (empty with ignore_eos)
             if is_eos or last:
                 if rank < W and improvable:

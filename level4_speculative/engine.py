@@ -265,7 +265,8 @@ class SpeculativeEngine(PrefixCachingEngine):
         emitted = {}
         for (req, k, _), g, (tokens, accepted) in zip(spec, batch, verify(batch, self.sampler)):
             self.spec_stats.record(k, accepted)
-            lps = logprob_entries(g.logits[: len(tokens)], torch.tensor(tokens), [req.params.logprobs] * len(tokens),
+            ids = torch.tensor(tokens, device=g.logits.device)  # the emitted tokens, back on the logits' device
+            lps = logprob_entries(g.logits[: len(tokens)], ids, [req.params.logprobs] * len(tokens),
                                   self.tokenizer)  # fmt: skip
             emitted[req.seq_id] = (tokens, lps)
         return emitted

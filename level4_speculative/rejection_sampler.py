@@ -60,7 +60,7 @@ def _final_distribution(p_row: torch.Tensor, q_row: torch.Tensor | None) -> torc
         return p_row
     residual = (p_row - q_row).clamp(min=0)  # [V]
     total = residual.sum()
-    return residual / total if total > 0 else p_row
+    return torch.where(total > 0, residual / total, p_row)  # `if total > 0` would wait for the GPU
 
 
 def rejection_sample_ref(
@@ -94,11 +94,13 @@ def rejection_sample(draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tens
     valid = torch.arange(K, device=p.device)[None, :] < num_draft[:, None]  # [B, K]
     accepted = (u * q_d < p_d) & valid  # [B, K]
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B]: up to the first rejection
-    emitted, counts = [], num_accepted.tolist()
-    for i, (a, k, g) in enumerate(zip(counts, ks, generators)):
-        final = _final_distribution(p[i, a], q[i, a] if a < k else None)  # [V]
-        emitted.append(draft[i, :a].tolist() + [int(torch.multinomial(final, 1, generator=g))])
-    return emitted, counts
+    counts = num_accepted.tolist()  # the host needs them: the accepted tokens go into the requests
+    finals = torch.cat([
+        torch.multinomial(_final_distribution(p[i, a], q[i, a] if a < k else None), 1, generator=g)
+        for i, (a, k, g) in enumerate(zip(counts, ks, generators))
+    ]).tolist()  # [B]: the token after each request's accepted guesses, one copy for the batch
+    drafts = draft.tolist()
+    return [drafts[i][:a] + [finals[i]] for i, a in enumerate(counts)], counts
 
 
 def greedy_verify(
@@ -110,9 +112,8 @@ def greedy_verify(
     valid = torch.arange(K, device=draft.device)[None, :] < num_draft[:, None]  # [B, K]
     matches = (draft == target_tokens[:, :K]) & valid  # [B, K]
     num_accepted = matches.long().cumprod(-1).sum(-1)  # [B]
-    counts = num_accepted.tolist()
-    rows = target_tokens.tolist()
-    return [draft[i, :a].tolist() + [rows[i][a]] for i, a in enumerate(counts)], counts
+    counts, rows, drafts = num_accepted.tolist(), target_tokens.tolist(), draft.tolist()  # to the host, once each
+    return [drafts[i][:a] + [rows[i][a]] for i, a in enumerate(counts)], counts
 
 
 # --- the step's verification: each request's path, decided here ------------------------------
@@ -142,11 +143,12 @@ def verify(batch: list[Guesses], sampler) -> list[tuple[list[int], int]]:
     return [results[i] for i in range(len(batch))]
 
 
-def _padded(rows: list[list[int]] | list[torch.Tensor], width: int) -> torch.Tensor:
-    """Token rows of different lengths -> [B, width] long, padded with 0 (never read: num_draft bounds them)."""
-    out = torch.zeros(len(rows), width, dtype=torch.long)
+def _padded(rows: list[list[int]] | list[torch.Tensor], width: int, device: torch.device) -> torch.Tensor:
+    """Token rows of different lengths -> [B, width] long on `device`, padded with 0 (never read: num_draft
+    bounds them). A row may be a list (the guesses, from the host) or a tensor (the target's, on the device)."""
+    out = torch.zeros(len(rows), width, dtype=torch.long, device=device)
     for i, r in enumerate(rows):
-        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long)
+        out[i, : len(r)] = torch.as_tensor(r, dtype=torch.long, device=device)
     return out
 
 
@@ -154,9 +156,9 @@ def _match(batch: list[Guesses], targets: list[torch.Tensor]) -> list[tuple[list
     """greedy_verify over requests whose target token at each position is known (`targets[i]` [k+1])."""
     if not batch:
         return []
-    K = max(len(g.draft) for g in batch)
-    num_draft = torch.tensor([len(g.draft) for g in batch])
-    return list(zip(*greedy_verify(_padded([g.draft for g in batch], K), num_draft, _padded(targets, K + 1))))
+    K, dev = max(len(g.draft) for g in batch), batch[0].logits.device
+    num_draft = torch.tensor([len(g.draft) for g in batch], device=dev)
+    return list(zip(*greedy_verify(_padded([g.draft for g in batch], K, dev), num_draft, _padded(targets, K + 1, dev))))
 
 
 def verify_greedy(batch: list[Guesses]) -> list[tuple[list[int], int]]:
@@ -175,16 +177,16 @@ def verify_sampled(batch: list[Guesses], p: list[torch.Tensor]) -> list[tuple[li
     where the proposer kept none), each request drawing from its own generator."""
     if not batch:
         return []
-    K, V = max(len(g.draft) for g in batch), p[0].shape[-1]
-    q = torch.zeros(len(batch), K, V, dtype=p[0].dtype)  # [B, K, V]; rows past a request's k are padding
-    pp = torch.zeros(len(batch), K + 1, V, dtype=p[0].dtype)  # [B, K+1, V]
+    K, V, dev = max(len(g.draft) for g in batch), p[0].shape[-1], p[0].device
+    q = torch.zeros(len(batch), K, V, dtype=p[0].dtype, device=dev)  # [B, K, V]; rows past a request's k: padding
+    pp = torch.zeros(len(batch), K + 1, V, dtype=p[0].dtype, device=dev)  # [B, K+1, V]
     for i, (g, pi) in enumerate(zip(batch, p)):
         k = len(g.draft)
         pp[i, : k + 1] = pi
         if g.q is not None:
             q[i, :k] = g.q[:k].to(q.dtype)
         else:
-            q[i, torch.arange(k), torch.tensor(g.draft)] = 1.0
-    num_draft = torch.tensor([len(g.draft) for g in batch])
-    generators = [g.states[0].generator for g in batch]
-    return list(zip(*rejection_sample(_padded([g.draft for g in batch], K), num_draft, q, pp, generators)))
+            q[i, torch.arange(k, device=dev), torch.tensor(g.draft, device=dev)] = 1.0
+    num_draft = torch.tensor([len(g.draft) for g in batch], device=dev)
+    generators = [g.states[0].generator for g in batch]  # each on the device: its draws are made there
+    return list(zip(*rejection_sample(_padded([g.draft for g in batch], K, dev), num_draft, q, pp, generators)))

@@ -48,11 +48,9 @@ class GrammarMask:
     def _apply(rows: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """rows [R, V], allowed bool [R, V] -> rows with the rest at -inf; a row another processor left
         nothing of (min_tokens banning the stop token a finished grammar insists on) keeps the grammar's."""
-        masked = rows.masked_fill(~allowed, float("-inf"))
-        empty = torch.isinf(masked).all(-1)  # [R]
-        if empty.any():
-            masked[empty] = torch.zeros_like(masked[empty]).masked_fill(~allowed[empty], float("-inf"))
-        return masked
+        masked = rows.masked_fill(~allowed, float("-inf"))  # [R, V]
+        empty = torch.isinf(masked).all(-1, keepdim=True)  # [R, 1]; torch.where, not `if empty.any()`: no host sync
+        return torch.where(empty, torch.zeros_like(rows).masked_fill(~allowed, float("-inf")), masked)
 
     def batch(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Every row at once: xgrammar's states write one shared bitmask, unpacked in one go; a row
