@@ -67,6 +67,7 @@ Running without a GPU
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -94,6 +95,16 @@ def _check_can_run(t: torch.Tensor) -> None:
             "triton_attention could switch the interpreter on). Run with "
             "TRITON_INTERPRET=1 in the environment, or use the 'torch' backend."
         )
+
+
+def _on_device_of(t: torch.Tensor):
+    """Launch on the tensors' GPU, not the current one.
+
+    Triton launches on torch's *current* device; with ``device="cuda:1"`` the
+    tensors live on GPU 1 while the current device is still GPU 0, and the
+    kernel would read GPU 0's addresses. CPU tensors (the interpreter) need no guard.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit
@@ -236,6 +247,39 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _kernel_constexprs(group: int, block_size: int, head_dim: int, dtype: torch.dtype, tile_size: int = 32) -> dict:
+    """The attention kernel's constexprs for these shapes: what `_launch` passes, and
+    what benchmarks/kernel_compile.py compiles ahead of time for each GPU."""
+    # tl.dot needs every dimension >= 16: pad the rows and the head dim.
+    block_m = max(16, _next_pow2(group))
+    fp64 = dtype == torch.float64
+    return dict(
+        QUERIES_PER_KV=group,
+        BLOCK_SIZE=block_size,
+        TILE_SIZE=tile_size,
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PADDED=max(16, _next_pow2(head_dim)),
+        BLOCK_Q=block_m // group,  # query tokens per program
+        BLOCK_M=block_m,
+        ACC_DTYPE=tl.float64 if fp64 else tl.float32,
+        # fp16/bf16 values upcast to fp32 fit tf32 exactly (10-bit mantissa),
+        # so tensor cores lose nothing on Q.K; fp32 and fp64 inputs need IEEE.
+        DOT_PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+    )
+
+
+FP64_DOT_TRITON = (3, 5)  # the first Triton whose tl.dot takes fp64 ("Unsupported lhs dtype fp64" before)
+
+
+def _check_fp64_supported() -> None:
+    """Compiling fp64 needs Triton >= 3.5: a one-line error instead of a compiler assertion.
+    (The interpreter on CPU is not affected; it is only asked on a GPU.)"""
+    installed = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    if installed < FP64_DOT_TRITON:
+        need = ".".join(map(str, FP64_DOT_TRITON))
+        raise RuntimeError(f"fp64 paged attention on a GPU needs triton>={need} (installed: {triton.__version__})")
+
+
 def _launch(
     q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, tile_size: int = 32
 ) -> torch.Tensor:
@@ -248,50 +292,40 @@ def _launch(
     if q.stride(2) != 1:
         q = q.contiguous()  # the kernel reads a row of D values with stride 1
     assert tile_size >= 16 and tile_size == _next_pow2(tile_size), "tl.dot wants >= 16, pow2"
-    _check_can_run(q)
     out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q.dtype, device=q.device)  # [T, Hq, D]
     if num_tokens == 0 or num_seqs == 0:
-        return out
-    group = num_q_heads // num_kv_heads
-    # tl.dot needs every dimension >= 16: pad the rows and the head dim.
-    block_m = max(16, _next_pow2(group))
-    block_q = block_m // group  # query tokens per program
+        return out  # nothing to launch, so nothing to check: an empty batch works on any device
+    _check_can_run(q)
+    meta = _kernel_constexprs(num_q_heads // num_kv_heads, block_size, head_dim, q.dtype, tile_size)
     fp64 = q.dtype == torch.float64
+    if fp64 and q.is_cuda:
+        _check_fp64_supported()
     scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32, device=q.device)
-    grid = (num_tokens // block_q + num_seqs, num_kv_heads)
-    _paged_attention_kernel[grid](
-        out,
-        q,
-        k_cache,
-        v_cache,
-        block_tables,
-        seq_lens,
-        query_start_loc,
-        scale_t,
-        num_seqs,
-        q.stride(0),
-        q.stride(1),
-        out.stride(0),
-        out.stride(1),
-        k_cache.stride(0),
-        k_cache.stride(1),
-        k_cache.stride(2),
-        v_cache.stride(0),
-        v_cache.stride(1),
-        v_cache.stride(2),
-        block_tables.stride(0),
-        QUERIES_PER_KV=group,
-        BLOCK_SIZE=block_size,
-        TILE_SIZE=tile_size,
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PADDED=max(16, _next_pow2(head_dim)),
-        BLOCK_Q=block_q,
-        BLOCK_M=block_m,
-        ACC_DTYPE=tl.float64 if fp64 else tl.float32,
-        # fp16/bf16 values upcast to fp32 fit tf32 exactly (10-bit mantissa),
-        # so tensor cores lose nothing on Q.K; fp32 and fp64 inputs need IEEE.
-        DOT_PRECISION="ieee" if q.dtype in (torch.float32, torch.float64) else "tf32",
-    )
+    grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
+    with _on_device_of(q):
+        _paged_attention_kernel[grid](
+            out,
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale_t,
+            num_seqs,
+            q.stride(0),
+            q.stride(1),
+            out.stride(0),
+            out.stride(1),
+            k_cache.stride(0),
+            k_cache.stride(1),
+            k_cache.stride(2),
+            v_cache.stride(0),
+            v_cache.stride(1),
+            v_cache.stride(2),
+            block_tables.stride(0),
+            **meta,
+        )
     return out
 
 
@@ -350,14 +384,15 @@ def write_kv_cache_triton(k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
         return
     _check_can_run(k)
-    _write_kv_kernel[(num_tokens,)](
-        k,
-        v,
-        k_cache,
-        v_cache,
-        slot_mapping,
-        k.stride(0),
-        v.stride(0),
-        ROW=row,
-        ROW_PADDED=_next_pow2(row),
-    )
+    with _on_device_of(k):
+        _write_kv_kernel[(num_tokens,)](
+            k,
+            v,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            k.stride(0),
+            v.stride(0),
+            ROW=row,
+            ROW_PADDED=_next_pow2(row),
+        )

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 import os
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 
@@ -61,6 +63,23 @@ from level1_paged.triton_attention import (  # noqa: E402
 )
 
 pytestmark = pytest.mark.level1
+
+# The Triton tests on CPU tensors need Triton's interpreter, which a process chooses once, at triton's
+# first import. Without CUDA it is on (above) and they run here. With CUDA this process runs the kernel
+# compiled (the native tests at the bottom), and test_cpu_tensor_tests_run_under_the_interpreter runs
+# them in a child process with TRITON_INTERPRET=1: a GPU machine runs both kinds.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+on_the_interpreter = [
+    pytest.mark.triton_interpreter,
+    pytest.mark.skipif(not INTERPRETED, reason="CPU tensors: run under the interpreter in a child process "
+                                               "(test_cpu_tensor_tests_run_under_the_interpreter)"),
+]  # fmt: skip
+
+
+def interpreted(test):
+    for mark in on_the_interpreter:
+        test = mark(test)
+    return test
 
 HEAD_PAIRS = [(4, 4), (8, 2), (5, 1), (6, 2)]  # (Hq, Hkv): MHA, GQA, MQA, odd group
 HEAD_DIMS = [16, 64, 80, 96]  # 80 and 96 are padded to 128 inside the kernel
@@ -404,6 +423,7 @@ def test_mutants_are_caught():
 # --------------------------------------------------------------------------- #
 
 
+@interpreted
 @pytest.mark.parametrize("tile", [16, 64])
 @settings(max_examples=20, deadline=None)
 @given(data=st.data())
@@ -420,6 +440,7 @@ def test_triton_matches_ref(tile, data):
     assert_close(out, paged_attention_ref(*w.args()), w.q.dtype)
 
 
+@interpreted
 def test_triton_default_entry_point_and_bf16():
     """The public entry point (tile 32) on a fixed mixed batch, in bf16 too:
     the interpreter has no bf16, so the kernel's upcast after every load is
@@ -430,9 +451,11 @@ def test_triton_default_entry_point_and_bf16():
 
 
 def test_triton_empty_batch():
+    """Nothing to launch, so no device check either: it runs on CPU tensors whatever triton was imported as."""
     w = make_workload([1], [3], 4, 4, 16, 8, torch.float32, seed=0)
     empty = _launch(w.q[:0], w.k_cache, w.v_cache, w.query_start_loc[:1], w.seq_lens[:0], w.block_tables[:0], w.scale)
     assert empty.shape == (0, 4, 16)
+    write_kv_cache_triton(w.q[:0, :4], w.q[:0, :4], w.k_cache, w.v_cache, w.slot_mapping[:0])  # no token: no launch
 
 
 # --------------------------------------------------------------------------- #
@@ -440,7 +463,11 @@ def test_triton_empty_batch():
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("write", [write_kv_cache, write_kv_cache_triton, cpu_attention.write_kv_cpu])
+@pytest.mark.parametrize(
+    "write",
+    [write_kv_cache, pytest.param(write_kv_cache_triton, marks=on_the_interpreter), cpu_attention.write_kv_cpu],
+    ids=["torch", "triton", "cpu"],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_write_kv_cache_touches_only_named_slots(write, dtype):
     gen = torch.Generator().manual_seed(3)
@@ -460,6 +487,7 @@ def test_write_kv_cache_touches_only_named_slots(write, dtype):
         assert torch.equal(flat[untouched], flat_before[untouched])
 
 
+@interpreted
 def test_write_then_attend_matches_dense():
     """The engine's order: write the new tokens' K/V, then attend."""
     w = make_workload([6, 1], [10, 20], 4, 2, 16, 8, torch.float64, seed=5)
@@ -471,6 +499,44 @@ def test_write_then_attend_matches_dense():
     flat_v[w.slot_mapping] = float("nan")
     write_kv_cache_triton(new_k, new_v, w.k_cache, w.v_cache, w.slot_mapping)  # ... and rewrite
     assert_close(paged_attention_triton(*w.args()), dense_attention(w), torch.float64)
+
+
+# --------------------------------------------------------------------------- #
+# Both kinds of machine                                                        #
+# --------------------------------------------------------------------------- #
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def pytest_child(args: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """This file's tests in a fresh process, in one worker, whatever plugins the machine has."""
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:xdist", "-p", "no:cacheprovider", "-o", "addopts="]
+    return subprocess.run(cmd + [__file__, *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this process runs the CPU-tensor tests itself, under the interpreter")
+def test_cpu_tensor_tests_run_under_the_interpreter():
+    """On a CUDA machine: the tests marked triton_interpreter, in a child process with the interpreter on.
+    (KERNEL_TESTS_CHILD_K narrows them, for the test of this very mechanism below.)"""
+    narrow = os.environ.get("KERNEL_TESTS_CHILD_K")
+    child = pytest_child(["-m", "triton_interpreter"] + (["-k", narrow] if narrow else []),
+                         {**os.environ, "TRITON_INTERPRET": "1"}, timeout=900)  # fmt: skip
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert " passed" in child.stdout.splitlines()[-1] and "skipped" not in child.stdout.splitlines()[-1]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a real GPU here: the test above is the real thing")
+def test_with_cuda_present_the_cpu_tensor_tests_still_run(tmp_path):
+    """A machine with CUDA, imitated (tests/fake_cuda.py: torch.cuda.is_available() says True, and triton
+    is imported compiled): the CPU-tensor tests skip here and pass in the interpreter's child process,
+    and the empty batch runs in-process (it launches nothing, so it checks no device)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([os.path.join(ROOT, "tests"), ROOT, env.get("PYTHONPATH", "")])
+    env["KERNEL_TESTS_CHILD_K"] = "default_entry_point or write_kv_cache_touches"
+    child = pytest_child(["-p", "fake_cuda", "-k", "default_entry_point or empty_batch or run_under_the_interpreter "
+                          "or (write_kv_cache_touches and dtype0)"], env, timeout=600)  # fmt: skip
+    last = child.stdout.splitlines()[-1] if child.stdout else ""
+    assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
+    assert "4 passed" in last and "2 skipped" in last, last  # torch, cpu, empty batch, the child; 2 on CPU tensors
 
 
 # --------------------------------------------------------------------------- #

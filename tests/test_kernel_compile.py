@@ -1,0 +1,109 @@
+"""Every Triton kernel compiles for sm_80 and sm_90 at the engine's shapes, without a GPU.
+
+What this is
+    benchmarks/kernel_compile.py compiles level 1's attention and cache-write kernels ahead
+    of time for A100 (sm_80) and H100 (sm_90) with the installed Triton and its ptxas, and
+    these tests fail if a kernel stops compiling or asks for more shared memory than the
+    target has. The grid is a slice of the docs' one (``python -m benchmarks.kernel_compile``):
+    every shape and dtype, a block size each; fp64 where the installed Triton compiles it,
+    and where it does not, fp64 must fail to compile (so the engine's refusal,
+    ``_check_fp64_supported``, names the right version). Two planted configs show the checks
+    can fail: a 512-key tile that no target can hold, and a 24-key tile tl.arange refuses.
+
+What this deliberately is not
+    Not a run on a GPU (tests/test_level1_kernel.py runs the kernels, interpreted on a CPU),
+    and not a check of registers or spills, which are reported, not limited (a spill is slow,
+    not wrong).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("triton", reason="the Triton kernels need triton (Linux)")
+
+from benchmarks import kernel_compile as kc  # noqa: E402
+from level1_paged import triton_attention as ta  # noqa: E402
+
+pytestmark = pytest.mark.level1
+
+TARGETS = (80, 90)
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+# The draft model's attention is the tiny model's kernel (same group, same head dim): left out.
+SHAPES = [s for s in kc.SHAPES if s[0] != "tiny-shakespeare-draft"]
+# The cache write at its narrowest row (2 x 64 values) and its widest (32 x 80, padded to 4096).
+WRITE_KV_SHAPES = [s for s in SHAPES if s[0] in ("tiny-shakespeare", "Phi-2 (head dim 80)")]
+OVERSIZED = kc.Config("attention", 90, "float16", "planted: 512-key tile", 16, 1, 128, 16, tile=512)
+UNCOMPILABLE = kc.Config("attention", 80, "float16", "planted: 24-key tile", 4, 2, 64, 16, tile=24)  # not a power of 2
+
+
+def _engine_grid() -> list[kc.Config]:
+    configs = []
+    for arch in TARGETS:
+        for dtype in DTYPES:
+            for i, (name, hq, hkv, d) in enumerate(SHAPES):
+                configs.append(kc.Config("attention", arch, dtype, name, hq, hkv, d, block_size=(16, 32)[i % 2]))
+            configs += [kc.Config("write_kv", arch, dtype, name, hq, hkv, d) for name, hq, hkv, d in WRITE_KV_SHAPES]
+    return configs
+
+
+@pytest.fixture(scope="module")
+def results() -> dict[kc.Config, kc.Result]:
+    configs = _engine_grid() + [OVERSIZED, UNCOMPILABLE]
+    return {r.config: r for r in kc.compile_all(configs)}
+
+
+def test_the_grid_is_what_was_asked_for(results):
+    engine = [c for c in results if c not in (OVERSIZED, UNCOMPILABLE)]
+    assert len(engine) == len(TARGETS) * len(DTYPES) * (len(SHAPES) + len(WRITE_KV_SHAPES)) == 56
+    assert {c.arch for c in engine} == set(TARGETS)
+    assert {c.block_size for c in engine if c.kernel == "attention"} == {16, 32}
+    assert {c.head_dim for c in engine} == {48, 64, 80, 128}
+
+
+def test_every_kernel_compiles_within_shared_memory(results):
+    fp64 = kc.fp64_supported()
+    for config, r in results.items():
+        if config in (OVERSIZED, UNCOMPILABLE) or (config.dtype == "float64" and not fp64):
+            continue
+        assert r.error is None, f"{config} does not compile: {r.error}"
+        assert r.shared is not None and not r.over_limit, f"{config}: {r.shared} B > {kc.SMEM_LIMIT[config.arch]} B"
+        if config.kernel == "attention":
+            assert r.shared > 0  # tl.dot stages its operands in shared memory: 0 would mean a misread
+        if fp64:  # Triton >= 3.5 exposes ptxas's log: the parse must find its figures
+            assert r.registers is not None and 0 < r.registers <= 255 and r.spills is not None, config
+
+
+def test_fp64_compiles_exactly_where_the_engine_allows_it(results):
+    fp64 = [r for c, r in results.items() if c.dtype == "float64" and c.kernel == "attention"]
+    assert len(fp64) == len(TARGETS) * len(SHAPES)
+    if kc.fp64_supported():
+        assert all(r.error is None for r in fp64), [r.error for r in fp64 if r.error]
+    else:  # an older Triton: the front end refuses fp64 in tl.dot, as _check_fp64_supported says
+        assert all(r.error and "fp64" in r.error for r in fp64), [r.error for r in fp64]
+
+
+def test_an_oversized_tile_is_reported_over_the_limit(results):
+    r = results[OVERSIZED]
+    assert r.error is None, r.error
+    assert r.over_limit and r.shared > kc.SMEM_LIMIT[90], r.shared
+
+
+def test_a_kernel_that_does_not_compile_is_reported(results):
+    assert results[UNCOMPILABLE].error is not None
+
+
+def test_the_table_names_every_target_and_flags_what_is_over(results):
+    text = kc.table(list(results.values()))
+    assert "sm_80 (A100; 163 KB)" in text and "sm_90 (H100; 227 KB)" in text
+    assert "**over the limit**" in text and "**fails**" in text
+
+
+@pytest.mark.parametrize("version, refused", [("3.3.1", True), ("3.4.0", True), ("3.5.0", False), ("3.10.0", False)])
+def test_fp64_is_refused_on_an_older_triton(monkeypatch, version, refused):
+    monkeypatch.setattr(ta.triton, "__version__", version)
+    if refused:
+        with pytest.raises(RuntimeError, match=rf"needs triton>=3\.5 \(installed: {version}\)"):
+            ta._check_fp64_supported()
+    else:
+        ta._check_fp64_supported()
