@@ -33,6 +33,7 @@ class ParallelConfig(Part):
     pipeline_partition: list[int] | None = None  # layers per stage (default: as even as possible)
     distributed_timeout_s: float = 120.0  # a rank silent for this long is declared dead
     enable_expert_parallel: bool = False  # MoE: whole experts per TP rank, all-to-all (features/moe); else sliced
+    oversubscribe_gpus: bool = False  # more ranks than GPUs, several on one (tests; gloo only): else an error
 
     def __post_init__(self):
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

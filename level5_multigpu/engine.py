@@ -50,7 +50,7 @@ from .config import ParallelConfig
 from .executor import MultiprocExecutor
 from .layers import kv_heads_of_rank
 from .model import kv_bytes_per_token_of_rank, partition_layers
-from .parallel_state import CommStats
+from .parallel_state import CommStats, check_gpus
 from .rank import ParallelSpec, rank_main
 from .scheduler import PipelineScheduler
 
@@ -86,6 +86,7 @@ class ParallelEngine(SpeculativeEngine):
     def load_model(self) -> LoadedModel:
         if not self.parallel:
             return super().load_model()  # level 4, whole model in this process
+        check_gpus(self.device, self.tp * self.pp, self.config.parallel.oversubscribe_gpus)  # before any rank starts
         loaded = load_metadata(self.config.model.model)  # the ranks read their own slices of the weights
         kv_heads_of_rank(loaded.config.num_kv_heads, self.tp, 0)  # fails now if the heads cannot be split
         if loaded.config.num_heads % self.tp:

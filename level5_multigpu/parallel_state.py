@@ -114,6 +114,13 @@ def waited(records: list[list[tuple[str, float]]], kind: str) -> tuple[float, fl
     return wire, mean - wire
 
 
+def sync(device: torch.device) -> None:
+    """Wait for `device`'s queued work (a CUDA stream runs behind the host); nothing to wait for on a CPU.
+    It costs a GPU its overlap of host and device: the counters it makes are for learning, not for speed."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -122,6 +129,7 @@ class Comm:
     def __init__(self, topo: Topology, fixed_order: bool = False):
         """`fixed_order` (batch_invariant=True): an all-reduce sums the ranks' parts in rank order."""
         self.topo, self.fixed_order = topo, fixed_order
+        self.device = torch.device("cpu")  # the rank's tensors' device; build_rank sets it
         self.stats = CommStats()
         # Every rank creates every group, in the same order (torch.distributed requires it).
         self.tp_group = None
@@ -132,8 +140,10 @@ class Comm:
                 self.tp_group, self.tp_src = group, ranks[0]
 
     def _timed(self, kind: str, nbytes: int, fn):
+        sync(self.device)  # NCCL calls return once queued: without these, the clock would read the queueing
         t0 = time.perf_counter()
         out = fn()
+        sync(self.device)
         self.stats.add(kind, nbytes, time.perf_counter() - t0)
         return out
 
@@ -213,8 +223,18 @@ class Comm:
         return x
 
 
+def check_gpus(device: torch.device, world: int, oversubscribe: bool) -> None:
+    """One GPU per rank on this machine, or a one-line error before any rank starts. (Several ranks on one
+    GPU work only with gloo, and slowly: `oversubscribe_gpus=True` asks for it, in tests; NCCL refuses it.)"""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: the ranks of this machine
+    if device.type == "cuda" and not oversubscribe and local > (n := torch.cuda.device_count()):
+        raise ValueError(f"{local} ranks (tensor_parallel_size x pipeline_parallel_size) need {local} GPUs, but "
+                         f"{n} are visible: use fewer ranks, or oversubscribe_gpus=True to share them (tests)")  # fmt: skip
+
+
 def local_gpu(topo: Topology) -> int:
-    """This rank's GPU on its machine: torchrun's LOCAL_RANK, else (one machine) the rank."""
+    """This rank's GPU on its machine: torchrun's LOCAL_RANK, else (one machine) the rank. It wraps
+    round the visible GPUs only when `check_gpus` was told to allow it."""
     return int(os.environ.get("LOCAL_RANK", topo.rank)) % max(torch.cuda.device_count(), 1)
 
 
@@ -239,14 +259,14 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 5
     in it (the last to arrive waited for no one); per size, the mean over `repeats` calls, since a
     run's total is a sum of calls, their slow ones included (on a shared 2-core machine a gloo
     call's median is a third of its mean). The sizes take turns, so a slow minute spreads over all."""
-    tp, g = comm.topo.tp, comm.tp_group
+    tp, g, dev = comm.topo.tp, comm.tp_group, comm.device  # the model's tensors' device: NCCL's, on GPUs
     calls, xs, measured = [], [], []
     for n in sizes:
         n = max(n // tp, 1) * tp if kind.startswith("all_to_all") else n  # all_to_all: equal parts
         measured.append(n)
-        x = torch.ones(n, dtype=torch.float32)
-        parts = [torch.empty(n, dtype=torch.float32) for _ in range(tp)]
-        ins, outs = list(x.chunk(tp)), [torch.empty(n // tp) for _ in range(tp)]
+        x = torch.ones(n, dtype=torch.float32, device=dev)
+        parts = [torch.empty(n, dtype=torch.float32, device=dev) for _ in range(tp)]
+        ins, outs = list(x.chunk(tp)), [torch.empty(n // tp, device=dev) for _ in range(tp)]
         run, nbytes = {  # what one call does, and the bytes Comm counts for it
             "all_reduce": (lambda x=x: dist.all_reduce(x, group=g), 4.0 * n),
             "all_to_all": (lambda x=x, o=parts[0]: dist.all_to_all_single(o, x, group=g), 4.0 * n * (tp - 1) / tp),
@@ -259,8 +279,10 @@ def alpha_beta(comm: Comm, sizes=(1, 256, 4096, 65536, 262144), repeats: int = 5
     mine = torch.empty(repeats, len(sizes), dtype=torch.float64)
     for i in range(repeats):
         for j, run in enumerate(calls):
+            sync(dev)
             t0 = time.perf_counter()
             run()
+            sync(dev)  # the call returned once queued; it is done when the device says so
             mine[i, j] = time.perf_counter() - t0
     everyone = [torch.empty_like(mine) for _ in range(tp)]
     dist.all_gather(everyone, mine, group=g)

@@ -151,7 +151,7 @@ class RankWorker(Worker):
         if topo.pp > 1 and topo.rank == 0:
             out["p2p"] = p2p_alpha_beta(self.comm, topo.rank_of(1, 0))
         elif topo.pp_rank == 1 and topo.tp_rank == 0:
-            echo(0)
+            echo(0, device=self.comm.device)
         return out
 
 
@@ -159,6 +159,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     """Load this rank's shard, agree on the block count (the fewest any rank can hold), allocate its cache."""
     topo = comm.topo
     device = torch.device(f"cuda:{local_gpu(topo)}" if spec.device_type == "cuda" else "cpu")
+    comm.device = device  # its timings wait for this device, its calibration sends this device's tensors
     path = resolve_path(spec.model)
     cfg = model_config_from_hf(json.loads((path / "config.json").read_text()))
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]

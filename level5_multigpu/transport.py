@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from level1_paged.model_input import ModelInput
 
-from .parallel_state import Comm, fit_alpha_beta
+from .parallel_state import Comm, fit_alpha_beta, sync
 
 
 # --- the messages ---------------------------------------------------------------------------------
@@ -110,23 +110,25 @@ def receive(comm: Comm) -> Message:
 def p2p_alpha_beta(comm: Comm, peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> dict:
     """Round trips of a float32 tensor to `peer` and back (it echoes): t(one way) = alpha + beta * bytes
     (a loop's mean per size, fitted on relative errors by `fit_alpha_beta`)."""
-    xs, ts = [], []
+    xs, ts, dev = [], [], comm.device
     for n in sizes:
-        x, y = torch.ones(n), torch.empty(n)
+        x, y = torch.ones(n, device=dev), torch.empty(n, device=dev)
+        sync(dev)
         t0 = time.perf_counter()
         for _ in range(repeats):
             w = dist.isend(x, dst=peer)
             dist.recv(y, src=peer)
             w.wait()
+        sync(dev)  # NCCL's wait() orders the stream, not the host
         xs.append(4.0 * n)
         ts.append((time.perf_counter() - t0) / repeats / 2)
     return fit_alpha_beta(sizes, xs, ts)
 
 
-def echo(peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20) -> None:
+def echo(peer: int, sizes=(1, 256, 4096, 65536), repeats: int = 20, device: torch.device | str = "cpu") -> None:
     """The other end of `p2p_alpha_beta`: send every tensor straight back."""
     for n in sizes:
-        y = torch.empty(n)
+        y = torch.empty(n, device=device)
         for _ in range(repeats):
             dist.recv(y, src=peer)
             dist.isend(y, dst=peer).wait()

@@ -165,7 +165,7 @@ def test_past_two_ranks_the_all_reduce_adds_in_rank_order(monkeypatch):
     monkeypatch.setattr(ps.dist, "all_gather", lambda out, x, group=None: [o.copy_(p) for o, p in zip(out, parts)])
     monkeypatch.setattr(ps.dist, "all_reduce", lambda x, group=None: calls.append("all_reduce"))
     comm = object.__new__(ps.Comm)
-    comm.stats, comm.tp_group, comm.fixed_order = ps.CommStats(), None, True
+    comm.stats, comm.tp_group, comm.fixed_order, comm.device = ps.CommStats(), None, True, torch.device("cpu")
     comm.topo = ps.Topology(4, 1, 0)
     got = comm.all_reduce(parts[0].clone())
     want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
