@@ -177,12 +177,19 @@ class LevelEngine:
         worker = getattr(engine, "worker", None)  # level 1 on: the Worker has the model runner
         runner = worker.runner if worker is not None else engine.runner
         inner = runner.forward
+        # CUDA is asynchronous: forward() returns once its kernels are queued, so an unsynchronized timer
+        # counts the launches, and the kernels' time lands in whatever waits next (the sampler's .tolist()).
+        # A synchronize before each clock read charges every forward exactly its own kernels. (A CPU runs
+        # each op to its end before the next line: nothing to wait for.)
+        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
 
         def timed_forward(*args, **kwargs):  # an instance attribute: the engine code is untouched
+            sync()
             t0 = time.perf_counter()
             try:
                 return inner(*args, **kwargs)
             finally:
+                sync()
                 res.forward_seconds += time.perf_counter() - t0
 
         runner.forward = timed_forward

@@ -285,3 +285,23 @@ def test_profile_takes_a_decode_step_apart(checkpoint_factory, tmp_path):
         assert r["ms"]["between"] >= 0, "the parts are disjoint pieces of the step"
         assert r["aten_ops_per_step"] > 10 and r["matmul_ms"] > 0 and r["kv_ms"] > 0
         assert 0 < r["of_ceiling"] and r["ceiling_tok_per_s"] > 0
+
+
+def test_the_forward_timer_waits_for_the_gpu(checkpoint_factory, monkeypatch):
+    """On CUDA a forward returns once its kernels are queued: the benchmark's timer synchronises before
+    each clock read, one pair per forward (on tests/virtual_gpu.py's stand-in GPU; none on a CPU)."""
+    from virtual_gpu import virtual_gpu
+
+    from benchmarks.engines import make_engine
+
+    model = str(checkpoint_factory("llama", tokenizer=True))
+    wl = make_workload("uniform", 2, 259, quick=True)
+    for device in ("cuda", "cpu"):
+        syncs = []
+        with virtual_gpu(monkeypatch):
+            monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(1))
+            eng = make_engine("level2_continuous", model, dtype="float32", device=device, kv_cache_memory=2**22,
+                              max_num_seqs=8, hf_batch_size=4, seed=0, progress=False)  # fmt: skip
+            res = eng.run(wl)
+        assert res.forward_seconds > 0 and res.stats["steps"] > 0
+        assert len(syncs) == (2 * res.stats["steps"] if device == "cuda" else 0)  # level 2: a forward a step
