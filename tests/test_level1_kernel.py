@@ -502,7 +502,24 @@ def test_write_then_attend_matches_dense():
 
 
 # --------------------------------------------------------------------------- #
-# Both kinds of machine                                                        #
+# GPU only: the kernel compiled for real, in the engine's dtypes               #
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_triton_native_gpu(dtype, block_size):
+    w = make_workload([1, 1, 130, 7, 1, 64], [500, 3, 0, 250, 1023, 90], 8, 2, 128, block_size, dtype, seed=11).to(
+        "cuda"
+    )
+    out = paged_attention_triton(*w.args())
+    torch.cuda.synchronize()
+    assert_close(out, paged_attention_ref(*w.args()), dtype)
+
+
+# --------------------------------------------------------------------------- #
+# Both kinds of machine (last: on a GPU the child process is the slow part)    #
 # --------------------------------------------------------------------------- #
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -537,23 +554,6 @@ def test_with_cuda_present_the_cpu_tensor_tests_still_run(tmp_path):
     last = child.stdout.splitlines()[-1] if child.stdout else ""
     assert child.returncode == 0, child.stdout[-4000:] + child.stderr[-2000:]
     assert "4 passed" in last and "2 skipped" in last, last  # torch, cpu, empty batch, the child; 2 on CPU tensors
-
-
-# --------------------------------------------------------------------------- #
-# GPU only: the kernel compiled for real, in the engine's dtypes               #
-# --------------------------------------------------------------------------- #
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("block_size", [1, 16, 32])
-def test_triton_native_gpu(dtype, block_size):
-    w = make_workload([1, 1, 130, 7, 1, 64], [500, 3, 0, 250, 1023, 90], 8, 2, 128, block_size, dtype, seed=11).to(
-        "cuda"
-    )
-    out = paged_attention_triton(*w.args())
-    torch.cuda.synchronize()
-    assert_close(out, paged_attention_ref(*w.args()), dtype)
 
 
 def time_kernel_vs_torch(
