@@ -181,7 +181,7 @@ class LevelEngine:
         # counts the launches, and the kernels' time lands in whatever waits next (the sampler's .tolist()).
         # A synchronize before each clock read charges every forward exactly its own kernels. (A CPU runs
         # each op to its end before the next line: nothing to wait for.)
-        sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+        sync = (lambda: torch.cuda.synchronize(engine.device)) if engine.device.type == "cuda" else (lambda: None)
 
         def timed_forward(*args, **kwargs):  # an instance attribute: the engine code is untouched
             sync()

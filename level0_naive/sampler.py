@@ -61,7 +61,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
 
 def filter_logits_batch(
-    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None, min_p: torch.Tensor | None
 ) -> torch.Tensor:
     """`filter_logits` for every row at once, each with its own settings.
 
@@ -143,12 +143,12 @@ class Sampler:
         dev, dt = logits.device, logits.dtype
         logits = self.process(logits, states)  # [B, V]
         params = [st.params for st in states]
-        # Decided from the requests, on the host, so none waits for the device; a filter no row uses is None.
-        greedy = [i for i, p in enumerate(params) if p.greedy]
-        probs = torch.empty_like(logits)  # [B, V]
+        # Decided on the host (a filter no row uses: None); sent non_blocking (torch.tensor(device=cuda) waits).
+        send = lambda xs, d=dt: torch.tensor(xs, dtype=d).to(dev, non_blocking=True)  # noqa: E731
+        greedy, probs = [i for i, p in enumerate(params) if p.greedy], torch.empty_like(logits)  # probs [B, V]
         if len(greedy) < len(params):
-            setting = lambda xs, on, d=dt: torch.tensor(xs, dtype=d, device=dev) if any(map(on, xs)) else None  # noqa: E731
-            temperature = torch.tensor([p.temperature or 1.0 for p in params], dtype=dt, device=dev)[:, None]  # [B, 1]
+            setting = lambda xs, on, d=dt: send(xs, d) if any(map(on, xs)) else None  # noqa: E731
+            temperature = send([p.temperature or 1.0 for p in params])[:, None]  # [B, 1]
             filtered = filter_logits_batch(
                 logits / temperature,
                 setting([p.top_k for p in params], lambda k: 0 < k < V, torch.long),
@@ -157,7 +157,7 @@ class Sampler:
             )  # [B, V]
             probs = torch.softmax(filtered, dim=-1)
         if greedy:
-            rows = torch.tensor(greedy, device=dev)  # [G]
+            rows = send(greedy, torch.long)  # [G]
             probs[rows] = torch.nn.functional.one_hot(logits[rows].argmax(-1), V).to(dt)  # [G, V]
         return probs
 

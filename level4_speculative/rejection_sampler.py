@@ -95,6 +95,8 @@ def rejection_sample(draft: torch.Tensor, num_draft: torch.Tensor, q: torch.Tens
     accepted = (u * q_d < p_d) & valid  # [B, K]
     num_accepted = accepted.long().cumprod(-1).sum(-1)  # [B]: up to the first rejection
     counts = num_accepted.tolist()  # the host needs them: the accepted tokens go into the requests
+    if not B:
+        return [], []
     finals = torch.cat([
         torch.multinomial(_final_distribution(p[i, a], q[i, a] if a < k else None), 1, generator=g)
         for i, (a, k, g) in enumerate(zip(counts, ks, generators))

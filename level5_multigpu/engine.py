@@ -86,7 +86,8 @@ class ParallelEngine(SpeculativeEngine):
     def load_model(self) -> LoadedModel:
         if not self.parallel:
             return super().load_model()  # level 4, whole model in this process
-        check_gpus(self.device, self.tp * self.pp, self.config.parallel.oversubscribe_gpus)  # before any rank starts
+        par = self.config.parallel
+        check_gpus(self.device, self.tp * self.pp, par.oversubscribe_gpus, par.distributed_executor_backend)  # first
         loaded = load_metadata(self.config.model.model)  # the ranks read their own slices of the weights
         kv_heads_of_rank(loaded.config.num_kv_heads, self.tp, 0)  # fails now if the heads cannot be split
         if loaded.config.num_heads % self.tp:
@@ -177,7 +178,7 @@ class ParallelEngine(SpeculativeEngine):
         """Level 4's, plus the driver's (rank 0's) messages by kind: calls, bytes, seconds (ours, not vLLM's names)."""
         out = super().get_metrics()
         if self.parallel:
-            for kind, (calls, nbytes, secs) in sorted(self.executor.comm.stats.by_kind.items()):
+            for kind, (calls, nbytes, secs) in sorted(self.executor.comm.stats.settle().by_kind.items()):
                 labels = {"kind": kind, "rank": "0"}
                 out += [Counter("ladder:comm_calls", labels, calls), Counter("ladder:comm_bytes", labels, nbytes),
                         Counter("ladder:comm_seconds", labels, secs)]  # fmt: skip

@@ -60,7 +60,7 @@ import torch.multiprocessing as mp
 
 from level1_paged.model_input import ModelInput
 
-from .parallel_state import Comm, CommStats, Topology, init_process_group, sync
+from .parallel_state import Comm, CommStats, Topology, init_process_group
 from .rank import ParallelSpec, build_rank, rank_main
 from .transport import CollectiveRPC, Execute, Message, Shutdown, free_port, isend_tensor, recv_object, send_down
 
@@ -209,10 +209,8 @@ class MultiprocExecutor:
             return item
         rows, sends = item
         logits = torch.empty((rows, self.vocab_size), dtype=self.logits_dtype, device=self.device)
-        t0 = time.perf_counter()
-        self._wait(dist.irecv(logits, src=self.topo.rank_of(self.topo.pp - 1, 0)))
-        sync(self.device)  # NCCL's wait orders the stream, not the host: the logits are here once the GPU says so
-        self.comm.stats.add("recv", logits.numel() * logits.element_size(), time.perf_counter() - t0)
+        src = self.topo.rank_of(self.topo.pp - 1, 0)
+        self.comm._timed("recv", logits.numel() * logits.element_size(), lambda: self._wait(dist.irecv(logits, src=src)))
         for work, _ in sends:  # stage 1 took them before it could answer
             self._wait(work)
         return logits

@@ -72,6 +72,7 @@ class CommStats:
 
     by_kind: dict[str, list[float]] = field(default_factory=dict)
     record: list[tuple[str, float]] | None = None
+    pending: list = field(default_factory=list, repr=False)  # on a GPU: (kind, bytes, start, end) events not read yet
 
     def add(self, kind: str, nbytes: int, seconds: float) -> None:
         entry = self.by_kind.setdefault(kind, [0, 0, 0.0])
@@ -80,6 +81,15 @@ class CommStats:
         entry[2] += seconds
         if self.record is not None:
             self.record.append((kind, seconds))
+
+    def settle(self) -> CommStats:
+        """Read the CUDA events of the calls timed on the device (`Comm._timed`), waiting only for the
+        last; what reads the counters calls this first. Returns self."""
+        for kind, nbytes, start, end in self.pending:
+            end.synchronize()
+            self.add(kind, nbytes, start.elapsed_time(end) / 1e3)  # milliseconds -> seconds
+        self.pending.clear()
+        return self
 
     @property
     def calls(self) -> int:
@@ -116,7 +126,7 @@ def waited(records: list[list[tuple[str, float]]], kind: str) -> tuple[float, fl
 
 def sync(device: torch.device) -> None:
     """Wait for `device`'s queued work (a CUDA stream runs behind the host); nothing to wait for on a CPU.
-    It costs a GPU its overlap of host and device: the counters it makes are for learning, not for speed."""
+    Only where a measurement is the point (the calibration): it costs a GPU its overlap of host and device."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -140,10 +150,18 @@ class Comm:
                 self.tp_group, self.tp_src = group, ranks[0]
 
     def _timed(self, kind: str, nbytes: int, fn):
-        sync(self.device)  # NCCL calls return once queued: without these, the clock would read the queueing
+        if self.device.type == "cuda":
+            # An NCCL call returns once queued, so the host's clock would time the queueing. Two events on
+            # the device's own clock time the call; they are read when the counters are (`settle`), so
+            # the host never stops here and keeps running ahead of the GPU.
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = fn()
+            end.record()
+            self.stats.pending.append((kind, nbytes, start, end))
+            return out
         t0 = time.perf_counter()
         out = fn()
-        sync(self.device)
         self.stats.add(kind, nbytes, time.perf_counter() - t0)
         return out
 
@@ -223,11 +241,14 @@ class Comm:
         return x
 
 
-def check_gpus(device: torch.device, world: int, oversubscribe: bool) -> None:
+def check_gpus(device: torch.device, world: int, oversubscribe: bool, executor: str | None = None) -> None:
     """One GPU per rank on this machine, or a one-line error before any rank starts. (Several ranks on one
-    GPU work only with gloo, and slowly: `oversubscribe_gpus=True` asks for it, in tests; NCCL refuses it.)"""
+    GPU work only with gloo, and slowly: `oversubscribe_gpus=True` asks for it, in tests; NCCL refuses it.)
+    Ray places its actors on the cluster's GPUs, wherever they are: not this machine's to count."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun: the ranks of this machine
-    if device.type == "cuda" and not oversubscribe and local > (n := torch.cuda.device_count()):
+    if executor == "ray" or device.type != "cuda" or oversubscribe:
+        return
+    if local > (n := torch.cuda.device_count()):
         raise ValueError(f"{local} ranks (tensor_parallel_size x pipeline_parallel_size) need {local} GPUs, but "
                          f"{n} are visible: use fewer ranks, or oversubscribe_gpus=True to share them (tests)")  # fmt: skip
 

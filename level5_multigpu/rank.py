@@ -81,8 +81,8 @@ class ParallelSpec:
         """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device."""
         par, cache = config.parallel, config.cache
         backend = par.distributed_backend
-        if backend == "auto":
-            backend = "nccl" if device_type == "cuda" else "gloo"
+        if backend == "auto":  # several ranks on one GPU (oversubscribed): NCCL refuses them, gloo does not
+            backend = "nccl" if device_type == "cuda" and not par.oversubscribe_gpus else "gloo"
         return cls(
             model=model,
             dtype=dtype,
@@ -134,10 +134,11 @@ class RankWorker(Worker):
 
     def stats(self) -> tuple[CommStats, list]:
         """This rank's message counters and forward timeline."""
-        return self.comm.stats, list(self.timeline.events)
+        return self.comm.stats.settle(), list(self.timeline.events)
 
     def record_calls(self, on: bool) -> list[tuple[str, float]]:
         """Start (on) or stop recording every message's (kind, seconds); returns what was recorded."""
+        self.comm.stats.settle()  # the calls timed on the device join the record first
         done, self.comm.stats.record = self.comm.stats.record or [], [] if on else None
         return done
 

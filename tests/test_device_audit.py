@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import VOCAB
-from virtual_gpu import DeviceMismatch, on_cuda, virtual_gpu
+from virtual_gpu import REAL_CUDA, DeviceMismatch, on_cuda, virtual_gpu
 
 import level0_naive
 import level1_paged
@@ -83,7 +83,9 @@ def test_the_mode_counts_host_syncs_where_they_are_asked(monkeypatch):
         x = on_cuda(mode, torch.arange(4.0))
         x.tolist(), x[0].item(), bool(x.sum()), x[x > 1]
         torch.arange(3).tolist()  # a CPU tensor: no sync
-    assert sum(mode.syncs.values()) == 4
+        torch.tensor([1, 2], device="cuda"), torch.ones(2).to("cuda")  # copies from the host that wait
+        torch.ones(2).to("cuda", non_blocking=True), torch.zeros(2, device="cuda")  # these do not
+    assert sum(mode.syncs.values()) == 4 and sum(mode.copies.values()) == 2
 
 
 # --- the levels ---------------------------------------------------------------------------------
@@ -93,7 +95,8 @@ def test_logprobs_and_sampling_on_cuda(level, llama_dir, monkeypatch):
     params = [SamplingParams(max_tokens=4, prompt_logprobs=2, logprobs=2),
               SamplingParams(max_tokens=4, prompt_logprobs=-1, logprobs=1, temperature=0.8, top_k=20, top_p=0.9,
                              seed=1)]  # fmt: skip
-    engine = {level0_naive: ENGINE, level1_paged: dict(ENGINE, attention_backend="auto")}.get(level, PAGED)
+    # level 1: auto, Triton on CUDA (the interpreter here; on a real GPU the compiled kernel refuses CPU memory)
+    engine = {level0_naive: ENGINE, level1_paged: ENGINE if not REAL_CUDA else PAGED}.get(level, PAGED)
     with virtual_gpu(monkeypatch) as mode:
         outs = level.LLM(str(llama_dir), **engine).generate(PROMPTS, params, progress=False)
     assert all(len(o.outputs[0].token_ids) == 4 and o.prompt_logprobs[1] for o in outs)

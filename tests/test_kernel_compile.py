@@ -19,6 +19,7 @@ What this deliberately is not
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("triton", reason="the Triton kernels need triton (Linux)")
 
@@ -107,3 +108,17 @@ def test_fp64_is_refused_on_an_older_triton(monkeypatch, version, refused):
             ta._check_fp64_supported()
     else:
         ta._check_fp64_supported()
+
+
+def test_the_launch_refuses_fp64_on_a_gpu_with_an_older_triton(monkeypatch):
+    """The refusal is on the launch path (on tests/virtual_gpu.py's stand-in GPU: the launch stops first)."""
+    from virtual_gpu import on_cuda, virtual_gpu
+
+    monkeypatch.setattr(ta.triton, "__version__", "3.4.0")
+    with virtual_gpu(monkeypatch) as mode:
+        q, k_cache, v_cache = on_cuda(mode, (torch.zeros(1, 2, 16, dtype=torch.float64),
+                                             *(torch.zeros(2, 4, 1, 16, dtype=torch.float64) for _ in range(2))))
+        meta = on_cuda(mode, (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"needs triton>=3\.5 \(installed: 3\.4\.0\)"):
+            ta.paged_attention_triton(q, k_cache, v_cache, *meta, 0.25)

@@ -518,6 +518,24 @@ def test_triton_native_gpu(dtype, block_size):
     assert_close(out, paged_attention_ref(*w.args()), dtype)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_write_kv_native_gpu(dtype):
+    """The cache write compiled for real: exactly the named slots change, bit for bit."""
+    gen = torch.Generator().manual_seed(3)
+    k_cache, v_cache = (torch.randn(6, 4, 2, 12, generator=gen).to(dtype).cuda() for _ in range(2))
+    before = k_cache.clone()
+    slots = torch.randperm(24, generator=gen)[:7].cuda()  # [T] int64
+    k, v = (torch.randn(7, 2, 12, generator=gen).to(dtype).cuda() for _ in range(2))  # [T, Hkv, D]
+    write_kv_cache_triton(k, v, k_cache, v_cache, slots)
+    torch.cuda.synchronize()
+    flat = k_cache.view(-1, 2, 12)
+    assert torch.equal(flat[slots], k) and torch.equal(v_cache.view(-1, 2, 12)[slots], v)
+    untouched = torch.ones(24, dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert torch.equal(flat[untouched], before.view(-1, 2, 12)[untouched])
+
+
 # --------------------------------------------------------------------------- #
 # Both kinds of machine (last: on a GPU the child process is the slow part)    #
 # --------------------------------------------------------------------------- #

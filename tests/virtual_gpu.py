@@ -39,6 +39,9 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 CUDA = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+# On a machine with a real GPU, triton is imported compiled: a kernel launched on the virtual GPU's CPU
+# memory is refused there, so the tests that reach a Triton launch under the mode skip on such a machine.
+REAL_CUDA = torch.cuda.is_available()
 ROOT = Path(__file__).resolve().parents[1]
 
 SYNCS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__int__, torch.Tensor.__float__,
@@ -80,6 +83,9 @@ class VirtualGPU(TorchFunctionMode):
         self._by_storage: dict[int, torch.device] = {}
         self._by_tensor = WeakTensorKeyDictionary()  # for storage-less (size 0, meta) tensors
         self.syncs: Counter[str] = Counter()  # "file:function" -> host syncs asked there
+        # "file:function" -> copies to the device that wait for it: torch.tensor(data, device="cuda") and
+        # .to("cuda") without non_blocking copy from pageable memory and synchronise the stream first
+        self.copies: Counter[str] = Counter()
 
     # --- labels ----------------------------------------------------------------------------------
     def device_of(self, t: torch.Tensor) -> torch.device:
@@ -124,6 +130,8 @@ class VirtualGPU(TorchFunctionMode):
                 self.syncs[_caller()] += 1  # a boolean mask: the result's size is on the device
         device = self._device_of_call(func, args, kwargs, tensors)
         if _is_cuda(kwargs.get("device")):
+            if func in (torch.tensor, torch.as_tensor):
+                self.copies[_caller()] += 1  # data from the host: a blocking copy
             kwargs["device"] = CPU
         out = func(*args, **kwargs)
         if func not in (torch.Tensor.copy_, torch.Tensor.__setitem__):  # in place: the label stays
@@ -161,7 +169,9 @@ class VirtualGPU(TorchFunctionMode):
                 rest.append(a.dtype)
             else:
                 rest.append(a)
-        kwargs.pop("non_blocking", None)
+        if not kwargs.pop("non_blocking", False) and target is not None and _norm(target).type == "cuda":
+            if self.device_of(src).type == "cpu":
+                self.copies[_caller()] += 1
         out = src.to(*rest, **kwargs)
         return self._moved(out, torch.device(target) if target is not None else self.device_of(src), src)
 

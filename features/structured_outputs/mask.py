@@ -71,7 +71,7 @@ class GrammarMask:
         for j in sorted(set(range(len(rows))) - set(fast)):
             allowed[j] = self.mask(states[rows[j]], V)
         logits = logits.clone()
-        logits[rows] = self._apply(logits[rows], allowed.to(logits.device))
+        logits[rows] = self._apply(logits[rows], allowed.to(logits.device, non_blocking=True))  # no wait for the GPU
         return logits
 
 
