@@ -295,3 +295,13 @@ def test_level5_moe_greedy_output_equals_the_oracle(layout, arch, workload, data
     """Expert parallelism (whole experts per rank, tokens dispatched and combined by all-to-all) and
     tensor parallelism (every expert sliced, one all-reduce) give the oracle's tokens."""
     check_level5(layout, arch, workload, data, checkpoint_factory, oracle)
+
+
+@pytest.mark.level5
+@settings(max_examples=4)
+@given(workload=workloads(), data=st.data())
+def test_level5_moe_uneven_experts_equal_the_oracle(workload, data, checkpoint_factory, oracle, level5_cleanup):
+    """5 experts over 2 expert-parallel ranks: rank 0 holds experts 0-2, rank 1 experts 3-4 (vLLM's
+    determine_expert_map), so the ranks get unequal rows in the all-to-all; the tokens are still the oracle's."""
+    five = lambda arch: checkpoint_factory(arch, num_local_experts=5)  # noqa: E731
+    check_level5("moe-ep2", "mixtral", workload, data, five, oracle)

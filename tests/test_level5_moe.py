@@ -12,7 +12,9 @@ Qwen2-MoE checkpoints, is in test_equivalence.py):
     every call recorded on both ranks in the same order, and `waited` splitting their time into
     the transfer (per call, the least any rank spent) and the wait; `fit_alpha_beta` recovers a
     known alpha and beta, and a constant-size message's alpha alone;
-  - EP with experts that do not divide by the ranks is refused, naming both numbers.
+  - the expert map (`expert_ranges`): contiguous, the remainder on the first ranks, none on the
+    last ones when experts are fewer than ranks; an uneven EP stage loads exactly its range, and
+    a rank holding no expert still serves (level 0's tokens).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 import torch
 from test_level5 import NoComm, full
 
-from features.moe.parallel import ExpertParallelMoE, TensorParallelMoE
+from features.moe.parallel import ExpertParallelMoE, TensorParallelMoE, expert_ranges
 from level0_naive import SamplingParams
 from level0_naive.loader import checkpoint_name, load_metadata
 from level5_multigpu import LLM
@@ -126,10 +128,48 @@ def test_ep_sends_tokens_and_tp_sums_activations(checkpoint_factory):
     assert ep["all_to_all"][1] == off_rank * (row + eid) + off_rank * row  # dispatch (rows + ids), combine (rows)
 
 
-def test_experts_that_do_not_divide_are_refused(checkpoint_factory, tmp_path):
-    path = checkpoint_factory("qwen3_moe", num_experts=3, num_experts_per_tok=2)
-    with pytest.raises(Exception, match="3 experts do not divide by tensor_parallel_size=2"):
-        stage(path, 2, 0, ep=True)
+@pytest.mark.parametrize("experts, ranks, want", [
+    (4, 2, [[0, 1], [2, 3]]),
+    (5, 2, [[0, 1, 2], [3, 4]]),  # the remainder on the first ranks, as vLLM's determine_expert_map
+    (8, 3, [[0, 1, 2], [3, 4, 5], [6, 7]]),
+    (7, 4, [[0, 1], [2, 3], [4, 5], [6]]),
+    (3, 3, [[0], [1], [2]]),
+    (2, 3, [[0], [1], []]),  # fewer experts than ranks: the last ranks hold none
+])  # fmt: skip
+def test_expert_map(experts, ranks, want):
+    assert [list(h) for h in expert_ranges(experts, ranks)] == want
+
+
+@pytest.mark.parametrize("experts", [5, 3, 1])
+def test_uneven_experts_load_by_the_map(checkpoint_factory, experts):
+    """Each rank reads exactly its range's experts from the checkpoint (Mixtral's names);
+    with 1 expert on 2 ranks, rank 1 holds none (the old code refused any E % tp != 0)."""
+    path = checkpoint_factory("mixtral", num_local_experts=experts, num_experts_per_tok=min(2, experts))
+    cfg = load_metadata(path).config
+    ck = lambda name: full(path, checkpoint_name(name, "mixtral"))  # noqa: E731
+    ranks = [stage(path, 2, r, ep=True) for r in range(2)]
+    for i in range(cfg.num_layers):
+        blocks = [s.model.layers[i].mlp for s in ranks]
+        held = [list(range(b.first, b.first + len(b.experts))) for b in blocks]
+        assert held == [list(h) for h in expert_ranges(experts, 2)]
+        for b, ids in zip(blocks, held):
+            for e, expert in zip(ids, b.experts):
+                w = ck(f"model.layers.{i}.mlp.experts.{e}.down_proj.weight")
+                assert torch.equal(expert.down_proj.weight, w)
+
+
+def test_a_rank_without_experts_routes_and_sends_only(checkpoint_factory):
+    """1 expert on 2 ranks: rank 1 holds none, sends all its rows to rank 0 and gets them back
+    (an all-to-all with zero rows one way); the tokens equal level 0's."""
+    import level0_naive
+
+    path = checkpoint_factory("mixtral", num_local_experts=1, num_experts_per_tok=1)
+    prompts, params = [[5, 9, 13, 17, 21, 25, 29], [3, 4]], SamplingParams(max_tokens=4, **GREEDY)
+    ref = level0_naive.LLM(path, dtype="float64")
+    want = [o.outputs[0].token_ids for o in ref.generate(prompts, params, progress=False)]
+    with LLM(path, dtype="float64", tensor_parallel_size=2, enable_expert_parallel=True, max_model_len=64) as llm:
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, progress=False)]
+    assert got == want
 
 
 def test_wire_time_is_the_least_any_rank_spent_per_call():

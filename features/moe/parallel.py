@@ -8,7 +8,7 @@ enters the MoE block with the same hidden states x [T, d] and must leave it with
     (the default)       runs every token through its k experts' slices, and one all-reduce sums
                         the partial outputs: moves activations, T*d per layer, whatever the routing.
 
-    ExpertParallelMoE   every rank holds E/tp *whole* experts. Each rank takes 1/tp of the tokens,
+    ExpertParallelMoE   every rank holds about E/tp *whole* experts. Each rank takes 1/tp of the tokens,
     (enable_expert_     routes them, and sends each (token, expert) row to the rank that owns the
      parallel=True)     expert (all-to-all: dispatch); that rank runs its experts and sends the rows
                         back (all-to-all: combine); the slices are gathered so that every rank has
@@ -21,6 +21,12 @@ enters the MoE block with the same hidden states x [T, d] and must leave it with
            rows for 2-3 go ────┘   (dispatch)    └── rows for 0-1 go
         experts 0-1 on what arrived                  experts 2-3 on what arrived
            ... all-to-all back (combine), weighted sum per token, all-gather -> [T, d] on both
+
+Which rank holds which experts is `expert_ranges`, vLLM's `determine_expert_map`: contiguous
+ranges of E // tp, the first E % tp ranks one more (5 experts on 2 ranks: 0-2 and 3-4), so any
+E works on any tp; the per-rank row counts of the all-to-all are unequal anyway (they follow the
+routing). With fewer experts than ranks the last ranks hold none, as in vLLM: they only route
+their tokens and send them away (refusing would be one line too, but nothing breaks, so we don't).
 
 The sort by expert and its inverse are layer.py's `dispatch` and `combine`; since each rank's
 experts are contiguous, rows sorted by expert are rows sorted by destination rank. A shared
@@ -100,20 +106,28 @@ class TensorParallelMoE(nn.Module):
         return self.comm.all_reduce(out, kind="moe_all_reduce")
 
 
+def expert_ranges(num_experts: int, ranks: int) -> list[range]:
+    """Each EP rank's experts, as vLLM's `determine_expert_map` places them: contiguous ranges of
+    E // ranks, the first E % ranks ranks one more. (5, 2) -> [0-2, 3-4]; (8, 3) -> [0-2, 3-5, 6-7];
+    (2, 3) -> [0, 1, none]. Contiguous, so experts sorted by id are experts sorted by their rank."""
+    sizes = [num_experts // ranks + (q < num_experts % ranks) for q in range(ranks)]
+    starts = [sum(sizes[:q]) for q in range(ranks)]
+    return [range(s, s + n) for s, n in zip(starts, sizes)]
+
+
 class ExpertParallelMoE(nn.Module):
-    """E/tp whole experts per rank; tokens go to their experts' ranks and back."""
+    """About E/tp whole experts per rank (`expert_ranges`); tokens go to their experts' ranks and back."""
 
     def __init__(self, cfg, reader: ShardReader, prefix: str, comm: Comm):
         super().__init__()
         tp, r = comm.topo.tp, comm.topo.tp_rank
-        if cfg.moe.num_experts % tp:
-            raise ValueError(f"expert parallelism: {cfg.moe.num_experts} experts do not divide by tensor_parallel_size={tp}")
         self.comm, self.top_k, self.normalize = comm, cfg.moe.num_experts_per_tok, cfg.moe.norm_topk_prob
-        self.per_rank = cfg.moe.num_experts // tp
-        self.first = r * self.per_rank  # this rank's experts: [first, first + per_rank)
+        self.num_experts = cfg.moe.num_experts
+        self.held = expert_ranges(self.num_experts, tp)  # every rank's experts (each rank knows the whole map)
+        self.first = self.held[r].start  # this rank's experts: held[r] = [first, first + len(experts))
         self.gate = replicated(reader, f"{prefix}.gate.weight")
         self.experts = nn.ModuleList(load_whole(reader, f"{prefix}.experts.{e}", cfg.moe.moe_intermediate_size)
-                                     for e in range(self.first, self.first + self.per_rank))  # fmt: skip
+                                     for e in self.held[r])  # fmt: skip
         if cfg.moe.shared_expert_intermediate_size:
             self.shared_expert = load_whole(reader, f"{prefix}.shared_expert", cfg.moe.shared_expert_intermediate_size)
             self.shared_expert_gate = replicated(reader, f"{prefix}.shared_expert_gate.weight")
@@ -124,15 +138,15 @@ class ExpertParallelMoE(nn.Module):
         sizes = [T // tp + (q < T % tp) for q in range(tp)]  # tokens per rank (a decode of 1: [1, 0])
         xs = x[sum(sizes[:r]) : sum(sizes[: r + 1])]  # [t, d], this rank's tokens
         weights, ids = route(self.gate(xs), self.top_k, self.normalize, x.dtype)  # [t, k]
-        order, counts = dispatch(ids, self.per_rank * tp)  # slots sorted by expert = by owner rank
-        per_rank = [sum(counts[q * self.per_rank : (q + 1) * self.per_rank]) for q in range(tp)]
+        order, counts = dispatch(ids, self.num_experts)  # slots sorted by expert = by owner rank; counts [E]
+        per_rank = [sum(counts[h.start : h.stop]) for h in self.held]  # rows for each rank (0 for one with none)
         rows, experts = xs[order // self.top_k], ids.reshape(-1)[order]  # [t*k, d], [t*k]
         # dispatch: each row to its expert's rank; what arrives is grouped by source rank
         incoming = comm.exchange_counts(per_rank)
         got = comm.all_to_all(list(rows.split(per_rank)), incoming)  # [n, d]
         got_experts = comm.all_to_all(list(experts.split(per_rank)), incoming) - self.first  # [n], local ids
         # this rank's experts, one matmul each, over the rows sorted by (local) expert
-        local_order, local_counts = dispatch(got_experts[:, None], self.per_rank)
+        local_order, local_counts = dispatch(got_experts[:, None], len(self.experts))
         out = torch.empty_like(got)  # [n, d], back in arrival order
         out[local_order] = run_sorted(got[local_order], local_counts, self.experts)
         # combine: every row back to the rank it came from, in the order it was sent
