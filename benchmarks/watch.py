@@ -39,12 +39,12 @@ def parser() -> argparse.ArgumentParser:
     p = LadderParser(prog=prog("benchmarks.watch"), description=__doc__.split("\n\n")[1],
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     a = p.add_argument
-    a("--host", default="127.0.0.1")
+    a("--host", default="127.0.0.1", help="the address the page listens on (default 127.0.0.1: this machine only)")
     a("--port", type=port, default=8001, help="the page's port (default 8001; 0: any free port)")
     a("--requests", type=positive_int, default=None, help="requests to run (default 32 offline, 300 simulated)")
     a("--wait", type=nonneg_float, default=30.0, help="seconds to wait for a page before starting (default 30)")
     a("--hold", action=argparse.BooleanOptionalAction, default=True, help="keep the page up after the run")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="the workload's random seed (default 0)")
     g = p.add_argument_group("an offline run of a real engine (the default)")
     g.add_argument("--level", type=int, choices=[2, 3, 4], default=3, help="the engine (default 3: prefix caching)")
     g.add_argument("--workload", default=None, help=f"offline: one of {', '.join(OFFLINE_WORKLOADS)} (default "
@@ -54,9 +54,10 @@ def parser() -> argparse.ArgumentParser:
                         "hold the workload's longest request: spread's takes 36 blocks)")  # fmt: skip
     g.add_argument("--pace", type=nonneg_float, default=0.05, help="seconds to sleep after each step (default 0.05)")
     g = p.add_argument_group("a simulated GPU (--simulate)")
-    g.add_argument("--simulate", action="store_true")
-    g.add_argument("--system", default="vllm", choices=[s for s in SYSTEMS if s in ("vllm", "vllm-prefix")])
-    g.add_argument("--gpu", default="a100-40gb", choices=gpu_names())
+    g.add_argument("--simulate", action="store_true", help="watch the what-if simulator on a modelled GPU instead")
+    g.add_argument("--system", default="vllm", choices=[s for s in SYSTEMS if s in ("vllm", "vllm-prefix")],
+                   help="the simulated scheduler (default vllm; vllm-prefix: with prefix caching)")  # fmt: skip
+    g.add_argument("--gpu", default="a100-40gb", choices=gpu_names(), help="the GPU's spec from gpus.json (default a100-40gb)")
     g.add_argument("--model", default="opt-13b", help="a shape in benchmarks/sim/models (default opt-13b)")
     g.add_argument("--rate", type=positive_float, default=2.0, help="requests/s arriving (default 2)")
     g.add_argument("--speed", type=positive_float, default=1.0, help="simulated seconds per wall second (default 1)")

@@ -46,12 +46,12 @@ def parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     sub.add_parser("list", help="the labs, their checks and handouts")
     s = sub.add_parser("start", help="write a lab's starter files, made from the reference, into a directory of yours")
-    s.add_argument("lab")
-    s.add_argument("dir", type=Path)
+    s.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
+    s.add_argument("dir", type=Path, help="where the starter files go (made if missing)")
     s.add_argument("--force", action="store_true", help="overwrite files already there")
     # allow_abbrev=False: `--js` must not pass for `--json`, which main() looks for to answer in JSON
     c = sub.add_parser("check", help="run a lab's checks on your file(s)", allow_abbrev=False)
-    c.add_argument("lab")
+    c.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     c.add_argument("paths", nargs="+", help="your file, or the directory holding your files")
     c.add_argument("--json", action="store_true", help="print only the JSON report: one object, whatever happens")
     c.add_argument("--timeout", type=float, default=900, help="seconds before the checks are stopped (default 900)")
@@ -60,19 +60,19 @@ def parser() -> argparse.ArgumentParser:
                    help="what a failed check says: full (where to look, close to the code), short (the rule it "
                         f"breaks), none (only that it failed); default {spec.DEFAULT_HINTS}")  # fmt: skip
     e = sub.add_parser("experiment", help="run the handout's experiment with your code swapped in")
-    e.add_argument("lab")
+    e.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     e.add_argument("path", help="your file, or the directory holding your files")
     e.add_argument("args", nargs=argparse.REMAINDER, help="more arguments for the experiment")
     r = sub.add_parser("run", help="run any module (python -m MODULE ARGS) with your code swapped in",
                        usage="python -m labs run LAB PATH -m MODULE [ARGS ...]")  # fmt: skip
-    r.add_argument("lab")
+    r.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     r.add_argument("path", help="your file, or the directory holding your files")
     r.add_argument("rest", nargs=argparse.REMAINDER, metavar="-m MODULE [ARGS ...]",
                    help="the module to run, e.g. -m level2_continuous.demo, then its arguments")  # fmt: skip
     b = sub.add_parser("plant", help="write the reference with one of a lab's planted bugs (for teachers)")
-    b.add_argument("lab")
+    b.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     b.add_argument("bug", help="a bug's name (python -m labs list shows them)")
-    b.add_argument("dir", type=Path)
+    b.add_argument("dir", type=Path, help="where the planted reference goes")
     st = sub.add_parser("starters", help="every lab's starter as `start` makes it: printed, or written to DIR/lab<id>/")
     st.add_argument("dir", type=Path, nargs="?", help="write them here, one folder a lab (default: print them)")
     st.add_argument("--lab", help="only this lab's")

@@ -2,7 +2,9 @@
 
 What it is: `demo_parser()` (the flags every demo has), argparse types that reject a bad
 value with one line naming the flag (`positive_int`, `at_least_one`, `fraction`, ...),
-`check_device_and_models` (an unavailable device is an error before any weight is loaded),
+`model_source_flags` (`--revision`, `--download-dir`: where a hub id comes from),
+`check_device_and_models` (an unavailable device or model is an error before any weight is
+loaded; a hub id is downloaded there, with its progress bar),
 `torch_threads`, where pictures and results go (`output_dir`, `plot_path`: outside the
 tracked tree unless asked), `save_figure`, and the demos' prompts and seeded lengths.
 
@@ -74,9 +76,10 @@ def prog(module: str) -> str:
 def demo_parser(description: str, module: str) -> argparse.ArgumentParser:
     p = LadderParser(prog=prog(module), description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None,
-                   help="a Hugging Face checkpoint directory, a hub id in the local cache, or a built-in name "
-                        "(tiny-shakespeare, tiny-shakespeare-draft); default: the built-in tiny Shakespeare "
-                        "model")  # fmt: skip
+                   help="a Hugging Face checkpoint directory, a built-in name (tiny-shakespeare, "
+                        "tiny-shakespeare-draft) or a hub id such as Qwen/Qwen3-0.6B (downloaded on first use); "
+                        "default: the built-in tiny Shakespeare model")  # fmt: skip
+    model_source_flags(p)
     p.add_argument(
         "--dtype",
         default="auto",
@@ -105,25 +108,44 @@ def demo_parser(description: str, module: str) -> argparse.ArgumentParser:
     return p
 
 
+def model_source_flags(p: argparse.ArgumentParser) -> None:
+    """`--revision` and `--download-dir`, vLLM's names: where a hub id given as `--model` comes from."""
+    p.add_argument("--revision", default=None,
+                   help="with a hub id: the branch, tag or commit to load (default: main)")  # fmt: skip
+    p.add_argument("--download-dir", default=None,
+                   help="with a hub id: download into this folder instead of the Hugging Face cache "
+                        "(HF_HOME, HF_HUB_CACHE; HF_TOKEN for gated models, HF_HUB_OFFLINE=1 for the cache only)")  # fmt: skip
+
+
 def parse_demo_args(parser: argparse.ArgumentParser, argv=None, model_flags=("model",)) -> argparse.Namespace:
     """Parse, then check what argparse cannot, before any weight loads: that the device
-    exists and that every model flag names a model on disk."""
+    exists and that every model flag names a model (a hub id is downloaded here, with its bar).
+    With `--revision` or `--download-dir`, `args.model` becomes the snapshot's directory: a demo
+    passes `args.model` alone to `LLM`, and a directory holds exactly one revision."""
     args = parser.parse_args(argv)
-    check_device_and_models(parser, args, model_flags)
+    found = check_device_and_models(parser, args, model_flags)
+    if "model" in found and (getattr(args, "revision", None) or getattr(args, "download_dir", None)):
+        args.model = str(found["model"])
     return args
 
 
-def check_device_and_models(parser: argparse.ArgumentParser, args: argparse.Namespace, model_flags=("model",)) -> None:
+def check_device_and_models(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                            model_flags=("model",)) -> dict[str, Path]:  # fmt: skip
+    """A one-line error for an unusable device or model; else each model flag's directory. `--revision`
+    and `--download-dir` apply to `--model` only (a draft is its own repository, as in vLLM)."""
     problem = device_problem(args.device)
     if problem:
         parser.error(f"argument --device: {problem}")
+    found = {}
     for name in model_flags:
         value = getattr(args, name, None)
         if value is not None:
+            source = (getattr(args, "revision", None), getattr(args, "download_dir", None)) if name == "model" else ()
             try:
-                resolve_path(value)
+                found[name] = resolve_path(value, *source)
             except ValueError as e:
                 parser.error(f"argument --{name.replace('_', '-')}: {e}")
+    return found
 
 
 def device_problem(device: str) -> str | None:

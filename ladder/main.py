@@ -4,7 +4,8 @@ What it is: the entry point `pip install` puts on the PATH (pyproject's [project
 the way vLLM users type `vllm serve`. Each subcommand is exactly a `python -m` form, run
 with the same arguments:
 
-    ladder serve ...   =  python -m level6_serving ...        (the OpenAI-compatible server)
+    ladder serve ...   =  python -m level6_serving ...        (the OpenAI-compatible server;
+                                                             `ladder serve Qwen/Qwen3-0.6B`, as `vllm serve`)
     ladder bench ...   =  python -m benchmarks.throughput ...  (every engine on the workloads)
     ladder labs ...    =  python -m labs ...                   (start, check, experiment)
     ladder watch ...   =  python -m benchmarks.watch ...       (the live dashboard over an offline or simulated run)
@@ -31,7 +32,8 @@ DEMOS = {str(n): f"{name}.demo" for n, name in enumerate(["level0_naive", "level
 
 USAGE = """usage: ladder {serve,bench,labs,watch,trace,demo N} [ARGS ...]
 
-  serve    python -m level6_serving: the OpenAI-compatible server (level 6)
+  serve    python -m level6_serving: the OpenAI-compatible server (level 6); `ladder serve MODEL`
+           takes a directory, a built-in name or a hub id (downloaded on first use), as `vllm serve`
   bench    python -m benchmarks.throughput: every engine and HF generate on the benchmark workloads
   labs     python -m labs: the classroom labs (start, check, experiment)
   watch    python -m benchmarks.watch: the live dashboard over an offline run or a simulated GPU

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from ladder import rooms
+from ladder import models, rooms
 
 DTYPES = {
     "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
@@ -52,7 +52,9 @@ class Part:
 
 @dataclass
 class ModelSettings(Part):
-    model: str
+    model: str  # a directory, a built-in name or a hub id (ladder/models.py finds it, downloading on first use)
+    revision: str | None = None  # a hub id's branch, tag or commit (None: main)
+    download_dir: str | None = None  # where a hub id is downloaded (None: the Hugging Face cache)
     dtype: str | torch.dtype = "auto"  # "auto": float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # "auto": CUDA if available, else CPU
     # None: what the model was trained for (the tokenizer's model_max_length, when it says less than the
@@ -66,6 +68,7 @@ class ModelSettings(Part):
     structured_outputs_backend: str = "auto"  # which compiler a request's structured_outputs gets
 
     def __post_init__(self):
+        self.model = models.pinned(self.model, self.revision, self.download_dir)  # with either: its directory
         if self.ops not in OPS_NAMES:
             raise ValueError(f"ops={self.ops!r} is not one of: {', '.join(OPS_NAMES)}")
         if self.structured_outputs_backend not in (backends := rooms.structured_outputs_backends()):

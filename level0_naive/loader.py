@@ -1,15 +1,12 @@
 """Load a Hugging Face checkpoint directory into our `Transformer`, with its tokenizer.
 
-What it is: `load_model(path_or_hub_id, dtype, device)` reads `config.json`, single or
-sharded `*.safetensors` (via `model.safetensors.index.json`), `tokenizer.json` /
-`tokenizer_config.json` (chat template included) and `generation_config.json`. A
-built-in model is found by name from any directory ("tiny-shakespeare"), a hub id in the
-local Hugging Face cache only. Weights stored in bf16/fp16 are upcast to the requested dtype.
+What it is: `load_model(model, dtype, device)` reads `config.json`, single or sharded `*.safetensors`
+(via `model.safetensors.index.json`), `tokenizer.json` / `tokenizer_config.json` (chat template included)
+and `generation_config.json` from the directory that ladder/models.py's `resolve_path` finds (a hub id is
+downloaded there on first use). Weights stored in bf16/fp16 are upcast to the requested dtype.
 
-What it is not: a downloader. Nothing here touches the network; a model that is not on
-disk gives a `ValueError` listing every place we looked. No quantised formats, no
-`pytorch_model.bin` pickles (safetensors only: loading pickles runs code). Level 5's ranks
-use `load_metadata` and `checkpoint_name` to read only their own slices of the weights.
+What it is not: the downloader, nor a reader of quantised formats or `pytorch_model.bin` pickles (loading
+pickles runs code). Level 5's ranks read only their own weight slices (`load_metadata`, `checkpoint_name`).
 
 Reference: transformers' `from_pretrained` conventions; vLLM's `model_loader/`.
 """
