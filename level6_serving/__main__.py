@@ -2,6 +2,7 @@
 
     python -m level6_serving                                   # the built-in tiny Shakespeare model, port 8000
     python -m level6_serving --model models/tiny-shakespeare --port 8000 --api-key sk-local
+    python -m level6_serving Qwen/Qwen3-0.6B                   # a hub id, as `vllm serve MODEL` (downloaded once)
     python -m level6_serving --speculative-config '{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}'
 
 Every flag is checked before any weight loads, and a bad one is one line that names it
@@ -29,7 +30,15 @@ import re
 import signal
 import sys
 
-from ladder.cli import LadderParser, check_device_and_models, nonneg_int, positive_float, positive_int, prog
+from ladder.cli import (
+    LadderParser,
+    check_device_and_models,
+    model_source_flags,
+    nonneg_int,
+    positive_float,
+    positive_int,
+    prog,
+)
 
 from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
 
@@ -79,8 +88,11 @@ def parser() -> argparse.ArgumentParser:
     p = LadderParser(prog=prog("level6_serving"), description=__doc__, allow_abbrev=False,
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     a = p.add_argument
-    a("--model", default=None, help="checkpoint directory, built-in name or cached hub id (default: the built-in "
-                                    "tiny Shakespeare model)")  # fmt: skip
+    a("model_tag", nargs="?", default=None, metavar="MODEL",
+      help="the model, as `vllm serve MODEL` takes it: the same as --model")  # fmt: skip
+    a("--model", default=None, help="checkpoint directory, built-in name or hub id such as Qwen/Qwen3-0.6B "
+                                    "(downloaded on first use; default: the built-in tiny Shakespeare model)")  # fmt: skip
+    model_source_flags(p)
     a("--served-model-name", nargs="+", default=None, help="the name(s) clients use in 'model' (default: --model)")
     a("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 for every interface)")
     a("--port", type=port, default=8000, help="port (default 8000; 0: any free port)")
@@ -138,7 +150,10 @@ def parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     p = parser()
     args = p.parse_args(argv)
-    check_device_and_models(p, args)
+    if args.model_tag is not None and args.model not in (None, args.model_tag):
+        p.error(f"argument --model: {args.model!r} differs from the positional model {args.model_tag!r} (give one)")
+    args.model = args.model or args.model_tag
+    check_device_and_models(p, args)  # a hub id is downloaded here, before the engine starts
     from level0_naive.config import EngineConfig
 
     from .base import LLMEngine, SpeculativeConfig  # after the cheap checks: this imports torch
@@ -166,7 +181,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(dtype=args.dtype, device=args.device, max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
-              speculative_config=args.speculative_config, seed=args.seed)  # fmt: skip
+              speculative_config=args.speculative_config, seed=args.seed, revision=args.revision,
+              download_dir=args.download_dir)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip
@@ -191,14 +207,34 @@ def replica_argv(argv: list[str]) -> list[str]:
     return out
 
 
+def listen(host: str, port: int):
+    """The listening socket, bound before anything slow starts (a model, the replicas), so a port already
+    taken is one line (exit status 2, as for a bad flag) within a second, not a traceback a minute later.
+    Connections that arrive while the model loads wait in the socket's queue."""
+    import errno
+
+    from .api_server import bind
+
+    try:
+        return bind(host, port)
+    except OSError as e:
+        if e.errno == errno.EADDRINUSE:
+            parser().error(f"argument --port: port {port} is in use on {host}: pick another with --port "
+                           "(0: any free port)")  # fmt: skip
+        if e.errno == errno.EACCES:
+            parser().error(f"argument --port: port {port} needs privileges here: pick one above 1023 with --port")
+        parser().error(f"cannot listen on {host}:{port} ({e.strerror}): check --host and --port")
+
+
 def serve_data_parallel(args, argv: list[str]) -> None:
     """N replicas (each `python -m level6_serving` on a free local port), and the router in front."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from .api_server import bind, freeze_startup_heap, make_server
+    from .api_server import freeze_startup_heap, make_server
     from .process import ServerProcess
     from .router import build_router_app
 
+    sock = listen(args.host, args.port)
     replicas = [ServerProcess(replica_argv(argv)) for _ in range(args.data_parallel_size)]
 
     def stop_starting(sig, frame):  # SIGTERM while the replicas load: still stop them (the finally below)
@@ -210,8 +246,8 @@ def serve_data_parallel(args, argv: list[str]) -> None:
             list(pool.map(lambda r: r.start(), replicas))
         freeze_startup_heap()  # the router relays every token: no full collection over its imports (api_server.py)
         signal.signal(signal.SIGTERM, previous)  # from here the Server's handler takes it
-        app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes)
-        sock = bind(args.host, args.port)
+        app = build_router_app([r.url for r in replicas], args.router, args.api_key, args.max_request_body_bytes,
+                               processes=[r.proc for r in replicas])  # fmt: skip
         host, real_port = sock.getsockname()[:2]
         print(f"serving {args.data_parallel_size} replicas ({', '.join(r.url for r in replicas)}) as one endpoint "
               f"on http://{host}:{real_port} (router: {args.router})", file=sys.stderr, flush=True)  # fmt: skip
@@ -219,6 +255,7 @@ def serve_data_parallel(args, argv: list[str]) -> None:
                              timeout_keep_alive=args.timeout_keep_alive)  # fmt: skip
         server.run(sockets=[sock])  # SIGTERM: stop accepting, let responses finish (no signal re-raised after)
     finally:  # each drains its own requests (SIGTERM), then exits: all at once
+        sock.close()  # uvicorn closed it if it served; if a replica failed to start, the port is free again now
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not cut this short
         with ThreadPoolExecutor(len(replicas)) as pool:
             list(pool.map(lambda r: r.stop(timeout=args.drain_timeout + 30), replicas))
@@ -237,8 +274,10 @@ def main(argv=None) -> None:
 
     from ladder.models import default_model
 
-    from .api_server import bind, build_app, freeze_startup_heap, make_server
+    from .api_server import build_app, freeze_startup_heap, make_server
     from .async_engine import AsyncLLMEngine
+
+    sock = listen(args.host, args.port)
 
     torch.set_num_threads(args.threads)
     model = args.model or str(default_model())
@@ -246,12 +285,12 @@ def main(argv=None) -> None:
     try:
         engine = AsyncLLMEngine.from_engine_args(model, args.stream_interval, **engine_kwargs(args))
     except ValueError as e:  # e.g. max_model_len beyond the model's: name the flag, one line
+        sock.close()  # a test that calls main() keeps this frame, and so the port, alive with its traceback
         m = re.match(r"(\w+)=", str(e))
         flag = f"argument --{m[1].replace('_', '-')}: " if m else ""
         parser().error(f"{flag}{e}")
     app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting,
                     max_request_body_bytes=args.max_request_body_bytes, dashboard_on=args.dashboard)  # fmt: skip
-    sock = bind(args.host, args.port)
     host, real_port = sock.getsockname()[:2]
     # Printed whatever the log level: the one line a user (and ServerProcess) needs.
     print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {engine.engine_name})",

@@ -8,10 +8,11 @@ SIGTERM (or Ctrl-C) that drains instead of cutting streams:
             ─> requests in flight run to their end, for up to --drain-timeout seconds
             ─> whatever is left is aborted: its stream ends with finish_reason "abort" + [DONE]
             ─> the engine thread stops; the process exits 0 (a second Ctrl-C quits at once,
-               skipping the engine's shutdown: exit status 130)
+               skipping the engine's shutdown: exit status 130; a request still waiting for
+               its answer gets 503 "the server is shutting down", ShutdownAnswers)
 
 Routes: `POST /v1/completions`, `POST /v1/chat/completions` (`serving.py`),
-`GET /v1/models`, `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`,
+`GET /v1/models`, `GET /health`, `GET /version`, `POST /tokenize`, `POST /detokenize`, `GET /tokenizer_info`,
 `GET /metrics` (`metrics.py`), `GET /openapi.json` and `/docs`, which describe the real
 request bodies (`openapi.py`), and the live dashboard, `GET /dashboard` and its event stream
 (`dashboard.py`; off with `dashboard_on=False`). With `api_key`, every route but OPEN_PATHS
@@ -22,6 +23,8 @@ included, is `{"error": {"message", "type", "param", "code"}}`.
 Three plain ASGI middlewares wrap the routes (Starlette's BaseHTTPMiddleware would sit
 between a stream and its disconnect), outermost first:
 
+    (ShutdownAnswers, outside them all, added by Server: a handler cancelled because the server
+    quits at once answers 503, "the server is shutting down", not uvicorn's plain-text 500)
     BodySizeLimit   a body over max_request_body_bytes: 413 before it is read (Content-Length),
                     or as soon as the bytes received pass it (chunked); memory stays bounded
     APIKeyMiddleware
@@ -48,6 +51,7 @@ Reference: vLLM `entrypoints/openai/api_server.py` (routes, `--api-key`, /health
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import gc
 import logging
@@ -68,7 +72,7 @@ from . import dashboard, metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest
-from .serving import OpenAIServing, engine_unavailable
+from .serving import OpenAIServing, engine_unavailable, tokenizer_info
 
 log = logging.getLogger("level6_serving")
 
@@ -155,16 +159,42 @@ class InternalErrors:
             await respond(APIError(500, f"internal error: {e!r}"), scope, receive, send)
 
 
+class ShutdownAnswers:
+    """Outside everything, under uvicorn: a request cut off because the server quits at once (a second
+    Ctrl-C: uvicorn stops waiting, and asyncio cancels the handlers still running) gets a 503 in
+    OpenAI's shape, "the server is shutting down", if its response has not started (uvicorn's own
+    answer to a cancelled handler is a plain-text 500). Only while the server is exiting: a
+    cancellation at any other time is not ours to answer."""
+
+    def __init__(self, app, server: uvicorn.Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        tracked = TrackedSend(send)
+        try:
+            await self.app(scope, receive, tracked)
+        except asyncio.CancelledError:
+            if tracked.started or not self.server.should_exit:
+                raise
+            # Not re-raised: the answer is whole, and uvicorn would log a traceback for it.
+            err = APIError(503, "the server is shutting down", code="server_shutting_down")
+            await respond(err, scope, receive, send, close=True)
+
+
 class APIKeyMiddleware:
-    """401 unless `Authorization: Bearer <key>`, on every path but OPEN_PATHS."""
+    """401 unless `Authorization: Bearer <key>`, on every path but OPEN_PATHS. The scheme's name is
+    case-insensitive (RFC 7235: `bearer`, `BEARER`); the key is not."""
 
     def __init__(self, app, api_key: str):
-        self.app, self.expected = app, f"Bearer {api_key}".encode()
+        self.app, self.expected = app, api_key.encode()
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, self.expected):  # constant time: no timing oracle
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").strip().partition(b" ")
+            if not (secrets.compare_digest(given.strip(), self.expected)  # constant time: no timing oracle
+                    and scheme.lower() == b"bearer"):  # fmt: skip
                 err = APIError(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
                                code="invalid_api_key")  # fmt: skip
                 await JSONResponse(err.body(), status_code=401)(scope, receive, send)
@@ -276,6 +306,14 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             ids = ids["input_ids"]
         return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids}
 
+    @app.get("/tokenizer_info", openapi_extra=openapi.answer("TokenizerInfo"))
+    async def show_tokenizer_info():
+        """vLLM's: the tokenizer's configuration, as its tokenizer_config.json would say it (lm-evaluation-harness'
+        `tokenizer_backend=remote` reads it)."""
+        if engine.tokenizer is None:
+            raise APIError(404, "this model has no tokenizer (it was loaded without one)")
+        return tokenizer_info(engine.tokenizer)
+
     @app.post("/detokenize", openapi_extra=openapi.body("DetokenizeRequest", "DetokenizeResponse"))
     async def detokenize(raw: Request):
         req: DetokenizeRequest = await serving.parse(DetokenizeRequest, raw)
@@ -305,6 +343,7 @@ class Server(uvicorn.Server):
     die by SIGTERM, exit status 143, however cleanly it drained.)"""
 
     def __init__(self, config: uvicorn.Config, app: FastAPI, drain_timeout: float, exit_on_engine_death: bool = False):
+        config.app = ShutdownAnswers(config.app, self)  # before uvicorn loads it (in serve())
         super().__init__(config)
         self.app, self.drain_timeout, self.exit_on_engine_death = app, drain_timeout, exit_on_engine_death
         self.drain_task: asyncio.Task | None = None
@@ -380,9 +419,14 @@ def freeze_startup_heap() -> int:
     every later full collection's walk, which holds the GIL (0.2 s -> 2 ms here: docs/level6_serving.md).
     A cycle among frozen objects is never collected: fine for what lives as long as the server. Called
     by `python -m level6_serving` before it serves, not by `ServerThread` (a test's or a notebook's
-    process is not the server's to freeze). Returns how many objects were frozen."""
+    process is not the server's to freeze). Returns how many objects were frozen.
+
+    Unfrozen again at exit: the interpreter's last collection skips frozen objects, so Triton's
+    nanobind objects would still be alive when nanobind checks for leaks, and it would print some 30
+    lines of `nanobind: leaked ...` after every clean shutdown (atexit runs before that check)."""
     gc.collect()
     gc.freeze()
+    atexit.register(gc.unfreeze)
     return gc.get_freeze_count()
 
 

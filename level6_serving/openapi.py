@@ -7,6 +7,12 @@ puts the pydantic models of `protocol.py` into the document (`body()` for one ro
 returns, so a client generator or a schema fuzzer (`schemathesis`, in the tests) sees the
 real contract: which fields, which types, which statuses.
 
+The request schemas say what the handlers check (`protocol.py` puts it in its models: a
+prompt is not empty, a field the server only accepts at its neutral value admits only that
+value, exactly one of /tokenize's prompt and messages), and a token id's bound, the served
+model's vocabulary, is filled in here when the document is made: so a fuzzer's valid
+requests are ones the server accepts (schemathesis' positive-data check, in the tests).
+
 What it is not: validation. Requests are validated by `protocol.py` alone; the response
 models here are documentation, checked against real responses by the fuzzing test.
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from . import protocol
 
@@ -101,6 +107,14 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizerInfo(BaseModel):
+    """vLLM's /tokenizer_info: the tokenizer's settings (whatever its tokenizer_config.json holds) and class."""
+
+    model_config = ConfigDict(extra="allow")
+    tokenizer_class: str
+    chat_template: str | None = None
+
+
 class Version(BaseModel):
     version: str
 
@@ -118,7 +132,7 @@ class ErrorResponse(BaseModel):
 
 MODELS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
           protocol.DetokenizeRequest, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
-          DetokenizeResponse, ModelList, Version, ErrorResponse]  # fmt: skip
+          DetokenizeResponse, ModelList, Version, ErrorResponse, TokenizerInfo]  # fmt: skip
 
 ERRORS = {
     "400": "a malformed or unsupported request (the error names the field)",
@@ -150,6 +164,19 @@ def answer(response: str) -> dict:
     return {"responses": {"200": {"description": "OK", "content": {"application/json": {"schema": ref(response)}}}}}
 
 
+def fill_bounds(node, bounds: dict) -> None:
+    """protocol.BOUND marks a maximum the server sets (a token id's: the served model's vocabulary); it
+    becomes `maximum`, or goes (an app with no engine of its own to say it)."""
+    if isinstance(node, dict):
+        if (which := node.pop(protocol.BOUND, None)) in bounds:
+            node["maximum"] = bounds[which]
+        for v in node.values():
+            fill_bounds(v, bounds)
+    elif isinstance(node, list):
+        for v in node:
+            fill_bounds(v, bounds)
+
+
 def schema(app) -> dict:
     """The whole document, made once per app."""
     if app.openapi_schema is None:
@@ -160,5 +187,9 @@ def schema(app) -> dict:
             js = model.model_json_schema(ref_template="#/components/schemas/{model}")
             components.update(js.pop("$defs", {}))
             components[model.__name__] = js
+        serving = getattr(app.state, "serving", None)
+        fill_bounds(components, {} if serving is None else {
+            "vocab": serving.engine.model_config.vocab_size - 1, "max_n": serving.max_n,
+            "max_tokens": serving.engine.max_model_len - 1})  # fmt: skip
         app.openapi_schema = doc
     return app.openapi_schema

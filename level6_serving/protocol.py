@@ -27,8 +27,16 @@ supplied"). Every field OpenAI's schema allows is accepted, in one of three ways
 - accepted at its neutral value only (`NEUTRAL_ONLY`: `tools`, `logit_bias`, `response_format`
   other than text, `audio`, ...): anything else is a 400 that says the server does not support it.
 
+The models' JSON schemas (`/openapi.json`, through `openapi.py`) say what the handlers check,
+so that a body the document admits is one the server accepts: ranges, non-empty prompts, a
+NEUTRAL_ONLY field's neutral value only (`SCHEMA`), token ids within the vocabulary and `n`
+within --max-num-seqs (`BOUND`, filled in by openapi.py), and some checks between fields
+(`rules()`: stream_options needs stream, beam search's neutral fields, max_tokens 0 needs echo).
+Not said there: what no JSON schema can (a regex or grammar the engine compiles, a prompt's
+length in tokens against max_tokens), nor at most one structured-output field.
+
 What it is not: the response builder (`serving.py`) or a complete OpenAI schema (no
-tools, images, audio or JSON mode).
+images or audio; tools only as tool_choice's constrained call).
 
 Reference: the OpenAI API reference and its OpenAPI document (completions, chat, error
 codes); vLLM `entrypoints/openai/protocol.py`.
@@ -39,7 +47,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from level3_prefix.beam_search import BeamSearchParams
 
@@ -106,9 +114,48 @@ def _finite32(value: float) -> float:
 Int = Annotated[int, BeforeValidator(_integral)]
 Float = Annotated[float, AfterValidator(_finite32)]
 
+# What the handlers check, said in the JSON schema too (`/openapi.json`: a client generator or a fuzzer then
+# sends what the server accepts). Validation stays in the handlers, whose 400s name the field. BOUND marks a
+# maximum the served model or the server's settings set: openapi.py fills it in when the document is made
+# ("vocab": the last token id; "max_n": --max-num-seqs; "max_tokens": max_model_len - 1).
+BOUND = "x-server-bound"
+TokenId = Annotated[Int, Field(json_schema_extra={"minimum": 0, BOUND: "vocab"})]  # checked: [0, vocab_size)
+NonEmpty = {"minLength": 1}  # an empty prompt is refused
+NULL = {"type": "null"}
+
+
+def nullable(**schema) -> dict:
+    return {"anyOf": [schema, NULL]}
+
+
+LOGPROBS = nullable(type="integer", minimum=0, maximum=MAX_LOGPROBS)
+EMPTY_OBJECT = {"anyOf": [{"type": "object", "maxProperties": 0}, NULL]}  # NEUTRAL_ONLY `not v`
+EMPTY_ARRAY = {"anyOf": [{"type": "array", "maxItems": 0}, NULL]}
+NONE_OR_AUTO = {"anyOf": [{"enum": ["none", "auto"]}, NULL]}
+
+
+def _document(schema: dict, cls) -> None:
+    """A model's JSON schema says its SCHEMA (a field's checks: a field accepted at its neutral value only
+    admits only that value) and its `rules()` (checks between fields): each "`field` is `unless`, or the body is
+    `then`" (anyOf, not if/then: schemathesis cannot generate from several if/thens at once)."""
+    for name, field_schema in getattr(cls, "SCHEMA", {}).items():
+        schema["properties"][name] = {**field_schema, "title": schema["properties"][name].get("title", name)}
+    rules = [{"anyOf": [{"properties": {f: unless}}, then]}
+             for f, unless, then in (cls.rules() if hasattr(cls, "rules") else [])]  # fmt: skip
+    # Not said: at most one of ONLY_ONE (a rule of 5 branches beside these is more than schemathesis generates from).
+    if rules:  # the fields' schema first, then each rule (schemathesis generates from this form, not from
+        base = dict(schema)  # the same rules beside "properties")
+        schema.clear()
+        schema["allOf"] = [base, *rules]
+
+
+def at_neutral(fields: dict) -> dict:
+    """A rule's `then`: each of `fields` absent or at its neutral value (the schema given)."""
+    return {"properties": fields}
+
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_document)
 
 
 class StreamOptions(Strict):
@@ -191,6 +238,35 @@ class SamplingFields(Strict):
         "tool_choice": lambda v: v in (None, "none", "auto"),
         "prompt_logprobs": lambda v: v is None,
     }
+    SCHEMA: ClassVar[dict] = {
+        "logit_bias": EMPTY_OBJECT, "tools": EMPTY_ARRAY, "tool_choice": NONE_OR_AUTO, "prompt_logprobs": NULL,
+        # SamplingParams' checks and the server's bounds
+        "max_tokens": nullable(type="integer", minimum=1, **{BOUND: "max_tokens"}),
+        "n": nullable(type="integer", minimum=1, **{BOUND: "max_n"}),
+        "temperature": nullable(type="number", minimum=0, maximum=FLOAT32_MAX),
+        "top_p": nullable(type="number", exclusiveMinimum=0, maximum=1),
+        "top_k": nullable(type="integer", minimum=-1),
+        "min_p": nullable(type="number", minimum=0, maximum=1),
+        "min_tokens": nullable(type="integer", minimum=0, **{BOUND: "max_tokens"}),
+        "seed": nullable(type="integer", minimum=-(2**63), maximum=2**63 - 1),
+        "stop": {"anyOf": [{"type": "string", **NonEmpty}, {"type": "array", "items": {"type": "string", **NonEmpty}},
+                           NULL]},
+        "stop_token_ids": nullable(type="array", items={"type": "integer", "minimum": 0, BOUND: "vocab"}),
+        "presence_penalty": nullable(type="number", minimum=-2, maximum=2),
+        "frequency_penalty": nullable(type="number", minimum=-2, maximum=2),
+        "repetition_penalty": nullable(type="number", minimum=1e-2, maximum=FLOAT32_MAX),
+        "guided_regex": nullable(type="string", format="regex"),
+        "guided_choice": nullable(type="array", minItems=1, items={"type": "string", **NonEmpty}),
+        "guided_json": nullable(type="object"),  # a JSON schema (a string holding one is accepted too)
+        "response_format": {"anyOf": [
+            {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
+            {"type": "object", "required": ["type", "json_schema"], "properties": {"type": {"const": "json_schema"},
+             "json_schema": {"type": "object", "required": ["schema"], "properties": {"schema": {"type": "object"}}}}},
+            NULL]},
+    }  # fmt: skip
+    # the fields that constrain the output (at most one may: `structured`)
+    ONLY_ONE: ClassVar[tuple] = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                                 "structured_outputs")  # fmt: skip
     # What has no meaning in a beam search (nothing is drawn, nothing streams): only the default is accepted
     BEAM_NEUTRAL: ClassVar[dict] = {
         "stream": lambda v: not v,
@@ -205,6 +281,21 @@ class SamplingFields(Strict):
         "repetition_penalty": lambda v: v in (None, 1),
         "prompt_logprobs": lambda v: v is None,
     }
+
+    @classmethod
+    def rules(cls) -> list[tuple[str, dict, dict]]:
+        """The checks between fields, for the JSON schema: (field, its values that ask nothing more (absent too),
+        what the body must be otherwise)."""
+        beam = {"stream": {"enum": [False, None]}, "stop": EMPTY_ARRAY, "stop_token_ids": EMPTY_ARRAY,
+                "min_tokens": {"enum": [0, None]}, "top_p": {"enum": [1, None]}, "top_k": {"enum": [0, -1, None]},
+                "min_p": {"enum": [0, None]}, "presence_penalty": {"enum": [0, None]},
+                "frequency_penalty": {"enum": [0, None]}, "repetition_penalty": {"enum": [1, None]},
+                "prompt_logprobs": NULL, "n": nullable(type="integer", minimum=1, maximum=MAX_LOGPROBS // 2),
+                **{f: NULL for f in cls.ONLY_ONE if f != "response_format"}, **cls.BEAM_SCHEMA}  # fmt: skip
+        return [("stream_options", NULL, {"required": ["stream"], "properties": {"stream": {"const": True}}}),
+                ("use_beam_search", {"enum": [False, None]}, at_neutral(beam))]  # fmt: skip
+
+    BEAM_SCHEMA: ClassVar[dict] = {}  # an endpoint's own BEAM_NEUTRAL fields, as schemas
 
     @property
     def num_samples(self) -> int:
@@ -310,7 +401,11 @@ class SamplingFields(Strict):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[Int] | list[list[Int]]
+    prompt: (Annotated[str, Field(json_schema_extra=NonEmpty)]
+             | Annotated[list[Annotated[str, Field(json_schema_extra=NonEmpty)]], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]
+             | Annotated[list[Annotated[list[TokenId], Field(json_schema_extra={"minItems": 1})]],
+                         Field(json_schema_extra={"minItems": 1})])  # fmt: skip
     echo: bool | None = None
     logprobs: Int | None = None  # top-N logprobs per token (OpenAI: at most 5; here MAX_LOGPROBS)
     best_of: Int | None = None  # accepted only as n (no best-of search)
@@ -318,8 +413,20 @@ class CompletionRequest(SamplingFields):
 
     # vLLM's prompt_logprobs is honoured here (the response's choices carry them, as vLLM's do)
     NEUTRAL_ONLY: ClassVar[dict] = {k: v for k, v in SamplingFields.NEUTRAL_ONLY.items() if k != "prompt_logprobs"}
+    SCHEMA: ClassVar[dict] = {**{k: v for k, v in SamplingFields.SCHEMA.items() if k != "prompt_logprobs"},
+                              "suffix": {"anyOf": [{"type": "string", "maxLength": 0}, NULL]},
+                              "logprobs": LOGPROBS, "prompt_logprobs": LOGPROBS,
+                              "max_tokens": nullable(type="integer", minimum=0, **{BOUND: "max_tokens"}),
+                              "best_of": nullable(const=1)}  # best_of == n: said for the default n  # fmt: skip
     BEAM_NEUTRAL: ClassVar[dict] = {**SamplingFields.BEAM_NEUTRAL, "logprobs": lambda v: v is None,
                                     "echo": lambda v: not v}  # fmt: skip
+
+    BEAM_SCHEMA: ClassVar[dict] = {"logprobs": NULL, "echo": {"enum": [False, None]}}
+
+    @classmethod
+    def rules(cls) -> list[tuple[str, dict, dict]]:  # max_tokens 0: the prompt scored (echo), not searched
+        return super().rules() + [("max_tokens", {"anyOf": [NULL, {"minimum": 1}]}, {"required": ["echo"], "properties": {
+            "echo": {"const": True}, "use_beam_search": {"enum": [False, None]}}})]  # fmt: skip
 
     @property
     def num_prompt_logprobs(self) -> int | None:
@@ -364,6 +471,8 @@ class ChatMessage(Strict):
     function_call: dict[str, Any] | None = None  # the deprecated form of tool_calls: must be absent
     audio: dict[str, Any] | None = None  # no audio here: must be absent
 
+    SCHEMA: ClassVar[dict] = {"tool_calls": EMPTY_ARRAY, "function_call": EMPTY_OBJECT, "audio": EMPTY_OBJECT}
+
     def as_template_input(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
         return {"role": self.role, "content": text or self.refusal or ""}
@@ -374,7 +483,7 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens; it wins if both are set
     logprobs: bool | None = None
     top_logprobs: Int | None = None
-    parallel_tool_calls: bool | None = None  # IGNORED: there are no tools
+    parallel_tool_calls: bool | None = None  # false: tool_choice "required" makes exactly one call
     prediction: dict[str, Any] | None = None  # IGNORED
     reasoning_effort: str | None = None  # IGNORED
     verbosity: str | None = None  # IGNORED
@@ -394,8 +503,25 @@ class ChatCompletionRequest(SamplingFields):
         "function_call": lambda v: v in (None, "none", "auto"),
         "moderation": lambda v: v is None,
     }
+    SCHEMA: ClassVar[dict] = {
+        **{k: v for k, v in SamplingFields.SCHEMA.items() if k not in ("tools", "tool_choice")},
+        "modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}, NULL]},
+        "audio": NULL, "web_search_options": NULL, "functions": EMPTY_ARRAY, "function_call": NONE_OR_AUTO,
+        "moderation": NULL, "top_logprobs": LOGPROBS,
+        "max_completion_tokens": nullable(type="integer", minimum=1, **{BOUND: "max_tokens"}),
+    }  # fmt: skip
     BEAM_NEUTRAL: ClassVar[dict] = {**SamplingFields.BEAM_NEUTRAL, "logprobs": lambda v: not v,
                                     "top_logprobs": lambda v: v is None}  # fmt: skip
+
+    BEAM_SCHEMA: ClassVar[dict] = {"logprobs": {"enum": [False, None]}, "top_logprobs": NULL,
+                                   "tool_choice": NONE_OR_AUTO}  # fmt: skip
+
+    @classmethod
+    def rules(cls) -> list[tuple[str, dict, dict]]:
+        return super().rules() + [
+            ("top_logprobs", NULL, {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}),
+            ("tool_choice", NONE_OR_AUTO, {"required": ["tools"],
+             "properties": {"tools": {"type": "array", "minItems": 1}}})]  # fmt: skip
 
     def tool_constraint(self) -> list[tuple[dict, str]]:
         """tool_choice "required" or a named function: the output is a tool call, constrained by the tools'
@@ -410,7 +536,10 @@ class ChatCompletionRequest(SamplingFields):
                 raise APIError(400, "tool_choice 'required' needs tools", "tools")
             one_of = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": f.get("parameters", {})},
                        "required": ["name", "parameters"], "additionalProperties": False} for name, f in tools.items()]  # fmt: skip
-            return [({"json": {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}}, "tool_choice")]
+            # parallel_tool_calls false: exactly one call. Without the bound a small model may go on
+            # writing calls until max_tokens, and an unfinished array is no tool call at all.
+            one = {"maxItems": 1} if self.parallel_tool_calls is False else {}
+            return [({"json": {"type": "array", "minItems": 1, **one, "items": {"anyOf": one_of}}}, "tool_choice")]
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if name not in tools:
             raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
@@ -425,8 +554,6 @@ class ChatCompletionRequest(SamplingFields):
                     and isinstance(t["function"].get("name"), str)):  # fmt: skip
                 raise APIError(400, f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                                "tools")  # fmt: skip
-        if self.tool_choice not in (None, "none", "auto") and self.stream:
-            raise APIError(400, "tool_choice 'required' or a named function is not supported with stream", "stream")
         for i, m in enumerate(self.messages):
             for name in ("tool_calls", "function_call", "audio"):
                 if getattr(m, name):
@@ -445,6 +572,9 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class TokenizeRequest(Strict):
+    # exactly one of prompt and messages (null is absent)
+    model_config = ConfigDict(json_schema_extra=lambda schema, cls: schema.update(oneOf=[
+        {"required": [f], "properties": {f: {"not": NULL}}} for f in ("prompt", "messages")]))  # fmt: skip
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -453,4 +583,4 @@ class TokenizeRequest(Strict):
 
 class DetokenizeRequest(Strict):
     model: str | None = None
-    tokens: list[Int]
+    tokens: list[TokenId]

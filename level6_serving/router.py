@@ -20,11 +20,14 @@ on localhost), and serves the same API in front of them:
                     loaded, as SGLang's cache-aware router balances); no match: least loaded
 
 A replica that stops answering is taken out of rotation and reported (/health stays 200 while one
-replica lives; `ladder:dp_replicas_alive`): at once when a request cannot reach it or it breaks off
-an answer, after HEALTH_FAILURES failed /health checks in a row otherwise, and it comes back if it
-answers again. A request it was serving fails cleanly: a 502 in OpenAI's error shape (a whole
-answer is read before it is sent on, so a truncated one is a 502 too), or, when its stream has
-started, an error event and `data: [DONE]`. A request's place in its replica's count is given back
+replica lives; `ladder:dp_replicas_alive`): at once when its process exits (the router started it,
+and polls it before each request), when it refuses a connection or breaks off an answer, after
+HEALTH_FAILURES failed /health checks in a row otherwise, and it comes back if it answers again
+(unless its process has exited). A refused connection means the request never started, so it goes
+to the next live replica (outcome "refused" in `ladder:dp_requests_total`, never a 502). A request
+a replica was serving when it died fails cleanly: a 502 in OpenAI's error shape (a whole answer is
+read before it is sent on, so a truncated one is a 502 too), or, when its stream has started, an
+error event and `data: [DONE]`. A request's place in its replica's count is given back
 once, however it ends (a client that leaves included).
 
 What it is not: vLLM's in-process data parallelism (its API server talks to N engine cores over
@@ -64,8 +67,9 @@ HEALTH_FAILURES = 3  # checks in a row that must fail before a replica leaves ro
 
 
 class Replica:
-    def __init__(self, index: int, url: str):
+    def __init__(self, index: int, url: str, process=None):
         self.index, self.url = index, url
+        self.process = process  # its Popen when this process started it (polled: a death is seen at once), or None
         self.alive = True
         self.in_flight = 0  # requests this router has sent and not yet seen end
         self.sent = 0  # requests this router has sent it, in all
@@ -176,10 +180,11 @@ class Relayed(StreamingResponse):
 
 
 def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
-                     max_request_body_bytes: int = 8 << 20) -> FastAPI:  # fmt: skip
+                     max_request_body_bytes: int = 8 << 20, processes: list | None = None) -> FastAPI:  # fmt: skip
     """The front end over replicas at `urls` (already up). Requests go through as they are (the API key too:
-    each replica checks it); only what the router itself answers (/health, /metrics) is open."""
-    replicas = [Replica(i, u) for i, u in enumerate(urls)]
+    each replica checks it); only what the router itself answers (/health, /metrics) is open. `processes`:
+    the replicas' Popen objects, when this process is their parent (`python -m level6_serving`)."""
+    replicas = [Replica(i, u, p) for i, (u, p) in enumerate(zip(urls, processes or [None] * len(urls)))]
     router = Router(replicas, policy)
     client: httpx.AsyncClient | None = None
     counts: dict[tuple[int, str], int] = defaultdict(int)  # (replica, outcome) -> requests
@@ -189,7 +194,10 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
         back once it answers again (a slow moment is not a death; a dead process never answers)."""
         failures = defaultdict(int)
         while True:
+            check_processes()
             for r in replicas:
+                if r.process is not None and r.process.poll() is not None:
+                    continue  # gone for good: no /health check brings it back
                 if await healthy(r):
                     failures[r.index] = 0
                     if not r.alive:
@@ -206,6 +214,13 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             return (await client.get(r.url + "/health", timeout=5.0)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def check_processes() -> None:
+        """A replica whose process has exited leaves rotation now, before a request is sent to it (a waitpid
+        that does not wait: microseconds, so every request can afford it)."""
+        for r in replicas:
+            if r.alive and r.process is not None and r.process.poll() is not None:
+                mark_dead(r, f"its process exited (status {r.process.returncode})")
 
     def mark_dead(r: Replica, why: str) -> None:
         if r.alive:
@@ -234,30 +249,38 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             parsed = json.loads(body) if body else {}
         except ValueError:
             parsed = {}  # the replica answers the 400 in its own words
-        try:
-            r = router.choose(prompt_text(parsed if isinstance(parsed, dict) else {}))
-        except LookupError:
-            return error(503, "no replica is alive", "no_replica")
+        text = prompt_text(parsed if isinstance(parsed, dict) else {})
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
-        done = Release(r, counts)  # the in-flight count comes back exactly once, however this request ends
-        answer = post(r.url + path, body, headers)  # status, headers, then the body's pieces
-        try:
-            status, got = await anext(answer), await anext(answer)
-            streaming = got.get("content-type", "").startswith("text/event-stream")
-            keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
-            if not streaming:  # a whole answer: read it all first, so a replica that breaks off is a 502
-                whole = b"".join([piece async for piece in answer])
-                done("ok")
-                return Response(whole, status_code=status, headers=keep)
-        except (OSError, asyncio.IncompleteReadError, ValueError, StopAsyncIteration) as e:
-            done("failed")
-            await answer.aclose()
-            mark_dead(r, f"it failed a request ({e!r})")
-            return error(502, f"replica {r.index} failed before answering in full: {e!r}", "replica_failed")
-        except BaseException:  # the client left while we waited (a cancelled handler): nothing to send
-            done("abandoned")
-            await answer.aclose()
-            raise
+        while True:  # once more for each replica that refuses the connection
+            check_processes()
+            try:
+                r = router.choose(text)
+            except LookupError:
+                return error(503, "no replica is alive", "no_replica")
+            done = Release(r, counts)  # the in-flight count comes back exactly once, however this request ends
+            answer = post(r.url + path, body, headers)  # status, headers, then the body's pieces
+            try:
+                status, got = await anext(answer), await anext(answer)
+                streaming = got.get("content-type", "").startswith("text/event-stream")
+                keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
+                if not streaming:  # a whole answer: read it all first, so a replica that breaks off is a 502
+                    whole = b"".join([piece async for piece in answer])
+                    done("ok")
+                    return Response(whole, status_code=status, headers=keep)
+                break
+            except ConnectionRefusedError as e:  # nothing reached it, so the request never started: send it again
+                done("refused")
+                await answer.aclose()
+                mark_dead(r, f"it refused a connection ({e!r})")
+            except (OSError, asyncio.IncompleteReadError, ValueError, StopAsyncIteration) as e:
+                done("failed")  # it may have started: sending it again could run it twice
+                await answer.aclose()
+                mark_dead(r, f"it failed a request ({e!r})")
+                return error(502, f"replica {r.index} failed before answering in full: {e!r}", "replica_failed")
+            except BaseException:  # the client left while we waited (a cancelled handler): nothing to send
+                done("abandoned")
+                await answer.aclose()
+                raise
 
         async def relay():
             try:
@@ -286,16 +309,19 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
         """A route any live replica answers the same (the model list, the tokenizer)."""
 
         async def route(raw: Request) -> Response:
-            live = router.live()
-            if not live:
-                return error(503, "no replica is alive", "no_replica")
+            check_processes()
             headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
-            try:
-                resp = await client.request(method, live[0].url + path, content=await raw.body(), headers=headers)
-            except httpx.HTTPError as e:
-                mark_dead(live[0], f"a request could not reach it ({e!r})")
-                return error(502, f"replica {live[0].index} failed: {e!r}", "replica_failed")
-            return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            for r in router.live():
+                try:
+                    resp = await client.request(method, r.url + path, content=await raw.body(), headers=headers)
+                except httpx.ConnectError as e:  # the request never reached it: ask the next one
+                    mark_dead(r, f"it refused a connection ({e!r})")
+                    continue
+                except httpx.HTTPError as e:
+                    mark_dead(r, f"a request could not reach it ({e!r})")
+                    return error(502, f"replica {r.index} failed: {e!r}", "replica_failed")
+                return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
+            return error(503, "no replica is alive", "no_replica")
 
         app.add_api_route(path, route, methods=[method])
 

@@ -42,7 +42,9 @@ API reference for the chunk objects.
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
+import dataclasses
 import json
 import logging
 import re
@@ -99,6 +101,24 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
     finally:
         for t in tasks:
             t.cancel()  # an unfinished stream is abandoned, so its request is aborted
+
+
+class PromptOnly:
+    """`max_tokens: 0` with `echo` (OpenAI's legacy way to score a prompt): the engine generates one
+    token, since a request must generate something, and this stream hides it: each output keeps the
+    prompt's logprobs and loses its token, text and logprobs; it finishes at "length"."""
+
+    def __init__(self, stream: RequestStream):
+        self.stream, self.prompt_token_ids = stream, stream.prompt_token_ids
+
+    def abandon(self) -> None:
+        self.stream.abandon()
+
+    async def __aiter__(self):
+        async for out in self.stream:
+            yield dataclasses.replace(out, outputs=[dataclasses.replace(
+                c, text="", token_ids=[], logprobs=None if c.logprobs is None else [], cumulative_logprob=None,
+                stop_reason=None, finish_reason=c.finish_reason and "length") for c in out.outputs])  # fmt: skip
 
 
 class EventStream(StreamingResponse):
@@ -168,7 +188,25 @@ def _top(entry: dict, n: int) -> list:
     return sorted(((t, lp) for t, lp in entry.items() if lp.rank <= n), key=lambda x: x[1].rank)
 
 
-def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offset: int) -> dict:
+class TextOffsets:
+    """`text_offset`s: where each token starts in the choice's text, in characters (as OpenAI's legacy
+    completions count them: indices into the returned text), the echoed prompt and the output alike.
+    A token that is part of a character ("€" is three byte tokens) decodes to U+FFFD, one character
+    that is not in the text: so its bytes are fed to a UTF-8 decoder, and a token starts where the
+    characters completed before it end ("€ab" -> 0, 0, 0, 1, 2). Kept per choice across chunks."""
+
+    def __init__(self, tokenizer, start: int = 0):
+        self.tokenizer, self.chars = tokenizer, start
+        self.utf8 = codecs.getincrementaldecoder("utf-8")("replace")  # holds a character's first bytes
+
+    def next(self, token_id: int, decoded: str) -> int:
+        at = self.chars
+        raw = token_bytes(self.tokenizer, token_id, decoded) if self.tokenizer else decoded.encode()
+        self.chars += len(self.utf8.decode(raw))
+        return at
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offsets: TextOffsets) -> dict:
     """The legacy completions shape: parallel lists, `text_offset` counted from the choice's start."""
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     for tok, entry in zip(token_ids, entries):
@@ -176,18 +214,17 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], n: int, offse
         out["tokens"].append(chosen.decoded_token)
         out["token_logprobs"].append(chosen.logprob)
         out["top_logprobs"].append({lp.decoded_token: lp.logprob for _, lp in _top(entry, n)})
-        out["text_offset"].append(offset)
-        offset += len(chosen.decoded_token or "")
+        out["text_offset"].append(offsets.next(tok, chosen.decoded_token or ""))
     return out
 
 
-def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | None, offset: int,
-                      prompt: dict | None = None) -> dict:
+def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | None, offsets: TextOffsets,
+                      prompt: dict | None = None) -> dict:  # fmt: skip
     """One choice of /v1/completions: a chunk's (`c` a delta) or a whole response's (`c` a Choice);
-    `offset` is where `c`'s text starts in the choice's. `prompt` (from `prompt_part`, once the
+    `offsets` goes on from where `c`'s text starts in the choice's. `prompt` (from `prompt_part`, once the
     prompt's logprobs came) adds vLLM's `prompt_logprobs` and, for `echo` with `logprobs`, the
     echoed text in front with its tokens' logprobs opening the list."""
-    lp = None if num_lp is None else completion_logprobs(c.token_ids, c.logprobs or [], num_lp, offset)
+    lp = None if num_lp is None else completion_logprobs(c.token_ids, c.logprobs or [], num_lp, offsets)
     ch = {"index": index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
           "stop_reason": c.stop_reason}  # fmt: skip
     if prompt is not None:
@@ -199,7 +236,8 @@ def completion_choice(index: int, c: CompletionOutput | Choice, num_lp: int | No
     return ch
 
 
-def prompt_part(ids: list[int], entries: list, num_lp: int | None, echo: str | None, first_text: str) -> dict:
+def prompt_part(ids: list[int], entries: list, num_lp: int | None, echo: str | None, first_text: str,
+                tokenizer=None) -> dict:  # fmt: skip
     """What a choice adds once its prompt's logprobs came: vLLM's `prompt_logprobs` (a list, None for
     the first token, else {token id: {logprob, rank, decoded_token}}), and with an `echo`, the echoed
     text and its tokens in the legacy logprobs shape (the first token's logprob null; `first_text` is
@@ -208,7 +246,9 @@ def prompt_part(ids: list[int], entries: list, num_lp: int | None, echo: str | N
         None if e is None else {str(t): {"logprob": x.logprob, "rank": x.rank, "decoded_token": x.decoded_token}
                                 for t, x in e.items()} for e in entries]}  # fmt: skip
     if echo is not None and num_lp is not None:
-        rest = completion_logprobs(ids[1:], entries[1:], num_lp, len(first_text))
+        offsets = TextOffsets(tokenizer)
+        offsets.next(ids[0], first_text)
+        rest = completion_logprobs(ids[1:], entries[1:], num_lp, offsets)
         part["logprobs"] = {"tokens": [first_text] + rest["tokens"], "token_logprobs": [None] + rest["token_logprobs"],
                             "top_logprobs": [None] + rest["top_logprobs"], "text_offset": [0] + rest["text_offset"]}  # fmt: skip
     return part
@@ -360,7 +400,8 @@ class OpenAIServing:
                         continue
                     if c.finish_reason is not None:
                         done.add(index)
-                    yield sse({**ctx, "choices": [choice(index, c, out)], **extra()})
+                    if (ch := choice(index, c, out)) is not None:  # None: the endpoint holds this delta back
+                        yield sse({**ctx, "choices": [ch], **extra()})
             if include_usage:
                 yield sse({**ctx, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
         except Exception as e:  # noqa: BLE001 - the status line is sent: the error goes in the stream
@@ -412,6 +453,8 @@ class OpenAIServing:
             except ValueError as e:
                 raise APIError(400, str(e), "prompt", too_long(e)) from None
         max_tokens = 16 if req.max_tokens is None else req.max_tokens  # OpenAI's default for completions
+        prompt_only = max_tokens == 0 and bool(req.echo) and not req.use_beam_search  # score the prompt: PromptOnly
+        max_tokens += prompt_only
         beams = req.beam_search_params(max_tokens) if req.use_beam_search else None
         params = None if beams else req.sampling_params(max_tokens, "max_tokens", req.logprobs, req.num_prompt_logprobs)
         for x in ids:
@@ -427,6 +470,8 @@ class OpenAIServing:
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
         streams = await self.add_all(ctx["id"], ids, params, req.structured()[1])
+        if prompt_only:
+            streams = [PromptOnly(s) for s in streams]
         if req.stream:
             return EventStream(self.completion_events(ctx, req, streams, echo), streams)
         return await unless_disconnected(raw, self.completion_response(ctx, req, streams, echo), streams)
@@ -437,7 +482,7 @@ class OpenAIServing:
         waits for them: the first delta carries the echo, its tokens' logprobs and vLLM's
         `prompt_logprobs` (the output that completes the prompt also brings its first token)."""
         n, num_lp, with_prompt = req.num_samples, req.logprobs, req.num_prompt_logprobs is not None
-        offsets = [len(echo[index // n]) for index in range(len(streams) * n)]
+        offsets = [TextOffsets(self.engine.tokenizer, len(echo[index // n])) for index in range(len(streams) * n)]
         sent_prompt: set[int] = set()
 
         def choice(index: int, c: CompletionOutput, out: RequestOutput) -> dict:
@@ -445,10 +490,7 @@ class OpenAIServing:
             if with_prompt and index not in sent_prompt and out.prompt_logprobs is not None:
                 sent_prompt.add(index)
                 part = self.prompt_part(out, req, echo[index // n])
-            ch = completion_choice(index, c, num_lp, offsets[index], part)
-            if ch["logprobs"] is not None and c.token_ids:  # the generated tokens close the list
-                offsets[index] += sum(len(t or "") for t in ch["logprobs"]["tokens"][-len(c.token_ids) :])
-            return ch
+            return completion_choice(index, c, num_lp, offsets[index], part)
 
         opening = [] if with_prompt else [{"index": index, "text": echo[index // n], "logprobs": None,
                                            "finish_reason": None}
@@ -456,22 +498,23 @@ class OpenAIServing:
         return self.events(ctx, req, streams, opening, choice, num_lp is not None or with_prompt)
 
     def completion_response(self, ctx: dict, req: CompletionRequest, streams, echo: list[str]):
-        n, num_lp = req.num_samples, req.logprobs
+        n, num_lp, tok = req.num_samples, req.logprobs, self.engine.tokenizer
         if req.num_prompt_logprobs is None:
-            choice = lambda index, ch, *_: completion_choice(index, ch, num_lp, len(echo[index // n]))  # noqa: E731
+            choice = lambda index, ch, *_: completion_choice(index, ch, num_lp, TextOffsets(tok, len(echo[index // n])))  # noqa: E731
             return self.response(ctx, req, streams, echo, choice)
 
         def choice(index: int, ch: Choice) -> dict:  # the echo goes in front with the prompt's logprobs
             ids, entries = ch.prompt
             part = prompt_part(ids, entries, num_lp, echo[index // n] if req.echo else None,
-                               self.engine.tokenizer.decode(ids[:1]) if self.engine.tokenizer else "")  # fmt: skip
-            return completion_choice(index, ch, num_lp, len(echo[index // n]), part)
+                               tok.decode(ids[:1]) if tok else "", tok)  # fmt: skip
+            return completion_choice(index, ch, num_lp, TextOffsets(tok, len(echo[index // n])), part)
 
         return self.response(ctx, req, streams, ["" for _ in echo], choice)
 
     def prompt_part(self, out: RequestOutput, req: CompletionRequest, echo: str) -> dict:
         first = self.engine.tokenizer.decode(out.prompt_token_ids[:1]) if self.engine.tokenizer else ""
-        return prompt_part(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, echo if req.echo else None, first)
+        return prompt_part(out.prompt_token_ids, out.prompt_logprobs, req.logprobs, echo if req.echo else None, first,
+                           self.engine.tokenizer)  # fmt: skip
 
     # --- /v1/chat/completions ------------------------------------------------------------------
     async def chat(self, raw: Request) -> Response:
@@ -509,15 +552,43 @@ class OpenAIServing:
 
     def chat_events(self, ctx: dict, req: ChatCompletionRequest, streams):
         """First the role, in a chunk of its own for every choice; then content deltas (`{}` for
-        one without text), with chat's logprobs. A chunk has no stop_reason; the response does."""
+        one without text), with chat's logprobs. A chunk has no stop_reason; the response does.
+        A tool call streams as OpenAI's do: a named function's arguments as they come (the first
+        delta names the call); "required"'s calls, a JSON list until it ends, in the last chunk
+        (an unfinished list stays content, as in the response)."""
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
         role = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
                 for index in range(req.num_samples)]  # fmt: skip
+        calls = req.tool_constraint() != []
+        held = ["" for _ in role]  # "required": the text so far, parsed when it ends
+        named: dict[int, str] = {}  # a named function's call id, once its first delta went out
+
+        def delta(index: int, c: CompletionOutput) -> tuple[dict, str | None]:
+            if not calls:
+                return {"content": c.text} if c.text else {}, c.finish_reason
+            if req.tool_choice != "required":
+                if not c.text:
+                    return {}, c.finish_reason
+                call = {"index": 0, "function": {"arguments": c.text}}
+                if index not in named:
+                    named[index] = f"call_{uuid.uuid4().hex[:24]}"
+                    call = {**call, "id": named[index], "type": "function",
+                            "function": {"name": req.tool_choice["function"]["name"], "arguments": c.text}}  # fmt: skip
+                return {"tool_calls": [call]}, c.finish_reason
+            held[index] += c.text
+            if c.finish_reason is None:
+                return {}, None
+            parsed = tool_calls(req, held[index]) if c.finish_reason == "stop" else None
+            if parsed is None:
+                return {"content": held[index]}, c.finish_reason
+            return {"tool_calls": [{"index": i, **call} for i, call in enumerate(parsed)]}, "tool_calls"
 
         def choice(index: int, c: CompletionOutput, out: RequestOutput) -> dict:
             lp = None if num_lp is None else chat_logprobs(c.token_ids, c.logprobs or [], num_lp, tok)
-            return {"index": index, "delta": {"content": c.text} if c.text else {}, "logprobs": lp,
-                    "finish_reason": c.finish_reason}  # fmt: skip
+            d, finish = delta(index, c)
+            if not (d or finish or lp):
+                return None  # "required"'s text held back, and no logprobs to send: no chunk
+            return {"index": index, "delta": d, "logprobs": lp, "finish_reason": finish}
 
         return self.events({**ctx, "object": "chat.completion.chunk"}, req, streams, role, choice, num_lp is not None)
 
@@ -528,8 +599,9 @@ class OpenAIServing:
         def choice(index: int, ch: Choice) -> dict:
             message = {"role": "assistant", "content": ch.text, "refusal": None}
             finish = ch.finish_reason
-            if calls and finish == "stop":
-                message["content"], message["tool_calls"] = None, tool_calls(req, ch.text)
+            parsed = tool_calls(req, ch.text) if calls and finish == "stop" else None
+            if parsed is not None:
+                message["content"], message["tool_calls"] = None, parsed
                 finish = "tool_calls" if req.tool_choice == "required" else "stop"  # OpenAI: a forced name says stop
             return {"index": index, "message": message,
                     "logprobs": None if num_lp is None else chat_logprobs(ch.token_ids, ch.logprobs, num_lp, tok),
@@ -538,16 +610,41 @@ class OpenAIServing:
         return self.response({**ctx, "object": "chat.completion"}, req, streams, [""], choice)
 
 
-def tool_calls(req: ChatCompletionRequest, text: str) -> list[dict]:
+def tool_calls(req: ChatCompletionRequest, text: str) -> list[dict] | None:
     """The OpenAI tool calls a constrained output stands for: a named function's arguments, or
-    ("required") a list of {"name", "parameters"}, one call each."""
-    out = json.loads(text)  # valid: the grammar made it so, and it finished
+    ("required") a list of {"name", "parameters"}, one call each; None if the text is not one
+    (a stop string cut it short: the grammar only promises what it finished)."""
+    try:
+        out = json.loads(text)
+    except ValueError:
+        return None
     if req.tool_choice == "required":
         pairs = [(call["name"], call["parameters"]) for call in out]
     else:
         pairs = [(req.tool_choice["function"]["name"], out)]
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": name, "arguments": json.dumps(args)}} for name, args in pairs]  # fmt: skip
+
+
+def tokenizer_info(tokenizer) -> dict:
+    """`GET /tokenizer_info`, as vLLM serves it: the tokenizer's own settings (its `init_kwargs`, what its
+    tokenizer_config.json says, file paths left out, added tokens as their text), its class, its chat template."""
+
+    def plain(x):
+        if hasattr(x, "content"):  # an AddedToken
+            return x.content
+        if isinstance(x, dict):
+            return {str(k): plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x if x is None or isinstance(x, (str, int, float, bool)) else str(x)
+
+    info = {k: plain(v) for k, v in (getattr(tokenizer, "init_kwargs", None) or {}).items()
+            if k not in ("vocab_file", "merges_file")}  # fmt: skip
+    info["tokenizer_class"] = type(tokenizer).__name__
+    if getattr(tokenizer, "chat_template", None):
+        info["chat_template"] = tokenizer.chat_template
+    return info
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

@@ -11,7 +11,9 @@ What it is:
   - `python -m level6_serving --data-parallel-size 2`: every request's greedy output equals the
     offline engine's (DP=1), and both replicas served some;
   - a replica killed mid-stream: that stream ends with an error event and [DONE], the replica leaves
-    rotation, /health stays 200 and every later request is answered by the live one.
+    rotation, /health stays 200 and every later request is answered by the live one;
+  - a replica killed between requests: no request gets a 502 (a refused connection is sent to the
+    live replica; a router that polls its replicas' processes never sends it there).
 """
 
 from __future__ import annotations
@@ -260,3 +262,31 @@ def test_two_replicas_give_the_offline_engines_answers(ckpt, llm):
     served = {r: value(samples, f'ladder:dp_requests_total{{replica="{r}",outcome="ok"}}') for r in ("0", "1")}
     assert served == {"0": 4.0, "1": 4.0}  # round-robin: half each
     assert sum(v for k, v in samples.items() if k.startswith('vllm:generation_tokens_total{replica="all"')) == 12 * 8
+
+
+def test_a_replica_killed_between_requests_costs_no_request_a_502(ckpt):
+    """Replica 1 is SIGKILLed and reaped (its port closed for sure) before any request is sent. A router
+    that has not noticed yet (no process to poll: its /health checks take a second or more to give up)
+    sends it the second request, finds the connection refused, and sends that request to replica 0; a
+    router that polls the replicas' processes takes replica 1 out of rotation before it sends anything.
+    The replica that lives is stopped with SIGTERM: its exit is clean, with no nanobind leak report."""
+
+    def ask(url: str) -> list[int]:
+        return [httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": p, "max_tokens": 2},
+                           timeout=60).status_code for p in PROMPTS[:4]]  # fmt: skip
+
+    with two_replicas(ckpt, ENGINE["max_model_len"]) as (r0, r1):
+        with ServerThread(build_router_app([r0.url, r1.url], "round-robin")) as url:
+            os.killpg(r1.proc.pid, signal.SIGKILL)
+            r1.proc.wait(timeout=30)
+            assert ask(url) == [200] * 4  # the second was refused by replica 1, then answered by replica 0
+            samples = parse(httpx.get(url + "/metrics").text)
+            assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 4
+            assert value(samples, "ladder:dp_replicas_alive") == 1
+        watching = build_router_app([r0.url, r1.url], "round-robin", processes=[r0.proc, r1.proc])
+        with ServerThread(watching) as url:
+            assert ask(url) == [200] * 4 and httpx.get(url + "/v1/models").status_code == 200
+            assert not watching.state.replicas[1].alive
+            samples = parse(httpx.get(url + "/metrics").text)
+            assert not [k for k in samples if k.startswith("ladder:dp_requests_total") and 'replica="1"' in k]
+    assert r0.returncode == 0 and "nanobind" not in r0.tail(20_000), r0.tail()
