@@ -22,6 +22,9 @@ The plot what_if_<gpu>_<model>_<trace>.png and the numbers what_if_<gpu>_<model>
 outside the repository (`ladder.cli.output_dir()`) unless --img-dir and --out say where; the
 committed ones: --img-dir docs/img --out benchmarks/results/what_if_<gpu>_<model>_<trace>.json.
 
+While it runs (minutes at the defaults: each sustainable rate is a bisection of whole simulated
+runs), it writes a line to stderr as each part finishes (`--no-progress`: none).
+
 What it is not: a measurement. Only the cost model's time is modelled (benchmarks/sim/cost.py
 and docs/what_if.md say what it leaves out); every decision is the real engine's.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -72,6 +76,19 @@ def max_rate(system: str, args, tp: int = 1, pp: int = 1) -> float:
         mid = math.sqrt(lo * hi)
         lo, hi = (mid, hi) if latency_at(system, mid, args, tp, pp).normalized_latency <= args.slo else (lo, mid)
     return lo
+
+
+class Progress:
+    """A line on stderr as each part finishes, with the seconds so far: the tables come only at the end."""
+
+    def __init__(self, total: int, enabled: bool = True):
+        self.total, self.enabled, self.done, self.t0 = total, enabled, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.done += 1
+        if self.enabled:
+            seconds = time.perf_counter() - self.t0
+            print(f"  [{seconds:5.0f} s] {self.done}/{self.total} {what}", file=sys.stderr, flush=True)
 
 
 def plot(curves: dict, rates: list[float], args, at: dict, path: Path) -> None:
@@ -125,6 +142,7 @@ def main(argv=None) -> dict:
     p.add_argument("--spec-draft", default=None, help="vllm-spec: the draft model's shape (default: free guesses)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no line on stderr as each part finishes")
     p.add_argument("--out", type=Path, default=None, help="the JSON (default: outside the repository)")
     p.add_argument("--img-dir", type=Path, default=None, help="where the plot goes (default: outside the repository)")
     args = p.parse_args(argv)
@@ -146,14 +164,28 @@ def main(argv=None) -> dict:
     plotted = tuple(s for s in PLOTTED if not (s == "ft" and args.trace == "chat"))  # (static: no next turns)
     prefix = ("vllm-prefix",) if args.trace in ("shared-prefix", "chat") else ()
     systems = plotted + prefix + (("vllm-spec",) if args.spec_k else ())
-    sustain = {system: max_rate(system, args) for system in systems}
+    layouts = [(tp, pp) for pp in args.pp for tp in args.tp if tp * pp > 1]
+    done = Progress(3 * len(systems) + len(layouts), enabled=not args.no_progress)
+    if not args.no_progress:
+        print(f"simulating {len(systems)} systems (a sustainable rate, {args.points} rates, {args.at_rate} req/s each), "
+              f"then {len(layouts)} more layouts: a line as each part finishes", file=sys.stderr, flush=True)  # fmt: skip
+    sustain = {}
+    for system in systems:
+        sustain[system] = max_rate(system, args)
+        done(f"sustainable rate of {system}: {sustain[system]:.3f} req/s")
     # 1. the curves
     top = 1.25 * sustain["vllm"]
     rates = [top * (i + 1) / args.points for i in range(args.points)]
-    curves = {s: [latency_at(s, r, args).normalized_latency for r in rates] for s in systems}
+    curves = {}
+    for s in systems:
+        curves[s] = [latency_at(s, r, args).normalized_latency for r in rates]
+        done(f"latency curve of {s}")
     # 3. at one rate
     t_run = time.perf_counter()
-    at = {s: latency_at(s, args.at_rate, args) for s in systems}
+    at = {}
+    for s in systems:
+        at[s] = latency_at(s, args.at_rate, args)
+        done(f"{s} at {args.at_rate} req/s")
     seconds_per_run = (time.perf_counter() - t_run) / len(systems)
 
     print(f"\nnormalized latency (s/token) against request rate{'':10s}" + "".join(f"{s:>12s}" for s in systems))
@@ -187,6 +219,8 @@ def main(argv=None) -> dict:
                 print(f"  {name}: {e}")
                 continue
             rate = sustain["vllm"] if tp * pp == 1 else max_rate("vllm", args, tp, pp)
+            if tp * pp > 1:
+                done(f"vLLM's sustainable rate at {name}")
             gpus = math.ceil(args.target_rate / rate) * tp * pp if rate else None
             capacity.append({"tp": tp, "pp": pp, "rate_per_replica": rate, "gpus": gpus})
             print(f"  {name}: {rate:8.3f} req/s per replica -> {gpus} GPUs")

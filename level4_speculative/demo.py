@@ -18,7 +18,10 @@ It prints
   - a plot of the speedup over level 3 against k, measured and predicted, on an axis
     from 0 with level 3 at 1.0x (to a folder outside the
     repository, printed at the end; `--plot PATH` to choose; `python -m ladder.figures`
-    regenerates the committed `docs/img/level4_speedup.png`).
+    regenerates the committed `docs/img/level4_speedup.png`);
+  - the noise: the level-3 run is timed three times, and its spread bounds every measured
+    speedup (error bars on the plot); a change from one k to the next within it is named
+    as noise, not read as a trend.
 
 What it is not: a benchmark across workloads (`benchmarks/` is). On a CPU a tiny model's
 step is mostly per-call overhead, so the draft costs far more than its 8 % of the FLOPs:
@@ -29,6 +32,8 @@ Reference: Leviathan, Kalman, Matias (ICML 2023), section 3.3 and figure 2.
 
 from __future__ import annotations
 
+import gc
+import statistics
 import time
 from pathlib import Path
 
@@ -54,6 +59,7 @@ COSTS = """\
             tokens at once), over the same level-3 step
   E[N]:     tokens per step predicted, (1 - alpha**(k+1)) / (1 - alpha)
   S:        speedup predicted, E[N] / (k c_draft + c_verify); meas.: measured"""
+REPEATS = 3  # timings of the level-3 run: their spread is the noise every measured speedup carries
 
 
 def parser():
@@ -117,9 +123,16 @@ def run(args, console: Console) -> dict:
     base = PrefixLLM(model, max_num_seqs=1, **common)
     timed_generate(base, prompts[:1], SamplingParams(max_tokens=8))
     steps0 = base.stats.steps  # the warm-up's steps are not the timed run's
-    ref, t3 = timed_generate(base, prompts, params)
+    times3 = []
+    for _ in range(REPEATS):  # the same run again: what it varies by is noise
+        ref, t = timed_generate(base, prompts, params)
+        times3.append(t)
+    t3 = statistics.median(times3)
+    # A speedup divides two timings, each off by up to half the spread: twice that bounds it.
+    noise = (max(times3) - min(times3)) / t3
     tokens = sum(len(o.outputs[0].token_ids) for o in ref)
-    step3 = t3 / (base.stats.steps - steps0)  # seconds per level-3 step at batch 1
+    step3 = sum(times3) / (base.stats.steps - steps0)  # seconds per level-3 step at batch 1
+    del base
     sweep = {}
     for k in range(1, args.max_k + 1):
         llm = LLM(
@@ -135,12 +148,15 @@ def run(args, console: Console) -> dict:
         steps, drafting = llm.stats.steps - steps0, s.draft_seconds
         c_draft = drafting / max(s.num_draft_tokens, 1) / step3  # one draft forward per draft token
         c_verify = (t4 - drafting) / steps / step3  # a step without its drafting
-        sweep[k] = dict(
-            llm=llm, outs=outs, seconds=t4, speedup=t3 / t4, c_draft=c_draft, c_verify=c_verify, kinds=kinds
-        )
+        sweep[k] = dict(outs=outs, seconds=t4, speedup=t3 / t4, c_draft=c_draft, c_verify=c_verify, kinds=kinds,
+                        stats=llm.spec_decode_stats(), llm=llm if k == args.num_speculative_tokens else None)  # fmt: skip
+        # An engine reaches its KV pool (1 GiB on a CPU) through reference cycles: collect each one dropped, or
+        # the sweep holds max_k pools at once.
+        del llm
+        gc.collect()
     k = args.num_speculative_tokens
     main_run = sweep[k]
-    s = main_run["llm"].spec_decode_stats()
+    s = main_run["stats"]
     alpha = s.per_token_acceptance  # Leviathan's alpha (vLLM's acceptance rate divides by all proposed tokens)
     same = [o.outputs[0].token_ids for o in main_run["outs"]] == [o.outputs[0].token_ids for o in ref]
 
@@ -151,13 +167,13 @@ def run(args, console: Console) -> dict:
         table.add_column(col, justify="right", no_wrap=True)
     for kk, r in sweep.items():
         e_n, pred = leviathan(alpha, kk, r["c_draft"], r["c_verify"])
-        st = r["llm"].spec_decode_stats()
-        measured_len = st.mean_acceptance_length
+        measured_len = r["stats"].mean_acceptance_length
         r.update(predicted=pred)
         table.add_row(str(kk), f"{r['c_draft']:.2f}", f"{r['c_verify']:.2f}", f"{e_n:.2f}", f"{measured_len:.2f}", f"{pred:.2f}x",
                       f"[bold]{r['speedup']:.2f}x[/]", f"{100 * (r['speedup'] / pred - 1):+.0f} %")  # fmt: skip
     console.print(table)
     console.print(COSTS, style="dim", markup=False, highlight=False)
+    within = show_noise(console, sweep, times3, noise)
 
     # a larger batch: speculation helps less when the target is already busy
     bs = args.batch_size
@@ -165,6 +181,8 @@ def run(args, console: Console) -> dict:
     big3 = PrefixLLM(model, max_num_seqs=bs, **common)
     timed_generate(big3, many[:2], SamplingParams(max_tokens=8))
     _, tb3 = timed_generate(big3, many, params)
+    del big3
+    gc.collect()
     big4 = LLM(model, max_num_seqs=bs, speculative_config={"model": str(draft), "num_speculative_tokens": k}, **common)
     timed_generate(big4, many[:2], SamplingParams(max_tokens=8))
     _, tb4 = timed_generate(big4, many, params)
@@ -174,11 +192,28 @@ def run(args, console: Console) -> dict:
     console.print(f"[bold]batch {bs}[/]: level 3 {big_tokens / tb3:.0f} tok/s, level 4 (k={k}) {big_tokens / tb4:.0f} tok/s: "
                   f"[bold]{tb3 / tb4:.2f}x[/] (on a CPU a step's cost grows with its tokens, so verifying k + 1 per request "
                   f"costs more when the batch is already big)")  # fmt: skip
-    plot(args.plot, sweep, tokens / t3, alpha)
+    plot(args.plot, sweep, tokens / t3, alpha, noise)
     console.print(f"identical text at level 3 and level 4: {same};  plot: {args.plot}")
     return {"speedup": main_run["speedup"], "predicted": main_run["predicted"], "alpha": alpha, "identical": same,
             "batch_speedup": tb3 / tb4, "sweep": {kk: {x: r[x] for x in ("speedup", "predicted", "c_draft", "c_verify")} for kk, r in sweep.items()},
-            "per_position": s.per_position(), "plot": args.plot}  # fmt: skip
+            "per_position": s.per_position(), "noise": noise, "within_noise": within, "plot": args.plot}  # fmt: skip
+
+
+def show_noise(console: Console, sweep: dict, times3: list[float], noise: float) -> list[int]:
+    """Say how far a measured speedup can move by chance, and which steps of the sweep are within that.
+    Returns the k whose measured speedup is within the noise of k - 1's."""
+    ks = sorted(sweep)
+    speedup = {k: sweep[k]["speedup"] for k in ks}
+    within = [k for k in ks[1:] if abs(speedup[k] - speedup[k - 1]) <= noise * speedup[k - 1]]
+    spread = ", ".join(f"{t:.2f}" for t in times3)
+    console.print(f"noise: the level-3 run took {spread} s ({len(times3)} runs), so a measured speedup is good to "
+                  f"about \u00b1{100 * noise:.0f} % (the plot's error bars).", highlight=False)  # fmt: skip
+    if within:
+        steps = ", ".join(f"{k - 1} to {k}" for k in within)
+        console.print(f"within noise: the change from k = {steps}; read no trend into it.", highlight=False)
+    else:
+        console.print("every change from one k to the next is larger than the noise.", highlight=False)
+    return within
 
 
 def show_text(console: Console, run: dict, args, same: bool) -> None:
@@ -214,7 +249,7 @@ def show_positions(console: Console, s, alpha: float) -> None:
                   f"mean acceptance length (bonus included): {s.mean_acceptance_length:.2f}")  # fmt: skip
 
 
-def plot(path: Path, sweep: dict, base_tps: float, alpha: float) -> None:
+def plot(path: Path, sweep: dict, base_tps: float, alpha: float, noise: float = 0.0) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -223,11 +258,12 @@ def plot(path: Path, sweep: dict, base_tps: float, alpha: float) -> None:
     ks = sorted(sweep)
     fig, ax = plt.subplots(figsize=(7, 3.8))
     measured, predicted = [sweep[k]["speedup"] for k in ks], [sweep[k]["predicted"] for k in ks]
-    ax.plot(ks, measured, "o-", color="tab:green", label="level 4, measured")
+    ax.errorbar(ks, measured, yerr=[noise * m for m in measured], fmt="o-", color="tab:green", capsize=3,
+                label=f"level 4, measured (\u00b1{100 * noise:.0f} %: the noise)")  # fmt: skip
     ax.plot(ks, predicted, "s--", color="tab:gray", label=f"Leviathan's S (alpha {alpha:.2f})")
     ax.axhline(1.0, color="tab:red", label=f"level 3, no speculation (1.0x = {base_tps:.0f} tok/s)")
     # From 0: a speed-up read off a clipped axis looks many times larger than it is.
-    ax.set_ylim(0, 1.15 * max(1.0, *measured, *predicted))
+    ax.set_ylim(0, 1.15 * max(1.0, *(m * (1 + noise) for m in measured), *predicted))
     ax.yaxis.set_major_formatter("{x:.2f}x")
     ax.set_xticks(ks)
     ax.set_xlabel("k (draft tokens per step)")

@@ -148,9 +148,20 @@ def _all_reduce_time(rank0, fit: dict | None) -> dict:
             "alpha_us": None if fit is None else 1e6 * fit["alpha_s"], "beta_ns_per_kib": None if fit is None else 1e9 * 1024 * fit["beta_s_per_byte"]}  # fmt: skip
 
 
+COLUMNS = {  # the table's columns, each explained under it
+    "layout": "TP ranks per stage x PP stages, one process per rank",
+    "tok/s": "generated tokens per second, all requests",
+    "msgs/tok": "all-reduces, gathers and sends per generated token, all ranks",
+    "bytes/tok": "their bytes per generated token, all ranks",
+    "rank 0 all-reduce": "seconds rank 0 spent in all-reduces, warm-up included (measured)",
+    "alpha-beta": "the model's price for those calls: calls * alpha + bytes * beta",
+    "alpha": "the model's cost per message before its bytes, measured here first",
+}
+
+
 def show_table(console: Console, rows: dict) -> None:
     t = Table(title="same prompts, same tokens: what the layouts cost on this CPU")
-    for col in ("layout", "tok/s", "msgs/tok", "bytes/tok", "rank 0 all-reduce", "alpha-beta", "alpha"):
+    for col in COLUMNS:
         t.add_column(col, justify="right")
     for name, r in rows.items():
         measured = "-" if r["all_reduce_s"] is None else f"{r['all_reduce_s']:.2f} s"
@@ -166,8 +177,11 @@ def show_table(console: Console, rows: dict) -> None:
             fit,
         )
     console.print(t)
-    console.print("[dim]messages and bytes: all-reduces, gathers and sends, summed over ranks (warm-up included in the "
-                  "times); PP's sends are isends that overlap the next stage's work, so they have no column[/]")  # fmt: skip
+    width = max(map(len, COLUMNS)) + 1
+    for col, meaning in COLUMNS.items():
+        console.print(f"  {col + ':':{width}} {meaning}", style="dim", markup=False, highlight=False)
+    console.print("[dim]  (\"-\": a layout without all-reduces; PP's sends are isends that overlap the next\n"
+                  "  stage's work, so their time has no column)[/]")  # fmt: skip
 
 
 def plot(path: Path, timeline: dict) -> None:
