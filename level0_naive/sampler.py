@@ -42,7 +42,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
 
     Applied in HF's and vLLM's order: keep the k most likely (top_k > 0); then, of what is left,
     the smallest set of most likely tokens whose renormalised probability reaches top_p (the
-    token that crosses the line is kept); then drop tokens below min_p times the top probability
+    token that crosses it is kept, the best always); then drop tokens below min_p times the top probability
     (a ratio, so renormalising does not change it)."""
     V = logits.shape[-1]
     if top_k and top_k < V:
@@ -53,7 +53,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) 
     if top_p < 1:
         sorted_p, order = probs.sort(descending=True, stable=True)  # stable: ties in id order, as the batch twin
         mass_before = sorted_p.cumsum(0) - sorted_p  # probability of strictly better tokens
-        keep_sorted = mass_before < top_p  # the token that crosses top_p is kept
+        keep_sorted = (mass_before < top_p) | (mass_before <= 0)  # the crossing token kept; the best always
         keep &= torch.zeros_like(keep).scatter(0, order, keep_sorted)
     if min_p > 0:
         keep &= probs >= min_p * probs.max()
@@ -81,7 +81,7 @@ def filter_logits_batch(
     if top_p is not None:
         sorted_p, order = probs.sort(dim=-1, descending=True, stable=True)
         mass_before = sorted_p.cumsum(-1) - sorted_p  # [B, V]: probability of strictly better tokens
-        keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1)[:, None]  # a row with top_p 1 keeps all
+        keep_sorted = (mass_before < top_p[:, None]) | (top_p >= 1)[:, None] | (mass_before <= 0)  # as above
         keep &= torch.zeros_like(keep).scatter(1, order, keep_sorted)
     if min_p is not None:
         keep &= probs >= min_p[:, None] * probs.max(dim=-1, keepdim=True).values

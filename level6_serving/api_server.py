@@ -72,7 +72,7 @@ from . import dashboard, metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
 from .defaults import KEEP_ALIVE_S, MAX_REQUEST_BODY_BYTES
 from .protocol import APIError, DetokenizeRequest, TokenizeRequest
-from .serving import OpenAIServing, engine_unavailable, tokenizer_info
+from .serving import OpenAIServing, engine_unavailable, tokenizer_info, too_long
 
 log = logging.getLogger("level6_serving")
 
@@ -295,7 +295,7 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             try:
                 ids = await engine.apply_chat_template([m.as_template_input() for m in req.messages])
             except ValueError as e:
-                raise APIError(400, str(e), "messages") from None
+                raise APIError(400, str(e), "messages", too_long(e)) from None
         else:
             if len(req.prompt) > engine.max_prompt_chars:
                 raise APIError(400, f"prompt has {len(req.prompt)} characters; this server tokenizes at most "

@@ -251,8 +251,16 @@ class AsyncLLMEngine:
                 f"context holds with this tokenizer ({self.max_prompt_chars}); it was not tokenized"
             )
         if not isinstance(prompt, str) and len(prompt) < 4096:
-            return self.inputs.tokenize(prompt, i)  # a short id list: checking it costs less than a hop
-        return await self.run_on_frontend(self.inputs.tokenize, prompt, i)
+            return self._tokenize(prompt, i)  # a short id list: checking it costs less than a hop
+        return await self.run_on_frontend(self._tokenize, prompt, i)
+
+    def _tokenize(self, prompt: str | list[int], i: int) -> list[int]:
+        try:
+            return self.inputs.tokenize(prompt, i)
+        except ValueError as e:  # level 0's refusal of a prompt with no room left, said as the API says it
+            if str(e).endswith("leaves no room to generate"):
+                raise PromptTooLongError(str(e)) from None
+            raise
 
     async def apply_chat_template(self, messages: list[dict]) -> list[int]:
         chars = sum(len(m["content"]) for m in messages)
@@ -271,6 +279,12 @@ class AsyncLLMEngine:
     def num_waiting(self) -> int:
         """Sequences queued and not yet running: in the engine's waiting queue or on their way."""
         return self._num_adding + self.num_waiting_in_engine
+
+    async def num_waiting_now(self) -> int:
+        """`num_waiting` once every command queued before this call has run (an abort included): exact
+        where `num_waiting` may lag by a step. A round trip to the engine thread: only for a refusal."""
+        in_engine = await self.call(lambda engine: engine.num_waiting())
+        return self._num_adding + in_engine
 
     @property
     def num_unfinished(self) -> int:

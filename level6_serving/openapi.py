@@ -155,6 +155,11 @@ def body(request: str, response: str, stream: bool = False) -> dict:
                                               "properties": {"data": {"type": "string"}}}}  # fmt: skip
     errors = {code: {"description": why, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
               for code, why in ERRORS.items()}  # fmt: skip
+    refusals = getattr(protocol, request).REFUSALS
+    if refusals:  # what a body this document admits may still get: each its own `code` (protocol.REFUSALS)
+        errors["400"]["x-refusals"] = {code: protocol.REFUSALS[code] for code in refusals}
+        errors["400"]["description"] += ("; a body this document admits may still be refused by a rule no JSON "
+                                         "schema states, with one of the codes in x-refusals")  # fmt: skip
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {"200": {"description": "OK", "content": ok}, **errors}}  # fmt: skip
 
@@ -166,10 +171,11 @@ def answer(response: str) -> dict:
 
 def fill_bounds(node, bounds: dict) -> None:
     """protocol.BOUND marks a maximum the server sets (a token id's: the served model's vocabulary); it
-    becomes `maximum`, or goes (an app with no engine of its own to say it)."""
+    becomes `maximum` (BOUND_LENGTH: `maxLength`), or goes (an app with no engine of its own to say it)."""
     if isinstance(node, dict):
-        if (which := node.pop(protocol.BOUND, None)) in bounds:
-            node["maximum"] = bounds[which]
+        for marker, keyword in ((protocol.BOUND, "maximum"), (protocol.BOUND_LENGTH, "maxLength")):
+            if (which := node.pop(marker, None)) in bounds:
+                node[keyword] = bounds[which]
         for v in node.values():
             fill_bounds(v, bounds)
     elif isinstance(node, list):
@@ -190,6 +196,6 @@ def schema(app) -> dict:
         serving = getattr(app.state, "serving", None)
         fill_bounds(components, {} if serving is None else {
             "vocab": serving.engine.model_config.vocab_size - 1, "max_n": serving.max_n,
-            "max_tokens": serving.engine.max_model_len - 1})  # fmt: skip
+            "max_tokens": serving.engine.max_model_len - 1, "prompt_chars": serving.engine.max_prompt_chars})  # fmt: skip
         app.openapi_schema = doc
     return app.openapi_schema

@@ -32,8 +32,12 @@ so that a body the document admits is one the server accepts: ranges, non-empty 
 NEUTRAL_ONLY field's neutral value only (`SCHEMA`), token ids within the vocabulary and `n`
 within --max-num-seqs (`BOUND`, filled in by openapi.py), and some checks between fields
 (`rules()`: stream_options needs stream, beam search's neutral fields, max_tokens 0 needs echo).
-Not said there: what no JSON schema can (a regex or grammar the engine compiles, a prompt's
-length in tokens against max_tokens), nor at most one structured-output field.
+Not said there, because no JSON schema can say it: `REFUSALS`, the 400s a body the schema
+admits may still get (a prompt's length in tokens, a regex or grammar the engine cannot
+compile, more than one field constraining the output, ...). Each carries its own `code`, and
+each operation's 400 in `/openapi.json` lists the codes it may send (`x-refusals`): a client,
+or schemathesis' positive-data check in the tests, can tell "the schema let a mistake through"
+(code null) from "a rule between fields or against the model" (a listed code).
 
 What it is not: the response builder (`serving.py`) or a complete OpenAI schema (no
 images or audio; tools only as tool_choice's constrained call).
@@ -69,6 +73,27 @@ class APIError(Exception):
     def body(self) -> dict:
         kind = "invalid_request_error" if self.status < 500 else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# The 400s a schema-valid body may still get: rules no JSON schema can state (a length in tokens, what a compiler
+# accepts, a comparison of two fields). Each has its own `code`; every other 400 has code null, so a body the
+# document admits and the server refuses with code null is a hole in the document (the fuzzing test looks for one).
+REFUSALS = {
+    "context_length_exceeded": "the prompt's tokens, with max_tokens, do not fit max_model_len",
+    "exceeds_kv_cache": "the prompt and max_tokens need more KV blocks than the whole pool holds",
+    "too_many_sequences": "n times the number of prompts is more than the server queues (--max-num-waiting)",
+    "invalid_constraint": "a regex, grammar, JSON schema or tool's parameters the structured-output engine refuses",
+    "conflicting_constraints": "two fields constrain the output (response_format, guided_*, structured_outputs, tools)",
+    "min_tokens_over_max_tokens": "min_tokens is more than max_tokens",
+    "best_of_not_n": "best_of is set and differs from n (no best-of search here)",
+    "unknown_tool": "tool_choice names a function that is not among tools",
+}
+
+
+def refused(code: str, message: str, param: str | None) -> APIError:
+    """A 400 for one of REFUSALS."""
+    assert code in REFUSALS, code
+    return APIError(400, message, param, code)
 
 
 UNION_HELP = {
@@ -117,8 +142,10 @@ Float = Annotated[float, AfterValidator(_finite32)]
 # What the handlers check, said in the JSON schema too (`/openapi.json`: a client generator or a fuzzer then
 # sends what the server accepts). Validation stays in the handlers, whose 400s name the field. BOUND marks a
 # maximum the served model or the server's settings set: openapi.py fills it in when the document is made
-# ("vocab": the last token id; "max_n": --max-num-seqs; "max_tokens": max_model_len - 1).
+# ("vocab": the last token id; "max_n": --max-num-seqs; "max_tokens": max_model_len - 1), and BOUND_LENGTH a
+# string's maxLength.
 BOUND = "x-server-bound"
+BOUND_LENGTH = "x-server-max-length"  # the same for a string's maxLength ("prompt_chars": what max_model_len holds)
 TokenId = Annotated[Int, Field(json_schema_extra={"minimum": 0, BOUND: "vocab"})]  # checked: [0, vocab_size)
 NonEmpty = {"minLength": 1}  # an empty prompt is refused
 NULL = {"type": "null"}
@@ -132,6 +159,23 @@ LOGPROBS = nullable(type="integer", minimum=0, maximum=MAX_LOGPROBS)
 EMPTY_OBJECT = {"anyOf": [{"type": "object", "maxProperties": 0}, NULL]}  # NEUTRAL_ONLY `not v`
 EMPTY_ARRAY = {"anyOf": [{"type": "array", "maxItems": 0}, NULL]}
 NONE_OR_AUTO = {"anyOf": [{"enum": ["none", "auto"]}, NULL]}
+NAMED = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string"}}}
+# vLLM's structured_outputs (StructuredOutputsParams' fields): exactly one kind set
+STRUCTURED_OUTPUTS = {
+    "type": "object", "additionalProperties": False,
+    "properties": {"json": nullable(type="object"), "regex": nullable(type="string", format="regex"),
+                   "choice": nullable(type="array", minItems=1, items={"type": "string", **NonEmpty}),
+                   "grammar": nullable(type="string"), "json_object": nullable(type="boolean"),
+                   "disable_any_whitespace": {"type": "boolean"}},
+    "oneOf": [*({"required": [k], "properties": {k: {"not": NULL}}} for k in ("json", "regex", "choice", "grammar")),
+              {"required": ["json_object"], "properties": {"json_object": {"const": True}}}],
+}  # fmt: skip
+# chat's tools and tool_choice (OpenAI's function tools; a tool's parameters is a JSON schema)
+TOOL = {"type": "object", "required": ["type", "function"], "properties": {"type": {"const": "function"}, "function": {
+    **NAMED, "properties": {"name": {"type": "string"}, "description": nullable(type="string"),
+                            "parameters": {"type": "object"}, "strict": nullable(type="boolean")}}}}  # fmt: skip
+TOOL_CHOICE = {"anyOf": [{"enum": ["none", "auto", "required"]}, NULL, {
+    "type": "object", "required": ["type", "function"], "properties": {"type": {"const": "function"}, "function": NAMED}}]}  # fmt: skip
 
 
 def _document(schema: dict, cls) -> None:
@@ -156,6 +200,7 @@ def at_neutral(fields: dict) -> dict:
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, json_schema_extra=_document)
+    REFUSALS: ClassVar[tuple] = ()  # the codes of REFUSALS this body may get (listed in /openapi.json)
 
 
 class StreamOptions(Strict):
@@ -255,9 +300,11 @@ class SamplingFields(Strict):
         "presence_penalty": nullable(type="number", minimum=-2, maximum=2),
         "frequency_penalty": nullable(type="number", minimum=-2, maximum=2),
         "repetition_penalty": nullable(type="number", minimum=1e-2, maximum=FLOAT32_MAX),
+        "length_penalty": nullable(type="number", minimum=-FLOAT32_MAX, maximum=FLOAT32_MAX),
         "guided_regex": nullable(type="string", format="regex"),
         "guided_choice": nullable(type="array", minItems=1, items={"type": "string", **NonEmpty}),
         "guided_json": nullable(type="object"),  # a JSON schema (a string holding one is accepted too)
+        "structured_outputs": nullable(**STRUCTURED_OUTPUTS),
         "response_format": {"anyOf": [
             {"type": "object", "required": ["type"], "properties": {"type": {"enum": ["text", "json_object"]}}},
             {"type": "object", "required": ["type", "json_schema"], "properties": {"type": {"const": "json_schema"},
@@ -291,7 +338,8 @@ class SamplingFields(Strict):
                 "min_p": {"enum": [0, None]}, "presence_penalty": {"enum": [0, None]},
                 "frequency_penalty": {"enum": [0, None]}, "repetition_penalty": {"enum": [1, None]},
                 "prompt_logprobs": NULL, "n": nullable(type="integer", minimum=1, maximum=MAX_LOGPROBS // 2),
-                **{f: NULL for f in cls.ONLY_ONE if f != "response_format"}, **cls.BEAM_SCHEMA}  # fmt: skip
+                **{f: NULL for f in cls.ONLY_ONE if f != "response_format"}, **cls.BEAM_SCHEMA,
+                "response_format": {"anyOf": [NULL, {"properties": {"type": {"const": "text"}}}]}}  # fmt: skip
         return [("stream_options", NULL, {"required": ["stream"], "properties": {"stream": {"const": True}}}),
                 ("use_beam_search", {"enum": [False, None]}, at_neutral(beam))]  # fmt: skip
 
@@ -324,7 +372,8 @@ class SamplingFields(Strict):
             if rf.get("type") == "json_object":
                 asked.append(({"json_object": True}, "response_format"))
             elif rf.get("type") == "json_schema":
-                schema = (rf.get("json_schema") or {}).get("schema")
+                js = rf.get("json_schema")
+                schema = js.get("schema") if isinstance(js, dict) else None
                 if not isinstance(schema, dict):
                     raise APIError(400, "response_format.json_schema.schema must be a JSON schema (an object)",
                                    "response_format.json_schema.schema")  # fmt: skip
@@ -340,14 +389,17 @@ class SamplingFields(Strict):
             asked.append((self.structured_outputs, "structured_outputs"))
         asked += self.tool_constraint()
         if len(asked) > 1:
-            raise APIError(400, f"only one of {', '.join(f for _, f in asked)} may constrain the output", asked[1][1])
+            raise refused("conflicting_constraints", f"only one of {', '.join(f for _, f in asked)} may constrain the "
+                                                     "output", asked[1][1])  # fmt: skip
         if not asked:
             return None, None
         spec, field = asked[0]
         try:
             return StructuredOutputsParams(**spec), field
-        except (TypeError, ValueError) as e:
+        except TypeError as e:  # an unknown key: the schema says which there are
             raise APIError(400, f"{field}: {e}", field) from None
+        except ValueError as e:
+            raise refused("invalid_constraint", f"{field}: {e}", field) from None
 
     def tool_constraint(self) -> list[tuple[dict, str]]:
         """Chat's tool_choice as a structured-output spec (none here; chat overrides)."""
@@ -374,6 +426,8 @@ class SamplingFields(Strict):
             if not m:
                 raise APIError(400, str(e)) from None
             field = {"max_tokens": max_tokens_field, "logprobs": self.logprobs_field}.get(m[1], m[1])
+            if m[1] == "min_tokens" and "max_tokens" in m[2]:  # a rule between two fields
+                raise refused("min_tokens_over_max_tokens", f"{field}={m[2]}", field) from None
             raise APIError(400, f"{field}={m[2]}", field) from None
 
     logprobs_field: ClassVar[str] = "logprobs"  # the API field that becomes SamplingParams.logprobs
@@ -422,6 +476,9 @@ class CompletionRequest(SamplingFields):
                                     "echo": lambda v: not v}  # fmt: skip
 
     BEAM_SCHEMA: ClassVar[dict] = {"logprobs": NULL, "echo": {"enum": [False, None]}}
+    REFUSALS: ClassVar[tuple] = ("context_length_exceeded", "exceeds_kv_cache", "too_many_sequences",
+                                 "invalid_constraint", "conflicting_constraints", "min_tokens_over_max_tokens",
+                                 "best_of_not_n")  # fmt: skip
 
     @classmethod
     def rules(cls) -> list[tuple[str, dict, dict]]:  # max_tokens 0: the prompt scored (echo), not searched
@@ -439,7 +496,7 @@ class CompletionRequest(SamplingFields):
     def validate_request(self) -> None:
         self.check_unsupported()
         if self.best_of is not None and self.best_of != self.num_samples:
-            raise APIError(400, "best_of is not supported (only best_of == n)", "best_of")
+            raise refused("best_of_not_n", "best_of is not supported (only best_of == n)", "best_of")
         if self.suffix:
             raise APIError(400, "suffix is not supported by this server", "suffix")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
@@ -479,7 +536,7 @@ class ChatMessage(Strict):
 
 
 class ChatCompletionRequest(SamplingFields):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})]
     max_completion_tokens: Int | None = None  # OpenAI's newer name for max_tokens; it wins if both are set
     logprobs: bool | None = None
     top_logprobs: Int | None = None
@@ -507,7 +564,8 @@ class ChatCompletionRequest(SamplingFields):
         **{k: v for k, v in SamplingFields.SCHEMA.items() if k not in ("tools", "tool_choice")},
         "modalities": {"anyOf": [{"type": "array", "items": {"const": "text"}, "minItems": 1, "maxItems": 1}, NULL]},
         "audio": NULL, "web_search_options": NULL, "functions": EMPTY_ARRAY, "function_call": NONE_OR_AUTO,
-        "moderation": NULL, "top_logprobs": LOGPROBS,
+        "moderation": NULL, "top_logprobs": LOGPROBS, "tools": nullable(type="array", items=TOOL),
+        "tool_choice": TOOL_CHOICE,
         "max_completion_tokens": nullable(type="integer", minimum=1, **{BOUND: "max_tokens"}),
     }  # fmt: skip
     BEAM_NEUTRAL: ClassVar[dict] = {**SamplingFields.BEAM_NEUTRAL, "logprobs": lambda v: not v,
@@ -515,6 +573,9 @@ class ChatCompletionRequest(SamplingFields):
 
     BEAM_SCHEMA: ClassVar[dict] = {"logprobs": {"enum": [False, None]}, "top_logprobs": NULL,
                                    "tool_choice": NONE_OR_AUTO}  # fmt: skip
+    REFUSALS: ClassVar[tuple] = ("context_length_exceeded", "exceeds_kv_cache", "too_many_sequences",
+                                 "invalid_constraint", "conflicting_constraints", "min_tokens_over_max_tokens",
+                                 "unknown_tool")  # fmt: skip
 
     @classmethod
     def rules(cls) -> list[tuple[str, dict, dict]]:
@@ -534,7 +595,7 @@ class ChatCompletionRequest(SamplingFields):
         if choice == "required":
             if not tools:
                 raise APIError(400, "tool_choice 'required' needs tools", "tools")
-            one_of = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": f.get("parameters", {})},
+            one_of = [{"type": "object", "properties": {"name": {"enum": [name]}, "parameters": f.get("parameters") or {}},
                        "required": ["name", "parameters"], "additionalProperties": False} for name, f in tools.items()]  # fmt: skip
             # parallel_tool_calls false: exactly one call. Without the bound a small model may go on
             # writing calls until max_tokens, and an unfinished array is no tool call at all.
@@ -542,7 +603,7 @@ class ChatCompletionRequest(SamplingFields):
             return [({"json": {"type": "array", "minItems": 1, **one, "items": {"anyOf": one_of}}}, "tool_choice")]
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
         if name not in tools:
-            raise APIError(400, f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+            raise refused("unknown_tool", f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
         return [({"json": tools[name].get("parameters") or {"type": "object"}}, "tool_choice")]
 
     def validate_request(self) -> None:
@@ -576,9 +637,10 @@ class TokenizeRequest(Strict):
     model_config = ConfigDict(json_schema_extra=lambda schema, cls: schema.update(oneOf=[
         {"required": [f], "properties": {f: {"not": NULL}}} for f in ("prompt", "messages")]))  # fmt: skip
     model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    prompt: Annotated[str, Field(json_schema_extra={BOUND_LENGTH: "prompt_chars"})] | None = None
+    messages: Annotated[list[ChatMessage], Field(json_schema_extra={"minItems": 1})] | None = None
     add_special_tokens: bool | None = None
+    REFUSALS: ClassVar[tuple] = ("context_length_exceeded",)  # messages: a length in characters, summed
 
 
 class DetokenizeRequest(Strict):

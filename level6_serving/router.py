@@ -24,10 +24,12 @@ replica lives; `ladder:dp_replicas_alive`): at once when its process exits (the 
 and polls it before each request), when it refuses a connection or breaks off an answer, after
 HEALTH_FAILURES failed /health checks in a row otherwise, and it comes back if it answers again
 (unless its process has exited). A refused connection means the request never started, so it goes
-to the next live replica (outcome "refused" in `ladder:dp_requests_total`, never a 502). A request
-a replica was serving when it died fails cleanly: a 502 in OpenAI's error shape (a whole answer is
-read before it is sent on, so a truncated one is a 502 too), or, when its stream has started, an
-error event and `data: [DONE]`. A request's place in its replica's count is given back
+to the next live replica (outcome "refused" in `ladder:dp_requests_total`, never a 502). So does a
+request whose replica's process died before any of its answer reached the client (outcome
+"retried": the router started that process and sees it exit, so the request cannot run twice). A
+request a replica was serving when it died otherwise fails cleanly: a 502 in OpenAI's error shape
+(a replica that broke off and still runs; a whole answer is read before it is sent on, so a
+truncated one is a 502 too), or, when its stream has started, an error event and `data: [DONE]`. A request's place in its replica's count is given back
 once, however it ends (a client that leaves included).
 
 What it is not: vLLM's in-process data parallelism (its API server talks to N engine cores over
@@ -46,6 +48,7 @@ import hashlib
 import itertools
 import json
 import logging
+import subprocess
 from collections import OrderedDict, defaultdict
 
 import httpx
@@ -64,6 +67,7 @@ MAX_CHUNKS_PER_REPLICA = 100_000  # remembered chunk hashes per replica (LRU)
 BALANCE_SLACK = 8  # prefix-aware: this many more in flight than the least loaded, and the match is ignored
 HEALTH_S = 0.5  # how often the router checks that its replicas are up
 HEALTH_FAILURES = 3  # checks in a row that must fail before a replica leaves rotation
+EXIT_WAIT_S = 2.0  # a replica that broke off an answer: how long its process may take to be seen exiting
 
 
 class Replica:
@@ -162,21 +166,41 @@ class Release:
             self.counts[self.replica.index, outcome] += 1
 
 
+class Answer:
+    """A replica's answer as the router holds it: whose (`replica`, and `done` to give its place back), the
+    status and headers to send on, and the body: `whole` (read already), or `pieces` still to come (a stream)."""
+
+    def __init__(self, replica: Replica, done: Release, status: int, headers: dict, pieces, whole: bytes | None = None):
+        self.replica, self.done, self.status, self.headers, self.pieces, self.whole = (
+            replica, done, status, headers, pieces, whole)  # fmt: skip
+
+    def take(self, other: Answer) -> None:
+        """Go on with another replica's answer (the first one's died before its stream began)."""
+        self.replica, self.done, self.pieces = other.replica, other.done, other.pieces
+
+
+class Refusal(Exception):
+    """No replica can answer this request: the response to send instead (a 502 or a 503)."""
+
+    def __init__(self, response: JSONResponse):
+        self.response = response
+
+
 class Relayed(StreamingResponse):
     """A streamed answer that releases its replica however the response ends: Starlette cancels a
     StreamingResponse whose client has gone, sometimes before its body generator has started (whose
-    own `finally` then never runs)."""
+    own `finally` then never runs). `answer` is read at the end: the replica answering by then."""
 
-    def __init__(self, content, status_code: int, headers: dict, done: Release, answer):
-        super().__init__(content, status_code=status_code, headers=headers)
-        self.done, self.answer = done, answer
+    def __init__(self, content, answer: Answer):
+        super().__init__(content, status_code=answer.status, headers=answer.headers)
+        self.answer = answer
 
     async def __call__(self, scope, receive, send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self.done("ok")  # a no-op if the relay already counted a failure
-            await self.answer.aclose()
+            self.answer.done("ok")  # a no-op if the relay already counted a failure
+            await self.answer.pieces.aclose()
 
 
 def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
@@ -222,6 +246,18 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             if r.alive and r.process is not None and r.process.poll() is not None:
                 mark_dead(r, f"its process exited (status {r.process.returncode})")
 
+    async def exited(r: Replica) -> bool:
+        """Whether a replica that broke off a connection is dead: its process (when this one started it) exits
+        within EXIT_WAIT_S. A killed process closes its sockets first and is reaped just after; the margin is
+        for a busy machine."""
+        if r.process is None:
+            return False
+        try:
+            await asyncio.to_thread(r.process.wait, EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
     def mark_dead(r: Replica, why: str) -> None:
         if r.alive:
             r.alive = False
@@ -238,7 +274,8 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             task.cancel()
             await client.aclose()
 
-    app = FastAPI(title="inference-ladder data-parallel router", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="inference-ladder data-parallel router", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.state.router, app.state.replicas = router, replicas
 
     async def forward(raw: Request, path: str) -> Response:
@@ -251,51 +288,85 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
             parsed = {}  # the replica answers the 400 in its own words
         text = prompt_text(parsed if isinstance(parsed, dict) else {})
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
-        while True:  # once more for each replica that refuses the connection
+        try:
+            now = await answer_from_a_replica(path, body, headers, text)
+        except Refusal as e:
+            return e.response
+        if now.whole is not None:
+            return Response(now.whole, status_code=now.status, headers=now.headers)
+
+        async def relay():
+            started = False  # has the client had a byte of the body? Until then, another replica may answer
+            while True:
+                try:
+                    async for piece in now.pieces:
+                        started = True
+                        yield piece
+                    return
+                except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # the replica went away mid-answer
+                    await now.pieces.aclose()
+                    if not started and await exited(now.replica):  # the client has the headers, nothing else
+                        now.done("retried")
+                        mark_dead(now.replica, f"its process exited before its stream began ({e!r})")
+                        try:
+                            again = await answer_from_a_replica(path, body, headers, text)
+                        except Refusal as refusal:
+                            yield f"data: {refusal.response.body.decode()}\n\ndata: [DONE]\n\n".encode()
+                            return
+                        now.take(again)
+                        if again.whole is not None:  # not a stream (an error: overloaded, ...): said as an event
+                            yield b"data: " + again.whole + b"\n\ndata: [DONE]\n\n"
+                            return
+                        continue
+                    now.done("failed")
+                    mark_dead(now.replica, f"it dropped a response ({e!r})")
+                    err = {"error": {"message": f"replica {now.replica.index} failed mid-stream: {e!r}",
+                                     "type": "replica_error", "param": None, "code": "replica_failed"}}  # fmt: skip
+                    yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
+                    return
+
+        return Relayed(relay(), now)
+
+    async def answer_from_a_replica(path: str, body: bytes, headers: dict, text: str) -> Answer:
+        """A live replica's answer to a request: its status and headers, then its body whole or (a stream) its
+        pieces to come. A replica that refuses the connection, or whose process dies before it answers, is
+        taken out of rotation and the next live one is asked. Raises Refusal: no replica alive (503), or one
+        that broke off and may still be running the request (502: sending it again could run it twice)."""
+        while True:
             check_processes()
             try:
                 r = router.choose(text)
             except LookupError:
-                return error(503, "no replica is alive", "no_replica")
+                raise Refusal(error(503, "no replica is alive", "no_replica")) from None
             done = Release(r, counts)  # the in-flight count comes back exactly once, however this request ends
-            answer = post(r.url + path, body, headers)  # status, headers, then the body's pieces
+            pieces = post(r.url + path, body, headers)  # status, headers, then the body's pieces
             try:
-                status, got = await anext(answer), await anext(answer)
-                streaming = got.get("content-type", "").startswith("text/event-stream")
+                status, got = await anext(pieces), await anext(pieces)
                 keep = {k: v for k, v in got.items() if k in ("content-type", "retry-after")}
-                if not streaming:  # a whole answer: read it all first, so a replica that breaks off is a 502
-                    whole = b"".join([piece async for piece in answer])
-                    done("ok")
-                    return Response(whole, status_code=status, headers=keep)
-                break
+                if got.get("content-type", "").startswith("text/event-stream"):
+                    return Answer(r, done, status, keep, pieces)
+                # a whole answer: read it all first, so a replica that breaks off is never half an answer
+                whole = b"".join([piece async for piece in pieces])
+                done("ok")
+                return Answer(r, done, status, keep, pieces, whole)
             except ConnectionRefusedError as e:  # nothing reached it, so the request never started: send it again
                 done("refused")
-                await answer.aclose()
+                await pieces.aclose()
                 mark_dead(r, f"it refused a connection ({e!r})")
             except (OSError, asyncio.IncompleteReadError, ValueError, StopAsyncIteration) as e:
-                done("failed")  # it may have started: sending it again could run it twice
-                await answer.aclose()
+                await pieces.aclose()
+                if await exited(r):  # nothing of it reached the client, and its replica can no longer run it
+                    done("retried")
+                    mark_dead(r, f"its process exited while answering ({e!r})")
+                    continue
+                done("failed")  # it may still be running there: sending it again could run it twice
                 mark_dead(r, f"it failed a request ({e!r})")
-                return error(502, f"replica {r.index} failed before answering in full: {e!r}", "replica_failed")
+                raise Refusal(error(502, f"replica {r.index} failed before answering in full: {e!r}",
+                                    "replica_failed")) from None  # fmt: skip
             except BaseException:  # the client left while we waited (a cancelled handler): nothing to send
                 done("abandoned")
-                await answer.aclose()
+                await pieces.aclose()
                 raise
-
-        async def relay():
-            try:
-                async for piece in answer:
-                    yield piece
-            except (OSError, asyncio.IncompleteReadError, ValueError) as e:  # the replica went away mid-answer
-                done("failed")
-                mark_dead(r, f"it dropped a response ({e!r})")
-                err = {"error": {"message": f"replica {r.index} failed mid-stream: {e!r}", "type": "replica_error",
-                                 "param": None, "code": "replica_failed"}}  # fmt: skip
-                yield f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n".encode()
-            finally:
-                await answer.aclose()
-
-        return Relayed(relay(), status, keep, done, answer)
 
     @app.post("/v1/completions")
     async def completions(raw: Request) -> Response:
@@ -325,8 +396,9 @@ def build_router_app(urls: list[str], policy: str, api_key: str | None = None,
 
         app.add_api_route(path, route, methods=[method])
 
-    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST")):
-        passthrough(path, method)
+    for path, method in (("/v1/models", "GET"), ("/version", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+                         ("/tokenizer_info", "GET"), ("/openapi.json", "GET")):  # fmt: skip
+        passthrough(path, method)  # /openapi.json: the replicas' API is this endpoint's API
 
     @app.get("/health")
     async def health() -> Response:

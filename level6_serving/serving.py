@@ -58,7 +58,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from .async_engine import AsyncLLMEngine, EngineDeadError, PromptTooLongError, RequestStream
 from .base import CompletionOutput, RequestOutput, SamplingParams
 from .beam_search import BeamSearchParams, SearchAborted, beam_search, gather_or_cancel
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, parse_body, refused
 
 log = logging.getLogger("level6_serving")
 
@@ -321,11 +321,11 @@ class OpenAIServing:
         """A request bigger than the whole queue could never be admitted: 400, before any prompt
         is tokenized (10,000 prompts would otherwise be tokenized on the event loop first)."""
         if n * num_prompts > self.max_num_waiting:
-            raise APIError(400, f"this request asks for {n * num_prompts} sequences (n={n} x {num_prompts} prompts); "
-                                f"the server queues at most {self.max_num_waiting} (--max-num-waiting)",
-                           "n" if num_prompts == 1 else "prompt")  # fmt: skip
+            raise refused("too_many_sequences", f"this request asks for {n * num_prompts} sequences (n={n} x "
+                          f"{num_prompts} prompts); the server queues at most {self.max_num_waiting} "
+                          "(--max-num-waiting)", "n" if num_prompts == 1 else "prompt")  # fmt: skip
 
-    def admit(self, num_seqs: int) -> None:
+    async def admit(self, num_seqs: int) -> None:
         """Backpressure: a bounded queue. Beyond it, 503 and Retry-After, never an unbounded wait.
         A request that fits the queue alone (`check_size`) is always admitted to an empty one."""
         if self.draining:
@@ -333,6 +333,11 @@ class OpenAIServing:
         if not self.engine.is_running:
             raise engine_unavailable(self.engine)
         waiting = self.engine.num_waiting
+        if waiting + num_seqs > self.max_num_waiting:
+            # The count is the engine's after its last step: an abandoned request's abort may still be in the
+            # command queue. Before refusing, count again once every command queued so far has run (a client
+            # that sends one request at a time must never see "overloaded").
+            waiting = await self.engine.num_waiting_now()
         if waiting + num_seqs > self.max_num_waiting:
             raise APIError(503, f"the server is overloaded: {waiting} sequences are waiting "
                                 f"(--max-num-waiting {self.max_num_waiting}); retry later", None, "overloaded",
@@ -359,7 +364,7 @@ class OpenAIServing:
             for s in streams:
                 s.abandon()
             if isinstance(e, ValueError) and str(e).startswith("structured_outputs") and structured_field:
-                raise APIError(400, f"{structured_field}: {e}", structured_field) from None
+                raise refused("invalid_constraint", f"{structured_field}: {e}", structured_field) from None
             refusal = self.refusal(e)
             if refusal is not None:
                 raise refusal from None
@@ -372,7 +377,9 @@ class OpenAIServing:
         if isinstance(e, EngineDeadError):
             return engine_unavailable(self.engine)
         if isinstance(e, ValueError):
-            return APIError(400, str(e), "max_tokens" if "KV blocks" in str(e) else "prompt")
+            if "KV blocks" in str(e):
+                return refused("exceeds_kv_cache", str(e), "max_tokens")
+            return APIError(400, str(e), "prompt", too_long(e))
         return None
 
     # --- engine outputs to a response: what both endpoints share -------------------------------
@@ -459,7 +466,7 @@ class OpenAIServing:
         params = None if beams else req.sampling_params(max_tokens, "max_tokens", req.logprobs, req.num_prompt_logprobs)
         for x in ids:
             self.check_context(x, max_tokens, "max_tokens")
-        self.admit(req.num_samples * len(ids))
+        await self.admit(req.num_samples * len(ids))
         ctx = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
                "model": model}  # fmt: skip
         if beams:
@@ -537,7 +544,7 @@ class OpenAIServing:
         else:
             beams, params = None, req.sampling_params(max_tokens, field, req.num_logprobs)  # None: until full
         self.check_context(ids, max_tokens, field)
-        self.admit(req.num_samples)
+        await self.admit(req.num_samples)
         ctx = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": model}
         if beams:
             choice = lambda index, seq: {  # noqa: E731
@@ -557,9 +564,10 @@ class OpenAIServing:
         delta names the call); "required"'s calls, a JSON list until it ends, in the last chunk
         (an unfinished list stays content, as in the response)."""
         num_lp, tok = req.num_logprobs, self.engine.tokenizer
-        role = [{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
-                for index in range(req.num_samples)]  # fmt: skip
         calls = req.tool_constraint() != []
+        first = {"role": "assistant", "content": None if calls else ""}  # OpenAI's: a tool call has no content
+        role = [{"index": index, "delta": first, "logprobs": None, "finish_reason": None}
+                for index in range(req.num_samples)]  # fmt: skip
         held = ["" for _ in role]  # "required": the text so far, parsed when it ends
         named: dict[int, str] = {}  # a named function's call id, once its first delta went out
 

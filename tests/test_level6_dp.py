@@ -13,7 +13,9 @@ What it is:
   - a replica killed mid-stream: that stream ends with an error event and [DONE], the replica leaves
     rotation, /health stays 200 and every later request is answered by the live one;
   - a replica killed between requests: no request gets a 502 (a refused connection is sent to the
-    live replica; a router that polls its replicas' processes never sends it there).
+    live replica; a router that polls its replicas' processes never sends it there); a replica
+    killed while it runs a whole answer, and while a stream waits there with only its headers
+    sent: the live replica answers both.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from level6_helpers import ENGINE, LONG_CONTEXT, NAME, offline, wait_for
+from level6_helpers import ENGINE, LONG_CONTEXT, NAME, offline, sse_events, wait_for
 
 from level6_serving import router as router_module
 from level6_serving.api_server import ServerThread
@@ -190,9 +192,9 @@ PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:", "HAMLET: to be", "KING:", "
 
 
 @contextlib.contextmanager
-def two_replicas(ckpt, max_model_len: int):
+def two_replicas(ckpt, max_model_len: int, more: list[str] = ()):
     """Two `python -m level6_serving` processes loading at the same time (as --data-parallel-size does)."""
-    reps = [ServerProcess(engine_flags(ckpt, max_model_len)) for _ in range(2)]
+    reps = [ServerProcess([*engine_flags(ckpt, max_model_len), *more]) for _ in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
             list(pool.map(ServerProcess.start, reps))
@@ -241,6 +243,46 @@ def test_a_killed_replica_fails_its_stream_cleanly_and_leaves_rotation(long_ckpt
             assert value(samples, 'ladder:dp_requests_total{replica="1",outcome="failed"}') == 1
             assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 6
             assert reps[0].in_flight == reps[1].in_flight == 0  # every request gave its place back
+
+
+def test_requests_whose_replica_dies_before_answering_are_answered_by_another(long_ckpt):
+    """A whole (not streamed) answer is read before it is sent on, and a stream that has sent only its headers has
+    shown the client nothing: when the replica's process dies then, the dead replica can no longer run the request
+    and the router (its parent, which sees the exit) sends it to the live replica. Replica 1 runs one request at a
+    time (--max-num-seqs 1): a long whole answer runs there, a stream waits behind it, and then replica 1 dies.
+    Both get the live replica's answer: a 200 and a whole stream, not a 502 and an error event (guidellm with a
+    replica killed found both)."""
+    with two_replicas(long_ckpt, LONG_CONTEXT, ["--max-num-seqs", "1"]) as (r0, r1):
+        app = build_router_app([r0.url, r1.url], "round-robin", processes=[r0.proc, r1.proc])
+        with ServerThread(app) as url:
+            post = lambda body: httpx.post(url + "/v1/completions", json=body, timeout=300)  # noqa: E731
+            assert post({"model": NAME, "prompt": "a", "max_tokens": 2}).status_code == 200  # replica 0
+            long = {"model": NAME, "prompt": "ROMEO:", "max_tokens": 1000, "ignore_eos": True, "temperature": 0}
+            stream = {"model": NAME, "prompt": "JULIET:", "max_tokens": 8, "temperature": 0, "stream": True,
+                      "stream_options": {"include_usage": True}}  # fmt: skip
+            counts = lambda: parse(httpx.get(r1.url + "/metrics").text)  # noqa: E731
+            with ThreadPoolExecutor(2) as pool:
+                whole = pool.submit(post, long)  # replica 1
+                wait_for(lambda: value(counts(), 'vllm:num_requests_running{model_name="tiny"}') == 1, 60,
+                         "replica 1 running the long request")  # fmt: skip
+                assert post({"model": NAME, "prompt": "b", "max_tokens": 2}).status_code == 200  # replica 0
+                streamed = pool.submit(lambda: httpx.post(url + "/v1/completions", json=stream, timeout=300))
+                wait_for(lambda: value(counts(), 'vllm:num_requests_waiting{model_name="tiny"}') == 1, 60,
+                         "the stream waiting behind it on replica 1")  # fmt: skip
+                os.killpg(r1.proc.pid, signal.SIGKILL)
+                whole, streamed = whole.result(), streamed.result()
+            assert whole.status_code == 200, whole.text
+            assert whole.json()["usage"]["completion_tokens"] == 1000
+            events = sse_events(streamed.text)
+            assert events[-1] == "[DONE]" and not [e for e in events if '"error"' in e], events
+            assert json.loads(events[-2])["usage"]["completion_tokens"] == 8  # the whole answer, from replica 0
+            samples = parse(httpx.get(url + "/metrics").text)
+            assert value(samples, 'ladder:dp_requests_total{replica="1",outcome="retried"}') == 2
+            assert value(samples, 'ladder:dp_requests_total{replica="0",outcome="ok"}') == 4
+            assert value(samples, "ladder:dp_replicas_alive") == 1
+            # and the routes any replica answers, the API's document among them
+            assert httpx.get(url + "/tokenizer_info").json()["eos_token"]
+            assert "/v1/completions" in httpx.get(url + "/openapi.json").json()["paths"]
 
 
 # After the killed replica on purpose: lab 6c's "served" check stops at its first failing test, and a

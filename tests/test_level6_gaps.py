@@ -56,6 +56,7 @@ def test_tool_choice_required_makes_parsed_tool_calls_streamed_or_not(server):
     assert json.loads(call["function"]["arguments"])["city"] in ("Verona", "Mantua")
     got = chunks(httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60))
     deltas = [ch["choices"][0] for ch in got]
+    assert deltas[0]["delta"] == {"role": "assistant", "content": None}  # a tool call has no content (was "")
     assert deltas[-1]["finish_reason"] == "tool_calls"
     calls = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
     assert [(t["index"], t["function"]["name"], t["function"]["arguments"]) for t in calls] == \
@@ -73,6 +74,7 @@ def test_a_named_function_streams_its_arguments(server):
     got = chunks(httpx.post(server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60))
     calls = [t for ch in got for t in ch["choices"][0]["delta"].get("tool_calls", [])]
     assert calls[0]["function"]["name"] == "get_weather" and calls[0]["id"].startswith("call_")
+    assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": None}
     assert all(t["index"] == 0 and "id" not in t for t in calls[1:])
     args = whole["message"]["tool_calls"][0]["function"]["arguments"]
     assert "".join(t["function"]["arguments"] for t in calls) == args
@@ -120,7 +122,13 @@ def test_openapi_refuses_what_the_server_refuses(server):
 
     cases = [("DetokenizeRequest", "/detokenize", {"tokens": [vocab]}), ("TokenizeRequest", "/tokenize", {}),
              ("ChatCompletionRequest", "/v1/chat/completions", {"messages": ASK, "function_call": {}}),
-             ("CompletionRequest", "/v1/completions", {"prompt": ""})]  # fmt: skip
+             ("CompletionRequest", "/v1/completions", {"prompt": ""}),
+             # and what a deeper run found (1,000 bodies an operation)
+             ("ChatCompletionRequest", "/v1/chat/completions", {"messages": []}),
+             ("ChatCompletionRequest", "/v1/chat/completions", {"messages": ASK, "tools": [{"type": "function"}]}),
+             ("CompletionRequest", "/v1/completions", {"prompt": "x", "structured_outputs": {"regexp": "a"}}),
+             ("CompletionRequest", "/v1/completions", {"prompt": "x", "structured_outputs": {}}),
+             ("TokenizeRequest", "/tokenize", {"messages": []})]  # fmt: skip
     for name, path, body in cases:
         assert httpx.post(server.url + path, json=body, timeout=30).status_code == 400, body
         assert not valid(name, body), (name, body)
@@ -128,6 +136,48 @@ def test_openapi_refuses_what_the_server_refuses(server):
                        ("ChatCompletionRequest", {"messages": ASK, "function_call": "auto"}),
                        ("CompletionRequest", {"prompt": "x"})):  # fmt: skip
         assert valid(name, body), (name, body)
+
+
+def test_openapi_lists_each_refusal_no_schema_can_state(ckpt):
+    """Each of protocol.REFUSALS: a body the document admits, refused with its own code, which the operation's
+    400 lists in x-refusals (what lets schemathesis' positive-data check run with nothing left out)."""
+    import jsonschema
+
+    from level6_serving.protocol import REFUSALS
+
+    # A pool of 8 blocks (128 tokens: a token's K and V are 2 layers x 2 heads x 16 dims x 2 x 8 bytes = 1 KiB)
+    # under a 512-token context, and a queue of 8 sequences.
+    with serve(ckpt, {**ENGINE, "kv_cache_memory": 8 * 16 * 1024}, max_num_waiting=8) as s:
+        doc = httpx.get(s.url + "/openapi.json", timeout=30).json()
+        chars = s.engine.max_prompt_chars
+        cases = [
+            ("/v1/completions", {"prompt": "ROMEO:\n", "max_tokens": 511}, "context_length_exceeded"),
+            ("/v1/completions", {"prompt": ["x", "y" * (chars // 2)], "max_tokens": 1}, "context_length_exceeded"),
+            ("/v1/completions", {"prompt": "ROMEO:\n", "max_tokens": 300}, "exceeds_kv_cache"),
+            ("/v1/completions", {"prompt": ["a", "b", "c"], "n": 3}, "too_many_sequences"),
+            ("/v1/completions", {"prompt": "x", "guided_grammar": "not a grammar"}, "invalid_constraint"),
+            ("/v1/completions", {"prompt": "x", "guided_regex": "a", "guided_choice": ["a"]}, "conflicting_constraints"),
+            ("/v1/completions", {"prompt": "x", "min_tokens": 5, "max_tokens": 2}, "min_tokens_over_max_tokens"),
+            ("/v1/completions", {"prompt": "x", "best_of": 1, "n": 2}, "best_of_not_n"),
+            ("/v1/chat/completions", {"messages": ASK, "tools": WEATHER,
+                                      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "unknown_tool"),
+            ("/tokenize", {"messages": [{"role": "user", "content": "x" * (chars + 1)}]}, "context_length_exceeded"),
+        ]  # fmt: skip
+        assert {code for *_, code in cases} == set(REFUSALS)
+        for path, body, code in cases:
+            op = doc["paths"][path]["post"]
+            schema = {**op["requestBody"]["content"]["application/json"]["schema"], "components": doc["components"]}
+            assert jsonschema.Draft202012Validator(schema).is_valid(body), (path, body)
+            r = httpx.post(s.url + path, json=body, timeout=60)
+            assert (r.status_code, r.json()["error"]["code"]) == (400, code), (path, body, r.text)
+            assert code in op["responses"]["400"]["x-refusals"], (path, code)
+        # schemathesis' coverage phase: a json_schema that is not an object was a 500
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "response_format": {
+            "type": "json_schema", "json_schema": [None, None]}}, timeout=60)  # fmt: skip
+        assert (r.status_code, r.json()["error"]["param"]) == (400, "response_format.json_schema.schema")
+        # A hole in the document has code null: not listed, so the fuzzing test would report it.
+        r = httpx.post(s.url + "/v1/completions", json={"prompt": "x", "max_tokens": "5"}, timeout=60)
+        assert (r.status_code, r.json()["error"]["code"]) == (400, None)
 
 
 def test_the_authorization_scheme_is_case_insensitive(ckpt):

@@ -64,6 +64,17 @@ def test_top_k_one_and_tiny_top_p_are_greedy():
         assert {int(sample(logits, [state])[0]) for _ in range(20)} == {1}
 
 
+def test_a_top_p_that_is_zero_in_float32_keeps_the_most_likely_token():
+    """5e-324 passes `0 < top_p <= 1` as a Python float and is 0.0 in float32: the best token stays (found by
+    schemathesis: every token was masked and sampling raised, a 500)."""
+    from level0_naive.sampler import filter_logits_batch
+
+    logits = torch.tensor([[0.5, 2.0, 1.0], [3.0, 0.0, 1.0]])
+    assert torch.isfinite(filter_logits(logits[0], 0, 5e-324, 0.0)).tolist() == [False, True, False]
+    kept = filter_logits_batch(logits, None, torch.tensor([5e-324, 5e-324]), None)
+    assert torch.isfinite(kept).tolist() == [[False, True, False], [True, False, False]]
+
+
 def test_penalties_follow_their_definitions():
     logits = torch.tensor([2.0, -1.0, 0.5, 0.0], dtype=torch.float64)
     st_ = SamplingState(
