@@ -14,14 +14,22 @@ What it is: three pieces between the engine thread and a page (`static/dashboard
   a small row (bounded: MAX_STEPS between two frames); at most `hz` times a second, and only
   while someone watches, it asks the engine for a KV snapshot and turns it into a *frame*:
   the pool as two arrays (each block's state and owner), the shared blocks with their
-  reference counts, the cached-but-free blocks in eviction order, the queues with each
-  request's progress (at most MAX_REQUESTS listed), the step rows since the last frame, and
-  the times to first token of the requests that finished since (the engine's TTFT histogram
-  grows when a request finishes). A frame is bounded in size
-  whatever the engine's load: MAX_BLOCKS blocks, MAX_REQUESTS requests, MAX_STEPS rows.
+  reference counts, a big pool's blocks counted in runs (the page's cells: `pool_cells`),
+  the cached-but-free blocks in eviction order, the queues with each request's progress
+  (at most MAX_REQUESTS listed), the step rows since the last frame, and the times to first
+  token of the requests that finished since (the engine's TTFT histogram grows when a request
+  finishes). A frame is bounded in size whatever the engine's load: MAX_BLOCKS blocks,
+  MAX_REQUESTS requests, MAX_STEPS rows.
 - `block_states(snapshot)` is the picture's one idea: a block is free, cached (free, but
   still holding a named prefix a later request may reuse), used by one request, or shared
   by several (level 3's prefix hits, level 4's forked samples).
+- `pool_cells(state, size)` is the picture of a big pool: a square a block reads well for a few
+  hundred blocks, but the CPU server's default pool (10,922 blocks) would be a field of 4-pixel
+  squares in which a burst is a sliver of the first row. So a frame of a pool of more than
+  MAX_CELLS blocks also counts it in at most MAX_CELLS cells, each a run of `cell_size`
+  consecutive blocks, by state; where the blocks do not fit the page at a readable size, it
+  draws the cells, filled by those shares, and zooms into one cell's blocks on a click (it has
+  every block's state and owner for that: the frame still carries them all).
 - `DashboardHub` lives on the event loop: the feed hands it each frame with
   `call_soon_threadsafe`, it keeps the latest, and each SSE client (at most MAX_CLIENTS)
   gets the newest frame when it is ready to read, each frame once. `add_routes` puts the page,
@@ -64,6 +72,7 @@ HZ = 5.0  # frames a second at most
 MAX_STEPS = 512  # step rows kept between two frames (a frame carries at most this many)
 MAX_REQUESTS = 256  # requests listed in a frame (running first); the rest are counted
 MAX_BLOCKS = 16384  # blocks drawn (the grid of a bigger pool shows its first MAX_BLOCKS)
+MAX_CELLS = 512  # a pool of more blocks is drawn as runs of blocks, at most this many (pool_cells)
 MAX_CLIENTS = 16  # open event streams; one more is answered 503
 IDLE_REFRESH_S = 1.0  # no frame for this long: ask the engine for one (an abort while idle makes no step)
 HEARTBEAT_S = 15.0  # an SSE comment line keeps proxies from closing a quiet stream
@@ -97,10 +106,30 @@ def block_states(snap: KVSnapshot) -> tuple[list[int], list[int]]:
     return state, owner
 
 
+def cell_size(num_blocks: int) -> int:
+    """Blocks per cell of the page's grid: 1 (a cell is a block) for a pool of up to MAX_CELLS blocks;
+    above, the fewest that make at most MAX_CELLS cells (10,922 blocks: 22 a cell, 497 cells)."""
+    return max(1, math.ceil(num_blocks / MAX_CELLS))
+
+
+def pool_cells(state: list[int], size: int) -> list[list[int]]:
+    """The grid of a big pool: for each run of `size` consecutive blocks (the last run may be shorter),
+    how many of its blocks are in each state, indexed by state (cells[i][SHARED]: cell i's shared blocks):
+
+        block   0  1  2  3 | 4  5  6  7 | 8  9          size 4
+        state   S  S  U  F | C  C  F  F | F  F          (SHARED, USED, FREE, CACHED)
+        cell    [1,0,1,2]    [2,2,0,0]    [2,0,0,0]     [free, cached, used, shared]
+
+    Each cell's counts add up to its blocks, and all of them to len(state): nothing is drawn twice or lost."""
+    runs = (state[first : first + size] for first in range(0, len(state), size))
+    return [[run.count(s) for s in (FREE, CACHED, USED, SHARED)] for run in runs]  # [num_cells, 4]
+
+
 def build_frame(snap: KVSnapshot, steps: list, now: float, seq: int, ttft: tuple[float, int] = (0.0, 0)) -> dict:
     """One frame: the snapshot, the step rows since the last frame, and the new first tokens."""
     state, owner = block_states(snap)
     shown = min(snap.num_blocks, MAX_BLOCKS)
+    size = cell_size(shown)
     listed = snap.requests[:MAX_REQUESTS]
     return {
         "seq": seq,
@@ -114,6 +143,8 @@ def build_frame(snap: KVSnapshot, steps: list, now: float, seq: int, ttft: tuple
             "owner": [o if o < MAX_REQUESTS else -2 for o in owner[:shown]],  # -2: a request not listed
             "shared": [[b, r] for b, r in enumerate(snap.ref_counts[:shown]) if r > 1],  # [block, refs]
             "cached_lru": list(snap.cached_free[:MAX_BLOCKS]),  # evicted first, first
+            "cell_size": size,  # blocks per cell of the grid (1: one cell a block, and no cells sent)
+            "cells": pool_cells(state[:shown], size) if size > 1 else [],  # [cells, 4] counts by state
         },
         "running": sum(r.status == "running" for r in snap.requests),
         "waiting": sum(r.status != "running" for r in snap.requests),

@@ -7,6 +7,8 @@ What it is:
     block count, each block's state, owner and reference count, the cached-free blocks in
     eviction order, the queue lengths; and the frames' step rows account for every step
     once (level 4's for every draft token and every accepted one);
+  - a big pool's cells (`pool_cells`): each counts its run of blocks by state, and together they
+    count the pool; the server's default pool (10,922 blocks) is sent in cells, 85 blocks are not;
   - the bounds: at most `hz` frames a second, nothing built while nobody watches, the
     last step of a burst always drawn, a frame's lists capped, a slow reader skips frames;
   - the server: the page, `/dashboard/info` and an event stream whose frames are the feed's
@@ -236,6 +238,38 @@ def test_block_states_reads_shared_used_cached_and_free():
             RequestBlocks("c", 0, "waiting", ()))  # fmt: skip
     snap = KVSnapshot(5, BLOCK, 2, reqs, (2, 1, 1, 0, 0), (4,))
     assert block_states(snap) == ([SHARED, USED, USED, FREE, CACHED], [0, 0, 1, -1, -1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(state=st.lists(st.sampled_from([FREE, CACHED, USED, SHARED]), min_size=1, max_size=300), size=st.integers(1, 40))
+def test_a_cell_counts_its_run_of_blocks_and_the_cells_count_the_pool(state, size):
+    cells = dashboard.pool_cells(state, size)
+    assert len(cells) == -(-len(state) // size)  # ceil: the last run may be shorter
+    for i, counts in enumerate(cells):
+        run = state[i * size : (i + 1) * size]
+        assert counts == [run.count(s) for s in (FREE, CACHED, USED, SHARED)]  # indexed by state
+        assert sum(counts) == len(run) == (size if i < len(cells) - 1 else len(state) - i * size)
+    assert [sum(c[s] for c in cells) for s in (FREE, CACHED, USED, SHARED)] == [state.count(s) for s in range(4)]
+
+
+def test_a_big_pool_is_sent_in_cells_of_consecutive_blocks_a_small_one_block_by_block():
+    """The server's default pool on a CPU (10,922 blocks): 497 cells of 22 blocks, whose counts are its
+    blocks'; a pool of MAX_CELLS blocks or fewer (85: the docs' small pool) is drawn a block a square."""
+    assert [dashboard.cell_size(n) for n in (1, 85, 512, 513, 1024, 1025, 10922)] == [1, 1, 1, 2, 2, 3, 22]
+    n, prefix = 10922, tuple(range(9))  # a burst: nine prefix blocks shared by five requests, two of their own each
+    reqs = tuple(RequestBlocks(f"q{i}", 0, "running", prefix + (9 + 2 * i, 10 + 2 * i)) for i in range(5))
+    refs = [0] * n
+    for r in reqs:
+        for b in r.block_ids:
+            refs[b] += 1
+    snap = KVSnapshot(n, BLOCK, n - 19, reqs, tuple(refs), (30, 31))  # two cached blocks, in cell 1
+    pool = build_frame(snap, [], 0.0, 1)["pool"]
+    assert pool["cell_size"] == 22 and len(pool["cells"]) == 497
+    assert pool["cells"][0] == [22 - 19, 0, 10, 9]  # [free, cached, used, shared]: the whole burst in one cell
+    assert pool["cells"][1] == [20, 2, 0, 0] and pool["cells"][-1] == [n - 496 * 22, 0, 0, 0]
+    assert len(pool["state"]) == len(pool["owner"]) == n  # still every block: the page zooms into a cell's
+    small = build_frame(KVSnapshot(85, BLOCK, 85 - 19, reqs, tuple(refs[:85]), ()), [], 0.0, 1)["pool"]
+    assert small["cell_size"] == 1 and small["cells"] == []
 
 
 def test_a_slow_reader_skips_to_the_newest_frame():

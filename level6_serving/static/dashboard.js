@@ -5,6 +5,7 @@
 //   pool.owner[b]   index into frame.requests of the first holder (-1 none, -2 a request not listed)
 //   pool.shared     [[block, refs], ...] for every block held by more than one request
 //   pool.cached_lru the cached-but-free blocks, evicted first, first
+//   pool.cells      a pool of more than 512 blocks: per run of pool.cell_size blocks, [free, cached, used, shared]
 //   requests        [id, sample index, status, prompt, output, computed, preemptions, blocks, max_tokens]
 //   steps           [time, batch, prefill, decode, seconds, preempted, generated, drafted, accepted]
 //                   for every step since the last frame
@@ -145,39 +146,98 @@ function fitCanvas(c, height) {
 }
 
 // --- the block pool -----------------------------------------------------------------------------
-let grid = null;  // where the last grid was drawn, for the hover tip
+// A pool is drawn one square per block when they fit at READABLE px or more (a number fits on them):
+// grey free, yellow cached, its request's colour when held, a black edge and its reference count when
+// shared. A bigger pool (the CPU server's default is 10,922 blocks) would be a field of 4-pixel squares in
+// which a burst is a sliver of the first row and no count can be read. For a pool of more than 512 blocks
+// the server also counts its blocks in cells of pool.cell_size consecutive blocks (dashboard.py,
+// pool_cells); when the blocks do not fit, each cell is drawn as a little stacked bar: from the bottom,
+// the share of its blocks that are shared (dark), held by one request (blue), cached (yellow); the grey
+// left on top is free. Fixed colours, not the requests': a cell's blocks belong to many. A click on a
+// cell zooms into its blocks, drawn as a small pool's are; Escape or the button goes back out.
+const READABLE = 14;
+const FREE_COLOUR = "#e6e6e6", CACHED_COLOUR = "#f7dc8c", CACHED_EDGE = "#b98900";
+const HELD_COLOUR = "hsl(210 65% 55%)", SHARED_COLOUR = "#2b2d42";
+let grid = null;  // what the last drawing put where: for the hover tip and the click
+let zoom = null;  // the cell zoomed into, or null: the whole pool
+
+function layout(n, width, biggest) {  // the biggest squares (at most `biggest` px) that fit n into 360 px of height
+  let cell = biggest;
+  while (cell > 4 && Math.ceil(n / Math.floor(width / cell)) * cell > 360) cell--;
+  return [cell, Math.max(1, Math.floor(width / cell))];
+}
 
 function drawPool(f) {
-  const p = f.pool, n = p.shown, c = $("pool");
-  const width = c.clientWidth || c.parentElement.clientWidth;
-  let cell = 22;  // shrink the cells until the grid fits 360 px of height
-  while (cell > 4 && Math.ceil(n / Math.floor(width / cell)) * cell > 360) cell--;
-  const cols = Math.max(1, Math.floor(width / cell)), rows = Math.ceil(n / cols);
-  const [g] = fitCanvas(c, Math.max(rows * cell, cell));
+  const p = f.pool, per = p.cell_size || 1, c = $("pool"), width = c.clientWidth || c.parentElement.clientWidth;
+  const big = per > 1 && layout(p.shown, width, 22)[0] < READABLE;  // too many blocks to draw one by one
+  if (zoom !== null && (!big || zoom * per >= p.shown)) zoom = null;  // a wider window, a new engine's pool
+  const cells = big && zoom === null;  // the whole big pool, a square a run of blocks
+  const lo = zoom === null ? 0 : zoom * per, hi = zoom === null ? p.shown : Math.min(p.shown, lo + per);
+  const n = cells ? p.cells.length : hi - lo;
+  const [cell, cols] = layout(n, width, cells ? 24 : zoom === null ? 22 : 40);
+  const [g] = fitCanvas(c, Math.max(Math.ceil(n / cols) * cell, cell));
   const refs = new Map(p.shared);
-  let used = 0, cached = 0;
-  for (let b = 0; b < n; b++) {
-    const x = (b % cols) * cell, y = Math.floor(b / cols) * cell, s = p.state[b], o = p.owner[b];
-    const id = o >= 0 ? f.requests[o][0] : "(not listed)";
-    g.fillStyle = s === FREE ? "#e6e6e6" : s === CACHED ? "#f7dc8c" : colour(id);
-    g.fillRect(x + 1, y + 1, cell - 2, cell - 2);
-    if (s === CACHED) { g.strokeStyle = "#b98900"; g.lineWidth = 1; g.strokeRect(x + 1.5, y + 1.5, cell - 3, cell - 3); cached++; }
-    if (s === USED || s === SHARED) used++;
-    if (s === SHARED) {
-      g.strokeStyle = "#111"; g.lineWidth = 2; g.strokeRect(x + 2, y + 2, cell - 4, cell - 4);
-      if (cell >= 14) {
-        g.fillStyle = "#111"; g.font = `bold ${Math.floor(cell * 0.55)}px system-ui`;
-        g.textAlign = "center"; g.textBaseline = "middle";
-        g.fillText(String(refs.get(b)), x + cell / 2, y + cell / 2 + 1);
-      }
-    }
-  }
-  grid = { f, cell, cols, n, refs };
-  c.dataset.seq = f.seq; c.dataset.used = used; c.dataset.shared = p.shared.length; c.dataset.cached = cached;
-  const more = p.num_blocks > n ? ` (the first ${n} drawn)` : "";
+  grid = { f, cell, cols, n, lo, per: cells ? per : 1, refs };
+  const [occupied, numbers] = cells ? drawCells(g, p, cell, cols) : drawBlocks(g, f, lo, hi, cell, cols, refs);
+  let used = 0, cached = 0;  // over the whole pool, whatever is drawn
+  for (const s of p.state) { if (s === USED || s === SHARED) used++; else if (s === CACHED) cached++; }
+  // for tests and anyone scripting the page: what is drawn, where, and what the counts are
+  Object.assign(c.dataset, { seq: f.seq, used, shared: p.shared.length, cached, occupied, refs: numbers,
+                             view: cells ? "cells" : zoom === null ? "blocks" : "zoom", cell, cols, per: grid.per });
+  c.classList.toggle("zoomable", cells);
+  $("blocks-legend").hidden = cells;
+  $("cells-legend").hidden = !cells;
+  $("cells-per").textContent = `${per} consecutive blocks`;
+  $("zoombar").hidden = zoom === null;
+  $("zoom-range").textContent = `blocks ${lo}–${hi - 1} of ${p.num_blocks}`;
+  const more = p.num_blocks > p.shown ? ` (the first ${p.shown} drawn)` : "";
   $("pool-summary").textContent = `${p.num_blocks - p.num_free} of ${p.num_blocks} held · ${p.shared.length} shared · ` +
     `${cached} cached · ${p.num_free - cached} empty${more}`;
   drawLRU(p);
+}
+
+function drawBlocks(g, f, lo, hi, cell, cols, refs) {  // blocks lo..hi-1, a square each; returns [held, numbers drawn]
+  const p = f.pool;
+  let held = 0, numbers = 0;
+  for (let b = lo; b < hi; b++) {
+    const x = ((b - lo) % cols) * cell, y = Math.floor((b - lo) / cols) * cell, s = p.state[b], o = p.owner[b];
+    const id = o >= 0 ? f.requests[o][0] : "(not listed)";
+    g.fillStyle = s === FREE ? FREE_COLOUR : s === CACHED ? CACHED_COLOUR : colour(id);
+    g.fillRect(x + 1, y + 1, cell - 2, cell - 2);
+    if (s === CACHED) { g.strokeStyle = CACHED_EDGE; g.lineWidth = 1; g.strokeRect(x + 1.5, y + 1.5, cell - 3, cell - 3); }
+    if (s === USED || s === SHARED) held++;
+    if (s === SHARED) {
+      g.strokeStyle = "#111"; g.lineWidth = 2; g.strokeRect(x + 2, y + 2, cell - 4, cell - 4);
+      if (cell >= READABLE) {  // smaller, and the number is a smudge: the edge alone says "shared"
+        g.fillStyle = "#111"; g.font = `bold ${Math.floor(cell * 0.55)}px system-ui`;
+        g.textAlign = "center"; g.textBaseline = "middle";
+        g.fillText(String(refs.get(b)), x + cell / 2, y + cell / 2 + 1);
+        numbers++;
+      }
+    }
+  }
+  return [held, numbers];
+}
+
+function drawCells(g, p, cell, cols) {  // each cell a stacked bar of its shares; returns [cells holding any, 0]
+  const inner = cell - 2;
+  let occupied = 0;
+  p.cells.forEach(([free, cached, used, shared], i) => {
+    const x = (i % cols) * cell + 1, top = Math.floor(i / cols) * cell + 1, total = free + cached + used + shared;
+    g.fillStyle = FREE_COLOUR; g.fillRect(x, top, inner, inner);
+    let y = top + inner;  // each share stacks on the one below it
+    for (const [k, fill] of [[shared, SHARED_COLOUR], [used, HELD_COLOUR], [cached, CACHED_COLOUR]]) {
+      if (!k) continue;
+      const h = Math.min(y - top, Math.max(2, Math.round(inner * k / total)));  // one block of 22 still shows
+      y -= h; g.fillStyle = fill; g.fillRect(x, y, inner, h);
+    }
+    if (used + shared) {  // an edge too: one held block in a cell of 22 is a sliver of fill, but the edge shows
+      g.strokeStyle = shared ? SHARED_COLOUR : HELD_COLOUR; g.lineWidth = 2;
+      g.strokeRect(x + 1, top + 1, inner - 2, inner - 2);
+      occupied++;
+    }
+  });
+  return [occupied, 0];
 }
 
 function drawLRU(p) {
@@ -185,22 +245,51 @@ function drawLRU(p) {
   $("lru-count").textContent = k ? `${k} blocks: the left one goes first when a block is needed` : "none";
   const cell = Math.max(2, Math.min(16, Math.floor(w / Math.max(k, 1))));
   for (let i = 0; i < k && (i + 1) * cell <= w; i++) {
-    g.fillStyle = "#f7dc8c"; g.fillRect(i * cell + 1, 1, cell - 2, 14);
-    g.strokeStyle = "#b98900"; g.strokeRect(i * cell + 1.5, 1.5, cell - 3, 13);
+    g.fillStyle = CACHED_COLOUR; g.fillRect(i * cell + 1, 1, cell - 2, 14);
+    g.strokeStyle = CACHED_EDGE; g.strokeRect(i * cell + 1.5, 1.5, cell - 3, 13);
   }
 }
 
-$("pool").addEventListener("mousemove", (e) => {
-  if (!grid) return;
-  const r = e.target.getBoundingClientRect(), col = Math.floor((e.clientX - r.left) / grid.cell);
-  const b = Math.floor((e.clientY - r.top) / grid.cell) * grid.cols + col;
-  if (col >= grid.cols || b < 0 || b >= grid.n) { $("tip").textContent = "\u00a0"; return; }
+function squareAt(e) {  // the index of the square under the mouse in the last drawing, or -1
+  if (!grid) return -1;
+  const r = $("pool").getBoundingClientRect(), col = Math.floor((e.clientX - r.left) / grid.cell);
+  const i = Math.floor((e.clientY - r.top) / grid.cell) * grid.cols + col;
+  return col < grid.cols && i >= 0 && i < grid.n ? i : -1;
+}
+
+function blockTip(b) {
   const p = grid.f.pool, o = p.owner[b], s = p.state[b];
   const who = o >= 0 ? `request ${grid.f.requests[o][0]}` : o === -2 ? "a request not listed" : "";
   const what = ["free", "free, holding a prefix that a later request may reuse", "held by " + who,
                 `shared by ${grid.refs.get(b)} requests (first: ${who})`][s];
-  $("tip").textContent = `block ${b}: ${what}`;
+  return `block ${b}: ${what}`;
+}
+
+function cellTip(i) {
+  const p = grid.f.pool, [free, cached, used, shared] = p.cells[i];
+  const lo = i * grid.per, hi = Math.min(p.shown, lo + grid.per) - 1;
+  let most = 0;
+  for (const [b, r] of p.shared) if (b >= lo && b <= hi) most = Math.max(most, r);
+  return `blocks ${lo}–${hi}: ${used} held by one request, ${shared} shared` + (shared ? ` (by up to ${most})` : "") +
+    `, ${cached} cached, ${free} free · click to see them`;
+}
+
+function zoomTo(i) {  // i: a cell of the whole pool, or null for the whole pool
+  zoom = i;
+  $("tip").textContent = "\u00a0";
+  if (grid) drawPool(grid.f);
+}
+
+$("pool").addEventListener("mousemove", (e) => {
+  const i = squareAt(e);
+  $("tip").textContent = i < 0 ? "\u00a0" : grid.per > 1 ? cellTip(i) : blockTip(grid.lo + i);
 });
+$("pool").addEventListener("click", (e) => {
+  const i = squareAt(e);
+  if (i >= 0 && grid.per > 1) zoomTo(i);
+});
+$("zoomout").addEventListener("click", () => zoomTo(null));
+document.addEventListener("keydown", (e) => { if (e.key === "Escape" && zoom !== null) zoomTo(null); });
 
 // --- the queues ---------------------------------------------------------------------------------
 function cellOf(text, cls) {
