@@ -20,6 +20,7 @@ Reference: docs/level3_prefix.md ("Measured"); vLLM `docs/design/prefix_caching.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 
 from ladder.cli import LadderParser, nonneg_int, positive_int, torch_threads
@@ -78,7 +79,10 @@ def main(argv=None) -> list[dict]:
         for n in args.prefix_lengths:
             prefix = system_prompt(n)
             prompts = [f"{prefix}\n{QUESTIONS[i % len(QUESTIONS)]}" for i in range(args.questions)]
-            off, on = run_one(model, prompts, args, False), run_one(model, prompts, args, True)
+            off = run_one(model, prompts, args, False)
+            gc.collect()  # an engine holds its KV pool (1 GiB) in reference cycles: free it before the next
+            on = run_one(model, prompts, args, True)
+            gc.collect()
             rows.append(dict(prefix=n, share=n / on["prompt_len"], off=off, on=on))
             print(f"  ran prefix length {n}", flush=True)
     print(f"\n{args.questions - 1} questions at once after a first one, block size {args.block_size}, "
