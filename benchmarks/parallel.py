@@ -33,7 +33,7 @@ import json
 import time
 from pathlib import Path
 
-from ladder.cli import LadderParser, check_device_and_models, output_dir, positive_int, torch_threads
+from ladder.cli import LadderParser, cache_dir, check_device_and_models, output_dir, positive_int, torch_threads
 
 HERE = Path(__file__).resolve().parent
 
@@ -75,7 +75,7 @@ def model_path(args) -> str:
         return args.model
     from .make_model import build
 
-    path = output_dir() / "llama-100m"
+    path = cache_dir() / "llama-100m"
     if not (path / "config.json").is_file():
         print(f"building a ~100M-parameter random Llama in {path} (once)", flush=True)
         build(path)

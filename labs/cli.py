@@ -2,20 +2,27 @@
 
     python -m labs list                               the labs, their checks and handouts
     python -m labs start 2 ~/labs/lab2                write lab 2's starter(s) there, made now from the reference
+                                                      (--guidance none|short|full: how much each TODO says)
     python -m labs check 2 ~/labs/lab2/scheduler.py   run lab 2's checks on your file (--json for autograding,
-                                                      --hints full|short|none: how much a failed check says)
+                                                      --hints full|short|none: how much a failed check says;
+                                                      by default as much as the starter's --guidance said)
     python -m labs experiment 2 ~/labs/lab2           the handout's experiment, with your code swapped in
     python -m labs run 2 ~/labs/lab2 -m level2_continuous.demo --requests 8
                                                       any module (a demo, a benchmark), with your code swapped in
     python -m labs plant 2 oldest-victim ~/bugs       the reference with a planted bug (for teachers)
     python -m labs starters [--lab 2] [DIR]           every lab's starter (--lab: one lab's), printed, or with DIR
                                                       written there as DIR/lab2/scheduler.py (for teachers)
+    python -m labs grade 2 submissions/ --out grades.csv
+                                                      every student's folder checked: a CSV of points, and a
+                                                      Gradescope results.json and a log each (for teachers)
+    python -m labs export-student ~/course --labs 2,4 the project as students get it, labs 2 and 4 emptied
+                                                      (for teachers)
 
-What it is: the command line over `labs.grading`, `labs.runner` and `labs.starters`. No
-starter is kept in the repository: `start` and `starters` make them from the reference as
-they run. Your file replaces the reference module under the reference's name, in a
-subprocess, so the rest of the engine (the real one) runs your piece; nothing you run here
-changes the repository.
+What it is: the command line over `labs.grading`, `labs.runner`, `labs.starters` and
+`labs.classroom` (`grade`). No starter is kept in the repository: `start` and `starters`
+make them from the reference as they run. Your file replaces the reference module under
+the reference's name, in a subprocess, so the rest of the engine (the real one) runs your
+piece; nothing you run here changes the repository.
 
 `check --json` prints exactly one JSON object, whatever happens: when the checks cannot run
 (a file that does not parse, a missing file, an unknown lab), it is the usual report with
@@ -31,13 +38,18 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import traceback
 from pathlib import Path
 
-from . import grading, spec, swap
+from . import grading, spec, student_edition, swap
 from .grading import LabsError
 from .spec import REPO
 from .starters import make_starter
+
+GUIDANCE_HELP = ("how much each TODO says: none (only the goal: what the function returns), short (the goal "
+                 f"and the one idea to reach for), full (a walk-through, close to the code); default "
+                 f"{spec.DEFAULT_GUIDANCE}")  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -49,6 +61,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     s.add_argument("dir", type=Path, help="where the starter files go (made if missing)")
     s.add_argument("--force", action="store_true", help="overwrite files already there")
+    s.add_argument("--guidance", choices=spec.GUIDANCE, default=spec.DEFAULT_GUIDANCE, help=GUIDANCE_HELP)
     # allow_abbrev=False: `--js` must not pass for `--json`, which main() looks for to answer in JSON
     c = sub.add_parser("check", help="run a lab's checks on your file(s)", allow_abbrev=False)
     c.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
@@ -56,9 +69,11 @@ def parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print only the JSON report: one object, whatever happens")
     c.add_argument("--timeout", type=float, default=900, help="seconds before the checks are stopped (default 900)")
     c.add_argument("--verbose", action="store_true", help="also print pytest's full output")
-    c.add_argument("--hints", choices=spec.HINTS, default=spec.DEFAULT_HINTS,
+    c.add_argument("--log", type=Path, help="write pytest's output to this file (`grade` keeps one per student)")
+    c.add_argument("--hints", choices=spec.HINTS, default=None,
                    help="what a failed check says: full (where to look, close to the code), short (the rule it "
-                        f"breaks), none (only that it failed); default {spec.DEFAULT_HINTS}")  # fmt: skip
+                        "breaks), none (only that it failed); default: the level in your starter's banner "
+                        f"(`# guidance: ...`), {spec.DEFAULT_HINTS} for a file without one")  # fmt: skip
     e = sub.add_parser("experiment", help="run the handout's experiment with your code swapped in")
     e.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
     e.add_argument("path", help="your file, or the directory holding your files")
@@ -77,6 +92,22 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("dir", type=Path, nargs="?", help="write them here, one folder a lab (default: print them)")
     st.add_argument("--lab", help="only this lab's")
     st.add_argument("--force", action="store_true", help="overwrite files already in DIR")
+    st.add_argument("--guidance", choices=spec.GUIDANCE, default=spec.DEFAULT_GUIDANCE, help=GUIDANCE_HELP)
+    g = sub.add_parser("grade", help="check every student's folder: a CSV of points, a Gradescope results.json each "
+                                     "(for teachers)")  # fmt: skip
+    g.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
+    g.add_argument("submissions", type=Path, help="one folder per student, named by the student's id")
+    g.add_argument("--out", type=Path, required=True,
+                   help="the CSV to write; each student's results.json and check.log go to the folder named like "
+                        "it (grades.csv: grades/<student>/)")  # fmt: skip
+    g.add_argument("--jobs", type=int, help="students checked at once (default: the cores, at most the students)")
+    g.add_argument("--timeout", type=float, default=900, help="seconds each student's checks may take (default 900)")
+    g.add_argument("--hints", choices=spec.HINTS, help="what a failed check says in results.json (default: as check)")
+    x = sub.add_parser("export-student", help="write the project as students get it to DEST (for teachers)")
+    x.add_argument("dest", type=Path, help="where it goes")
+    x.add_argument("--labs", help="the labs whose functions are emptied, e.g. 2,3b,4 (default: every lab)")
+    x.add_argument("--force", action="store_true", help="overwrite what is in DEST already")
+    x.add_argument("--guidance", choices=spec.GUIDANCE, default=spec.DEFAULT_GUIDANCE, help=GUIDANCE_HELP)
     return p
 
 
@@ -120,7 +151,7 @@ def cmd_list(args) -> int:
 
 def cmd_start(args) -> int:
     lab = _lab(args.lab)
-    starters = _starters(lab)
+    starters = _starters(lab, args.guidance)
     _write({args.dir / m.filename: text for m, text in starters}, args.force)
     for m, _ in starters:
         print(f"{args.dir / m.filename}  <- your copy of {m.reference_path.relative_to(REPO)}")
@@ -128,10 +159,10 @@ def cmd_start(args) -> int:
     return 0
 
 
-def _starters(lab: spec.Lab) -> list[tuple[spec.Module, str]]:
+def _starters(lab: spec.Lab, guidance: str = spec.DEFAULT_GUIDANCE) -> list[tuple[spec.Module, str]]:
     """Each module of the lab and its starter, made now from the reference."""
     try:
-        return [(m, make_starter(lab, m)) for m in lab.modules]
+        return [(m, make_starter(lab, m, guidance)) for m in lab.modules]
     except ValueError as e:  # a level changed under the lab (a part renamed): say so, not a trace
         raise LabsError(f"lab {lab.id}'s starter cannot be made from today's reference: {e}") from None
 
@@ -147,6 +178,7 @@ def _write(files: dict[Path, str], force: bool) -> None:
 
 
 def cmd_check(args) -> int:
+    args.hints = args.hints or grading.banner_hints(args.lab, args.paths)  # not given: the starter's level
     if args.json:
         return check_json(args)
     lab = _lab(args.lab)
@@ -155,7 +187,9 @@ def cmd_check(args) -> int:
         print(f"lab {lab.id} ({lab.topic}): {path} replaces {module}")
     print(f"running {len(lab.checks)} checks...", flush=True)
     report = grading.check(lab, args.paths, timeout=args.timeout, hints=args.hints)
-    if report.score < report.total and not args.verbose:
+    if args.log:
+        report.log = write_log(args.log, report.output)
+    elif report.score < report.total and not args.verbose:
         report.log = keep_log(lab, report.output)
     print_report(report, verbose=args.verbose)
     return 0 if report.score == report.total else 1
@@ -164,20 +198,31 @@ def cmd_check(args) -> int:
 def check_json(args) -> int:
     """`check --json`: one JSON object on stdout whatever happens. Exit 0 all passed, 1 some failed, 2 the
     checks could not run (as without --json), 130 interrupted; the reason is in `problem`, the trace on stderr."""
+    start = time.monotonic()
     try:
         report = grading.check(_lab(args.lab), args.paths, timeout=args.timeout, hints=args.hints)
         code = 0 if report.score == report.total else 1
-    except LabsError as e:  # what the student handed in: one line says it
-        report, code = grading.not_run(args.lab, str(e), args.hints), 2
+    except LabsError as e:  # what the student handed in (or a refused file): one line says it
+        report, code = grading.not_run(args.lab, str(e), args.hints, paths=args.paths), 2
     except Exception as e:  # noqa: BLE001 - the runner failed: still a report, and the whole story on stderr
         traceback.print_exc()
         first = (str(e).strip().splitlines() or [""])[0]
         report, code = grading.not_run(args.lab, f"the checks could not run: {type(e).__name__}: {first}",
-                                       args.hints), 2  # fmt: skip
+                                       args.hints, paths=args.paths), 2  # fmt: skip
     except KeyboardInterrupt:
-        report, code = grading.not_run(args.lab, "interrupted before the checks finished", args.hints), 130
+        report = grading.not_run(args.lab, "interrupted before the checks finished", args.hints, paths=args.paths)
+        code = 130
+    report.duration_s = report.duration_s or time.monotonic() - start
+    if args.log:
+        report.log = write_log(args.log, report.output or report.problem or "")
     print(json.dumps(report.as_dict(), indent=1))
     return code
+
+
+def write_log(path: Path, text: str) -> str:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return str(path)
 
 
 def keep_log(lab: spec.Lab, text: str) -> str:
@@ -198,7 +243,7 @@ def print_report(report: grading.Report, verbose: bool = False) -> None:
         print(f"\n  !! {report.problem}\n")
     width = max(len(c.id) for c in report.checks)
     for c in report.checks:
-        print(f"  {'PASS' if c.passed else 'FAIL'}  {c.id:<{width}}  {c.title}")
+        print(f"  {'PASS' if c.passed else 'FAIL'}  {c.id:<{width}}  {c.points:>4}/{c.max_points:<2}  {c.title}")
         if not c.passed:
             for line in textwrap.wrap(
                 c.hint or "", 100, initial_indent="hint: ", subsequent_indent="      ", break_on_hyphens=False
@@ -206,7 +251,9 @@ def print_report(report: grading.Report, verbose: bool = False) -> None:
                 print(f"        {line}")
             for d in c.details[:3]:  # the failing test's own message: what went wrong, at every level of hints
                 print(f"        - {textwrap.shorten(d, 160)}")
-    print(f"score: {report.score}/{report.total}")
+    for w in report.warnings:
+        print(f"  warning: {w}")
+    print(f"score: {report.score}/{report.total} checks, {report.points}/{report.max_points} points")
     if verbose:
         print(report.output or (Path(report.log).read_text() if report.log else ""))
     elif report.log and report.score < report.total:
@@ -227,11 +274,16 @@ def cmd_run(args) -> int:
 def _run_module(lab: spec.Lab, path: str, module: str, argv: list[str]) -> int:
     swaps = grading.resolve(lab, [path])
     env = swap.swapped_env(swaps, grading.subprocess_env())
+    # The run's pictures and JSON (ladder.cli.output_dir) go to the student's folder, beside their code.
+    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    env["INFERENCE_LADDER_OUT"] = str(folder.resolve())
     print(f"(lab {lab.id}: running python -m {module} with {', '.join(swaps.values())})", flush=True)
     return subprocess.run([sys.executable, "-m", "labs.runner", "module", module, *argv], env=env).returncode
 
 
 def cmd_plant(args) -> int:
+    if student_edition.is_student_edition():
+        raise LabsError(student_edition.PLANT_REFUSAL)
     lab = _lab(args.lab)
     bug = next((b for b in lab.bugs if b.name == args.bug), None)
     if bug is None:
@@ -260,7 +312,7 @@ def cmd_starters(args) -> int:
     """Every lab's starters (or `--lab`'s): printed one after another, each under a `==> lab<id>/<file> <==`
     line (as `head` prints several files), or written to DIR/lab<id>/<file>, a path printed for each."""
     labs = [_lab(args.lab)] if args.lab else spec.all_labs()
-    files = {Path(f"lab{lab.id}") / m.filename: text for lab in labs for m, text in _starters(lab)}
+    files = {Path(f"lab{lab.id}") / m.filename: text for lab in labs for m, text in _starters(lab, args.guidance)}
     if args.dir is not None:
         _write({args.dir / rel: text for rel, text in files.items()}, args.force)
         print("\n".join(str(args.dir / rel) for rel in files))
@@ -268,6 +320,26 @@ def cmd_starters(args) -> int:
     for rel, text in files.items():
         print(f"==> {rel.as_posix()} <==")
         print(text, end="" if text.endswith("\n") else "\n")
+    return 0
+
+
+def cmd_grade(args) -> int:
+    """Every student's folder checked (labs/classroom.py); 0 once the CSV is written, whatever the scores."""
+    from .classroom import grade
+
+    grade(_lab(args.lab), args.submissions, args.out, jobs=args.jobs, timeout=args.timeout, hints=args.hints)
+    return 0
+
+
+def cmd_export_student(args) -> int:
+    try:  # imported here: the command line works without it
+        from .student_edition import export_student
+    except ModuleNotFoundError as e:
+        if e.name != f"{__package__}.student_edition":
+            raise
+        raise LabsError("this copy of the labs has no student edition (labs/student_edition.py)") from None
+    labs = [i.strip() for i in args.labs.split(",") if i.strip()] if args.labs else list(spec.LAB_IDS)
+    export_student(args.dest, labs, args.force, guidance=args.guidance)
     return 0
 
 
@@ -279,4 +351,5 @@ def _lab(lab_id: str) -> spec.Lab:
 
 
 COMMANDS = dict(list=cmd_list, start=cmd_start, check=cmd_check, experiment=cmd_experiment, run=cmd_run,
-                plant=cmd_plant, starters=cmd_starters)  # fmt: skip
+                plant=cmd_plant, starters=cmd_starters, grade=cmd_grade)  # fmt: skip
+COMMANDS["export-student"] = cmd_export_student

@@ -13,7 +13,16 @@ What it is: the part `python -m labs check` and tests/test_labs.py share.
     teacher's level (`--hints`) and the first failure message, and the score: the JSON
     `--json` prints. `not_run(lab_id, problem)` is the same report when the checks could not
     run at all (a file that does not parse): score 0, and the reason in `problem`.
-  - `check(lab, paths)`: all of it, in a temporary folder that is gone when it returns.
+  - `check(lab, paths)`: all of it, in a temporary folder that is gone when it returns. Before
+    anything runs, `labs/provenance.py` reads the files: one that imports or reads the reference
+    it replaces is refused (a `LabsError`: score 0, the reason in `problem`); one whose functions
+    are the reference's up to names and comments is flagged `copied-reference` and scored.
+  - Points: each check's `points` (the lab's rubric, in its .toml), all or nothing, or with
+    `partial` a share per test passed; the report's `points` of `max_points`, with what a class's
+    grade sheet needs besides (`duration_s`, each file's `sha256`, the project's `commit`, `flags`).
+  - `banner_hints(lab_id, paths)`: the `--hints` level when the teacher names none: the
+    guidance level the student's starter was made at (its banner's `# guidance:` line; the
+    least of several files'), so a failed check says no more than the starter did.
 
 What it is not: the checks themselves (the level's tests and `labs/lab<id>_checks.py`).
 
@@ -22,16 +31,20 @@ Reference: nbgrader's autograde output (one line per test, points, a total).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import provenance
 from .runner import matches
-from .spec import DEFAULT_HINTS, REPO, Check, Lab, get
+from .spec import DEFAULT_HINTS, GUIDANCE, REPO, Check, Lab, get
+from .starters import guidance_of
 
 
 class LabsError(ValueError):
@@ -130,10 +143,12 @@ class CheckResult:
     passed: bool
     hint: str | None  # at the report's level of hints: None under --hints none
     details: list[str] = field(default_factory=list)  # what failed, one line per test
+    points: float = 0  # earned: all of max_points, none, or (a `partial` check) a share per test passed
+    max_points: int = 0  # the check's weight in the lab's rubric
 
     def as_dict(self) -> dict:
         return dict(id=self.id, title=self.title, passed=self.passed, hint=None if self.passed else self.hint,
-                    details=self.details)  # fmt: skip
+                    details=self.details, points=self.points, max_points=self.max_points)  # fmt: skip
 
 
 @dataclass
@@ -144,6 +159,11 @@ class Report:
     log: str | None = None  # pytest's output, while it exists (`check` removes it; `labs check` may keep a copy)
     hints: str = DEFAULT_HINTS
     output: str = field(default="", repr=False)  # the log's text, read before its folder went (not in the JSON)
+    duration_s: float = 0.0  # from reading the files to the last test
+    sha256: dict = field(default_factory=dict)  # {file name: sha256 of the student's file}: what was graded
+    commit: str = "unknown"  # the project's commit the checks came from: a regrade runs the same ones
+    flags: list = field(default_factory=list)  # for the teacher, never the score: "copied-reference"
+    warnings: list = field(default_factory=list)  # one line each, printed above the score
 
     @property
     def score(self) -> int:
@@ -153,16 +173,32 @@ class Report:
     def total(self) -> int:
         return len(self.checks)
 
+    @property
+    def points(self) -> float:
+        return _number(sum(c.points for c in self.checks))
+
+    @property
+    def max_points(self) -> int:
+        return sum(c.max_points for c in self.checks)
+
     def as_dict(self) -> dict:
         passed = self.problem is None and self.score == self.total  # an unknown lab has 0 of 0 checks
         return dict(lab=self.lab, score=self.score, total=self.total, passed=passed,
+                    points=self.points, max_points=self.max_points,
                     problem=self.problem, hints=self.hints, checks=[c.as_dict() for c in self.checks],
-                    log=self.log)  # fmt: skip
+                    log=self.log, duration_s=round(self.duration_s, 2), sha256=self.sha256, commit=self.commit,
+                    flags=self.flags, warnings=self.warnings)  # fmt: skip
+
+
+def _number(x: float) -> float:
+    """Points as a person writes them: 3, not 3.0; 1.33, not 1.3333333."""
+    return int(round(x)) if abs(x - round(x)) < 1e-9 else round(x, 2)
 
 
 def grade(lab: Lab, records: list[dict], summary: dict | None = None, checks: list[Check] | None = None,
           log: str | None = None, hints: str = DEFAULT_HINTS) -> Report:  # fmt: skip
-    """Each check passes when every test it names ran and passed; a failed one says `hints` much."""
+    """Each check passes when every test it names ran and passed; a failed one says `hints` much. Its points:
+    all or none, or, `partial`, a share for each test that passed (a family: every member passed)."""
     outcomes: dict[str, list[dict]] = {}
     for r in records:
         if "nodeid" in r:
@@ -177,7 +213,7 @@ def grade(lab: Lab, records: list[dict], summary: dict | None = None, checks: li
         problem = f"the checks did not finish within the time limit ({summary['seconds']:.0f} s): an endless loop?"
     results = []
     for c in checks or lab.checks:
-        ok, details = True, []
+        ok, details, tests_passed = True, [], 0
         for spec in c.tests:
             runs = {nid: rs for nid, rs in outcomes.items() if matches(nid, spec)}
             if not runs:
@@ -186,33 +222,94 @@ def grade(lab: Lab, records: list[dict], summary: dict | None = None, checks: li
                            None) or (problem or "did not run")  # fmt: skip
                 details.append(f"{spec.split('::')[-1]}: {why}")
                 continue
+            test_ok = True
             for nid, rs in runs.items():
                 bad = [r for r in rs if r["outcome"] != "passed"]
                 if bad:
-                    ok = False
+                    ok = test_ok = False
                     r = bad[0]
                     where = "" if r["when"] == "call" else f" (in {r['when']})"
                     details.append(f"{nid.split('::')[-1]}{where}: {r['outcome']}: {r['message']}")
-        results.append(CheckResult(c.id, c.title, ok, c.hint_at(hints), details))
+            tests_passed += test_ok
+        points = c.points if ok else c.points * tests_passed / len(c.tests) if c.partial else 0
+        results.append(CheckResult(c.id, c.title, ok, c.hint_at(hints), details, _number(points), c.points))
     return Report(lab.id, results, problem, log, hints)
 
 
-def not_run(lab_id: str, problem: str, hints: str = DEFAULT_HINTS) -> Report:
+def not_run(lab_id: str, problem: str, hints: str = DEFAULT_HINTS, paths: list[str | Path] = ()) -> Report:
     """The report when the checks could not run at all (a file that does not parse, a missing one, the
-    runner failing): every check of the lab failed with the reason, score 0, in the shape of any other."""
+    runner failing, a refused file): every check of the lab failed with the reason, score 0, in the shape of any
+    other; `paths`, the student's, for their sha256."""
     try:
         lab_checks = get(lab_id).checks
     except ValueError:  # no such lab: no checks to list
         lab_checks = ()
-    results = [CheckResult(c.id, c.title, False, c.hint_at(hints), [f"not run: {problem}"]) for c in lab_checks]
-    return Report(str(lab_id), results, problem, hints=hints)
+    results = [CheckResult(c.id, c.title, False, c.hint_at(hints), [f"not run: {problem}"], 0, c.points)
+               for c in lab_checks]  # fmt: skip
+    return Report(str(lab_id), results, problem, hints=hints, sha256=fingerprint(lab_id, paths),
+                  commit=project_commit())  # fmt: skip
 
 
-def check(lab: Lab, paths: list[str | Path], timeout: float = 900, hints: str = DEFAULT_HINTS) -> Report:
+def fingerprint(lab_id: str, paths: list[str | Path]) -> dict[str, str]:
+    """{file name: sha256} of the student's files that are there (any that can be found: for a report whose
+    checks could not run, too), named as the lab names them."""
+    try:
+        names = [m.filename for m in get(lab_id).modules]
+    except ValueError:
+        names = []
+    found = {}
+    for p in map(Path, paths):
+        p = p.expanduser()
+        for f in [p / n for n in names] if p.is_dir() else [p]:
+            if f.is_file():
+                name = names[0] if len(names) == 1 and not p.is_dir() else f.name
+                found.setdefault(name, hashlib.sha256(f.read_bytes()).hexdigest())
+    return found
+
+
+def project_commit() -> str:
+    """`git rev-parse HEAD` of the project, or "unknown" (no git, or not a checkout: an installed copy)."""
+    try:
+        proc = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return proc.stdout.strip() if proc.returncode == 0 and proc.stdout.strip() else "unknown"
+
+
+def banner_hints(lab_id: str, paths: list[str | Path]) -> str:
+    """The hints a failed check gives when the teacher asks for no level: as many as the student's starter
+    gave (a guidance level and a hints level share their names: none, short, full), the least of the files'
+    banners; DEFAULT_HINTS for files without one (or that cannot be read: the checks will say so)."""
+    try:
+        names = [m.filename for m in get(lab_id).modules]
+    except ValueError:  # no such lab: only files named on the command line
+        names = []
+    levels = []
+    for p in map(Path, paths):
+        p = p.expanduser()
+        for f in [p / n for n in names] if p.is_dir() else [p]:
+            try:
+                level = guidance_of(f.read_text(errors="replace"))
+            except OSError:
+                continue
+            if level is not None:
+                levels.append(level)
+    return min(levels, key=GUIDANCE.index) if levels else DEFAULT_HINTS
+
+
+def check(lab: Lab, paths: list[str | Path], timeout: float = 900, hints: str | None = None) -> Report:
     """Everything `python -m labs check` does, but printing nothing and leaving nothing behind: the
     plan, the results and pytest's log live in a temporary folder removed before this returns (on an
-    error or Ctrl-C too). The log's text stays in `report.output`; `report.log` is None."""
+    error or Ctrl-C too). The log's text stays in `report.output`; `report.log` is None. `hints` None: the
+    starters' level (`banner_hints`). A file that uses the reference it replaces is refused: `LabsError`."""
+    start = time.monotonic()
     swaps = resolve(lab, paths)
+    refused = provenance.uses_of_the_reference(lab, swaps)
+    if refused:
+        raise LabsError(refused)
+    copied = provenance.copied_parts(lab, swaps)
+    copied = copied if provenance.is_a_copy(lab, copied) else []
+    hints = hints or banner_hints(lab.id, paths)
     # ignore_cleanup_errors: after Ctrl-C a dying variant may still be writing; the interrupt matters more.
     with tempfile.TemporaryDirectory(prefix=f"labs-{lab.id}-", ignore_cleanup_errors=True) as work:
         workdir = Path(work)
@@ -220,4 +317,11 @@ def check(lab: Lab, paths: list[str | Path], timeout: float = 900, hints: str = 
         summary = run_plan([variant], workdir)[variant["name"]]
         report = grade(lab, read_results(variant["results"]), summary, hints=hints)
         report.output = Path(variant["log"]).read_text(errors="replace")
+    report.duration_s = time.monotonic() - start
+    report.sha256 = {m.filename: hashlib.sha256(Path(swaps[m.name]).read_bytes()).hexdigest() for m in lab.modules}
+    report.commit = project_commit()
+    if copied:
+        report.flags.append("copied-reference")
+        report.warnings.append(f"copied-reference: {', '.join(copied)} equal the reference's, once names, comments "
+                               "and docstrings are set aside (scored as usual: the teacher decides)")  # fmt: skip
     return report

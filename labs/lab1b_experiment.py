@@ -81,6 +81,14 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['block']:>5} {r['tile']:>5} {r['iters']:>10} {r['no_skip']:>8} {r['ms']:>8.1f} "
               f"{r['ms'] / r['iters']:>8.2f} {r['err']:>10.2e}")  # fmt: skip
+    # where the skip saves: a decode's one query sees every key either way; only the chunk's rows skip tiles
+    nd = len(args.contexts)
+    parts = dict(decodes=(query_lens[:nd], context_lens[:nd]), chunk=(query_lens[nd:], context_lens[nd:]))
+    print("iterations by part (the same for every block size), with the skip / without:")
+    for tile in args.tiles:
+        by_part = ", ".join(f"{name} {iterations(*ql_cl, hq, hkv, tile)} / {iterations(*ql_cl, hq, hkv, tile, False)}"
+                            for name, ql_cl in parts.items())  # fmt: skip
+        print(f"  tile {tile:>3}: {by_part}")
     return rows
 
 

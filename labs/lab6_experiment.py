@@ -52,7 +52,9 @@ def main(argv=None) -> list[dict]:
     from level6_serving.process import ServerProcess  # under a lab's swap it starts your serving.py (labs/site)
 
     model = str(args.model or default_model())
-    rows, flags = [], ["--model", model, "--disable-uvicorn-access-log", "--log-level", "warning"]
+    # -1: every position, as benchmarks.serving's servers (shared-prefix prompts pass the tokenizer's 256-token window)
+    flags = ["--model", model, "--max-model-len", "-1", "--disable-uvicorn-access-log", "--log-level", "warning"]
+    rows = []
     with tempfile.TemporaryDirectory(prefix="lab6-") as tmp, ServerProcess(flags, Path(tmp) / "server.log") as server:
         print(f"server up at {server.url} (log, while it runs: {server.log})", flush=True)
         out = Path(tmp) / "run.json"

@@ -42,6 +42,7 @@ import gc
 import importlib
 import json
 import os
+import re
 import runpy
 import signal
 import sys
@@ -125,7 +126,8 @@ def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT
 
             def expire(signum, frame):
                 seconds, self.timeout = self.timeout, min(self.timeout, AFTER_A_TIMEOUT)
-                raise CheckTimeout(f"still running after {seconds:.0f} s: an endless loop?")
+                raise CheckTimeout(f"still running after {seconds:.0f} s: an endless loop, or a machine too busy "
+                                   "(see `uptime`; rerun when it is quieter)")  # fmt: skip
 
             old = signal.signal(signal.SIGALRM, expire)
             signal.setitimer(signal.ITIMER_REAL, self.timeout)
@@ -134,6 +136,14 @@ def recorder(selection: list[str], path: str, test_timeout: float = TEST_TIMEOUT
             finally:
                 signal.setitimer(signal.ITIMER_REAL, 0)
                 signal.signal(signal.SIGALRM, old)
+
+        @pytest.hookimpl(hookwrapper=True)
+        def pytest_runtest_makereport(self, item, call):
+            """A failure's arguments, frame by frame, while its traceback is alive: what hypothesis's falsifying
+            example left empty (pytest's own report shows them only for the first and the last frame)."""
+            report = (yield).get_result()
+            if report.failed and call.excinfo is not None:
+                report.labs_frames = frame_arguments(call.excinfo.tb)
 
         def pytest_collectreport(self, report):
             if report.failed:
@@ -154,11 +164,77 @@ def _short(report) -> str:
         return ""
     crash = getattr(report.longrepr, "reprcrash", None)
     if crash is not None:
-        return crash.message[:600]
+        return failure_message(crash.message, getattr(report, "labs_frames", []))
     if isinstance(report.longrepr, tuple):  # a skip: (file, line, reason)
         return str(report.longrepr[2])[:600]
     text = str(report.longrepr).strip().splitlines()
     return (text[-1] if text else "")[:600]
+
+
+# What hypothesis appends to a failure for the test's author: a decorator or a seed to paste into the test,
+# which the student does not own (their file is the module under test), so a check's message leaves it out.
+_FOR_THE_AUTHOR = ("You can reproduce this example by temporarily adding", "@reproduce_failure(", "@seed(",
+                   "--hypothesis-seed")  # fmt: skip
+_EMPTY_ARG = re.compile(r"^(\w+)=(?=,|$)")  # `seed=,`: hypothesis's explain phase printed no value
+_AUTHOR_COMMENT = re.compile(r"\s+# (or any other generated value|.* varied together\.?)$")
+
+
+def frame_arguments(tb, width: int = 100) -> list[dict]:
+    """{argument: repr, cut to `width`} of each frame of a traceback, outermost first."""
+    frames = []
+    while tb is not None:
+        code, values = tb.tb_frame.f_code, tb.tb_frame.f_locals
+        names = code.co_varnames[: code.co_argcount + code.co_kwonlyargcount]
+        frames.append({n: _cut(values[n], width) for n in names if n in values})
+        tb = tb.tb_next
+    return frames
+
+
+def _cut(value, width: int) -> str:
+    try:
+        text = repr(value)
+    except Exception:  # noqa: BLE001 - a value whose repr fails is still a value
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.split())
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def failure_message(message: str, frames: list[dict] = (), limit: int = 600) -> str:
+    """A failed test's message as a check prints it: the exception's first line, then hypothesis's falsifying
+    example on one line with its values (`Falsifying example: test_x(seed=3, K=2)`; a value hypothesis left
+    empty is taken from the test's own arguments, `frames` (one {name: repr} per frame of the failure's traceback,
+    `frame_arguments`)), then the rest; without the lines that tell the test's author how to replay the example."""
+    lines = [line for line in message.splitlines() if not any(s in line for s in _FOR_THE_AUTHOR)]
+    example = None
+    for i, line in enumerate(lines):
+        head = re.match(r"^Falsifying (?:explicit )?example: (\w+)\((.*)$", line.strip())
+        if head is None:  # a stateful test's example is its steps, one a line: kept as they are
+            continue
+        name, first = head.groups()
+        if first.rstrip().endswith(")"):  # already on one line
+            j, body = i, [first.rstrip()[:-1]]
+        else:  # one argument a line, up to a lone ")"
+            j = next((k for k in range(i + 1, len(lines)) if lines[k].strip() == ")"), len(lines))
+            body = [first, *lines[i + 1 : j]]
+        example = f"Falsifying example: {name}({_arguments(body, frames)})"
+        del lines[i : j + 1]
+        break
+    while lines and not lines[-1].strip():
+        lines.pop()
+    if example is None:
+        return "\n".join(lines)[:limit]
+    first, rest = lines[:1], lines[1:]
+    return "\n".join([*(f[: limit - len(example) - 1] for f in first), example, *rest])[:limit]
+
+
+def _arguments(body: list[str], frames: list[dict]) -> str:
+    """`seed=,  # or any other generated value` / `K=2,` lines -> `seed=3, K=2`: hypothesis's comments dropped,
+    an empty value filled from the frame whose arguments are the example's (the test function's)."""
+    args = [_AUTHOR_COMMENT.sub("", b.strip()) for b in body if b.strip() and not b.strip().startswith("#")]
+    names = {m.group(1) for a in args if (m := re.match(r"^(\w+)=", a))}
+    own = next((f for f in reversed(frames) if names and names <= set(f)), {})
+    filled = [_EMPTY_ARG.sub(lambda m: f"{m.group(1)}={own.get(m.group(1), '?')}", a) for a in args]
+    return " ".join(filled).rstrip(",")
 
 
 def run_pytest(selection: list[str], results: str, stop_checks: list | None = None) -> int:

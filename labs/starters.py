@@ -1,9 +1,12 @@
 """Starters: the reference module with the lab's functions emptied, made from the reference itself.
 
-What it is: `make_starter(lab, module)`, which parses the reference source, finds each
-`Part` by its qualified name, keeps its signature and docstring (and, with `keep_until`,
-the first lines of its body), and replaces the rest with the part's guiding comment and
-`raise NotImplementedError`. Every other line stays byte for byte, so a student's piece
+What it is: `make_starter(lab, module, guidance)`, which parses the reference source, finds
+each `Part` by its qualified name, keeps its signature and docstring (and, with `keep_until`,
+the first lines of its body), and replaces the rest with the part's guiding comment at the
+teacher's level of `guidance` (`spec.GUIDANCE`: the goal, the goal and a nudge, or the full
+walk-through) and `raise NotImplementedError`. The banner says the level in one line,
+`# guidance: short`, which `guidance_of` reads back, so that `check` hints no more than the
+starter did (labs/grading.py). Every other line stays byte for byte, so a student's piece
 runs inside the real engine. Imports that only the removed code used are kept and marked,
 because the student's code will need them.
 
@@ -22,15 +25,25 @@ Reference: nbgrader's "### BEGIN SOLUTION / ### END SOLUTION" cells, done on the
 from __future__ import annotations
 
 import ast
+import re
 
-from .spec import REPO, Lab, Module, Part
+from .spec import DEFAULT_GUIDANCE, GUIDANCE, REPO, Lab, Module, Part
 
 BANNER = (
     "# Lab {lab}: your copy of {path}.\n"
     "# Fill in every function that raises NotImplementedError (search for TODO), then run\n"
     "#     python -m labs check {lab} THIS_FILE\n"
     "# Made from the reference by `python -m labs start` (labs/starters.py); the rest is the reference, unchanged.\n"
+    "# guidance: {guidance}  (how much each TODO says: none, short or full; `check` hints as much by default)\n"
 )
+GUIDANCE_LINE = re.compile(r"^# guidance: (\w+)(?:\s|$)", re.M)  # the banner's line, read back by guidance_of
+
+
+def guidance_of(text: str) -> str | None:
+    """The guidance level a starter's banner names (in its first lines), or None for a file without one."""
+    head = "\n".join(text.splitlines()[:8])
+    m = GUIDANCE_LINE.search(head)
+    return m.group(1) if m and m.group(1) in GUIDANCE else None
 
 
 def _find(tree: ast.Module, qualname: str) -> ast.FunctionDef:
@@ -53,15 +66,17 @@ def _find(tree: ast.Module, qualname: str) -> ast.FunctionDef:
     return node
 
 
-def _replacement(lab: Lab, part: Part, indent: str) -> list[str]:
+def _replacement(lab: Lab, part: Part, indent: str, guidance: str) -> list[str]:
     out = [f"{indent}# TODO (lab {lab.id}): {part.qualname}\n"]
-    for line in part.hint.strip("\n").splitlines():
+    for line in part.guidance(guidance).strip("\n").splitlines():
         out.append(f"{indent}# {line}".rstrip() + "\n")
     out.append(f'{indent}raise NotImplementedError("lab {lab.id}: write {part.qualname}")\n')
     return out
 
 
-def starter_source(lab: Lab, module: Module, source: str) -> str:
+def starter_source(lab: Lab, module: Module, source: str, guidance: str = DEFAULT_GUIDANCE) -> str:
+    if guidance not in GUIDANCE:
+        raise ValueError(f"guidance {guidance!r}: choose one of {', '.join(GUIDANCE)}")
     tree = ast.parse(source)
     lines = source.splitlines(keepends=True)
     edits = []  # (first line index to replace, one past the last, new lines)
@@ -78,10 +93,10 @@ def starter_source(lab: Lab, module: Module, source: str) -> str:
             start = hits[0] + 1
             while start < fn.end_lineno and lines[start].strip() == "":
                 start += 1
-        edits.append((start, fn.end_lineno, _replacement(lab, part, indent)))
+        edits.append((start, fn.end_lineno, _replacement(lab, part, indent, guidance)))
     for start, end, new in sorted(edits, reverse=True):
         lines[start:end] = new
-    text = BANNER.format(lab=lab.id, path=module.reference_path.relative_to(REPO).as_posix())
+    text = BANNER.format(lab=lab.id, path=module.reference_path.relative_to(REPO).as_posix(), guidance=guidance)
     if any(p.keep_until for p in module.parts):  # the kept prologue computes values only your code uses
         text += "# ruff: noqa: F841\n"
     return _mark_unused_imports(text + "".join(lines))
@@ -107,10 +122,10 @@ def _mark_unused_imports(source: str) -> str:
     return "".join(lines)
 
 
-def make_starter(lab: Lab, module: Module) -> str:
-    return starter_source(lab, module, module.reference_path.read_text())
+def make_starter(lab: Lab, module: Module, guidance: str = DEFAULT_GUIDANCE) -> str:
+    return starter_source(lab, module, module.reference_path.read_text(), guidance)
 
 
-def starter_files(lab: Lab) -> dict[str, str]:
+def starter_files(lab: Lab, guidance: str = DEFAULT_GUIDANCE) -> dict[str, str]:
     """{file name: text} of every starter file of the lab, made now from today's reference."""
-    return {m.filename: make_starter(lab, m) for m in lab.modules}
+    return {m.filename: make_starter(lab, m, guidance) for m in lab.modules}

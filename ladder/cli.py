@@ -194,6 +194,13 @@ def output_dir() -> Path:
     return Path(env) if env else Path(tempfile.gettempdir()) / f"inference-ladder-{_user()}"
 
 
+def cache_dir() -> Path:
+    """Where a run keeps what it builds once and reuses (a benchmark's random 100M checkpoint, 400 MB):
+    `inference-ladder-USER-cache` in the system's temporary folder. Never `output_dir()`, which may be a
+    student's lab folder (`python -m labs experiment` points it there)."""
+    return Path(tempfile.gettempdir()) / f"inference-ladder-{_user()}-cache"
+
+
 def _user() -> str:
     try:
         return getpass.getuser()
