@@ -10,6 +10,8 @@ version of each), then:
   - every lab's definition loses its planted bugs (`[[bugs]]`: their `old` strings are reference
     lines), and an assigned lab's keeps no more than the guidance: under `short` or `none` a part's
     walk-through (`hint`) becomes its goal and nudge (or its goal), and a check's full hint its rule;
+  - every handout loses its "## For teachers" section (which check catches which planted bug), and
+    the experiments' answer keys (`TEACHERS_ONLY`) are not copied;
   - every other file is searched for the lines the starters removed (normalised, the trivial ones left
     out, and those the copy's own code runs anyway left in): in a document, a code block's line
     becomes a placeholder and a quote in prose is cut; in Python, only strings and comments quote, and
@@ -47,6 +49,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 MARKER = "STUDENT_EDITION.md"
+TEACHERS_ONLY = ("docs/course/answer_keys.md",)  # files a student edition leaves out whole
 PLANT_REFUSAL = "plant is the teacher's: this is a student edition (STUDENT_EDITION.md), which has no planted bugs"
 GUIDANCE = getattr(spec, "GUIDANCE", ("none", "short", "full"))
 DEFAULT_GUIDANCE = getattr(spec, "DEFAULT_GUIDANCE", "short")
@@ -136,7 +139,7 @@ def project_files() -> list[str]:
                              capture_output=True, text=True, check=True).stdout  # fmt: skip
     except (OSError, subprocess.CalledProcessError) as e:
         raise LabsError(f"the student edition is made from a git checkout of the project ({e})") from None
-    files = dict.fromkeys(f for f in out.split("\0") if f)
+    files = dict.fromkeys(f for f in out.split("\0") if f and f not in TEACHERS_ONLY)
     return [f for f in files if (REPO / f).is_file() or (REPO / f).is_symlink()]
 
 

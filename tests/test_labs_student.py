@@ -170,6 +170,7 @@ def test_no_planted_bug_and_no_more_guidance_than_chosen(copy):
         assert lab.checks == tuple(dataclasses.replace(c, hint=c.rule) for c in spec.get(lab_id).checks)
     full = spec.load(copy / "labs" / "lab2.toml")  # a lab not assigned keeps its hints: its reference is there
     assert [c.hint for c in full.checks] == [c.hint for c in spec.get("2").checks]
+    assert not (copy / "docs" / "course" / "answer_keys.md").exists() and (REPO / "docs/course/answer_keys.md").exists()
     # no handout keeps its teacher's note (which check catches which planted bug), and nothing else is lost
     for handout in (copy / "docs" / "labs").glob("lab*.md"):
         mine, theirs = handout.read_text(), (REPO / "docs" / "labs" / handout.name).read_text()
