@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import signal
 import sys
@@ -307,9 +308,17 @@ def main(argv=None) -> None:
     )
     freeze_startup_heap()  # the model and the imports: out of every full collection's walk (api_server.py)
     server.run(sockets=[sock])
-    # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean exit.
-    # An engine that died is not one either: a supervisor restarts a process that exits non-zero.
-    sys.exit(130 if server.force_exit else 1 if server.engine_died else 0)
+    if server.force_exit:
+        # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean
+        # exit. The engine thread may still be inside a forward pass, and finalising the interpreter under
+        # it aborts (torch's C++ "terminate called without an active exception", SIGABRT, now and then):
+        # quitting now means skipping the finalisation too.
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
+    # An engine that died is not a clean exit either: a supervisor restarts a process that exits non-zero.
+    sys.exit(1 if server.engine_died else 0)
 
 
 if __name__ == "__main__":

@@ -50,8 +50,9 @@ def test_a_second_ctrl_c_answers_a_waiting_request_with_a_json_503(long_ckpt):
         wait_for(lambda: "draining:" in s.tail(), 30, "the first Ctrl-C starting the drain")
         s.signal(signal.SIGINT)  # the second: quit now
         asker.join(60)
-        assert s.proc.wait(timeout=60) == 130
+        code = s.proc.wait(timeout=60)
         log = s.tail(20_000)
+        assert code == 130, log[-3000:]
     r = got["r"]
     assert r.status_code == 503, (r.status_code, r.text)
     err = r.json()["error"]
