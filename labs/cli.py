@@ -76,7 +76,8 @@ def parser() -> argparse.ArgumentParser:
                         f"(`# guidance: ...`), {spec.DEFAULT_HINTS} for a file without one")  # fmt: skip
     e = sub.add_parser("experiment", help="run the handout's experiment with your code swapped in")
     e.add_argument("lab", help="a lab's id, e.g. 2 or 0b (python -m labs list)")
-    e.add_argument("path", help="your file, or the directory holding your files")
+    e.add_argument("path", help="your file, or the directory holding your files (a lab of two files: both, or the "
+                                "directory)")  # fmt: skip
     e.add_argument("args", nargs=argparse.REMAINDER, help="more arguments for the experiment")
     r = sub.add_parser("run", help="run any module (python -m MODULE ARGS) with your code swapped in",
                        usage="python -m labs run LAB PATH -m MODULE [ARGS ...]")  # fmt: skip
@@ -115,6 +116,12 @@ def parse(argv=None) -> argparse.Namespace:
     """The parser's namespace; for `run`, `-m MODULE` and the module's own arguments split off."""
     p = parser()
     args = p.parse_args(argv)
+    if args.command in ("experiment", "run"):  # `experiment 0c logits_processors.py sampler.py --flag`: both yours
+        rest = args.args if args.command == "experiment" else args.rest
+        more = 0
+        while more < len(rest) and rest[more].endswith(".py") and not rest[more].startswith("-"):
+            more += 1
+        args.paths, rest[:more] = [args.path, *rest[:more]], []
     if args.command == "run":
         if len(args.rest) < 2 or args.rest[0] != "-m":
             p.error("run: give the module to run after your path: python -m labs run LAB PATH -m MODULE [ARGS ...]")
@@ -264,18 +271,18 @@ def cmd_experiment(args) -> int:
     lab = _lab(args.lab)
     if lab.experiment is None:
         raise LabsError(f"lab {lab.id} has no experiment")
-    return _run_module(lab, args.path, lab.experiment.module, [*lab.experiment.args, *args.args])
+    return _run_module(lab, args.paths, lab.experiment.module, [*lab.experiment.args, *args.args])
 
 
 def cmd_run(args) -> int:
-    return _run_module(_lab(args.lab), args.path, args.module, args.args)
+    return _run_module(_lab(args.lab), args.paths, args.module, args.args)
 
 
-def _run_module(lab: spec.Lab, path: str, module: str, argv: list[str]) -> int:
-    swaps = grading.resolve(lab, [path])
+def _run_module(lab: spec.Lab, paths: list[str], module: str, argv: list[str]) -> int:
+    swaps = grading.resolve(lab, paths)
     env = swap.swapped_env(swaps, grading.subprocess_env())
     # The run's pictures and JSON (ladder.cli.output_dir) go to the student's folder, beside their code.
-    folder = Path(path) if Path(path).is_dir() else Path(path).parent
+    folder = Path(paths[0]) if Path(paths[0]).is_dir() else Path(paths[0]).parent
     env["INFERENCE_LADDER_OUT"] = str(folder.resolve())
     print(f"(lab {lab.id}: running python -m {module} with {', '.join(swaps.values())})", flush=True)
     return subprocess.run([sys.executable, "-m", "labs.runner", "module", module, *argv], env=env).returncode

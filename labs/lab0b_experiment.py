@@ -1,10 +1,11 @@
 """Lab 0b's experiment: what a mask costs, the plain way and xgrammar's, and outputs under your masker.
 
-    python -m labs experiment 0b YOUR_FILE [--steps 30]
+    python -m labs experiment 0b YOUR_FILE [--steps 30] [--regex PATTERN ...]
 
 What it is: for a `choice` and two regular expressions, with the built-in byte-level
 tokenizer: the time per token of your `ReferenceGrammar` (every vocabulary entry decoded
-and matched) against xgrammar's (a precompiled automaton), along the same random walk;
+and matched) against xgrammar's (a precompiled automaton), along the same random walk
+(`--regex` adds patterns of your own, a longer one say);
 then the built-in model's outputs under your masker (`structured_outputs_backend="reference"`).
 
 What it is not: a test; times drift on a shared machine, the outputs do not.
@@ -27,7 +28,10 @@ def main(argv=None) -> dict:
     p = LadderParser(prog="python -m labs experiment 0b YOUR_FILE", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--steps", type=positive_int, default=30, help="tokens per random walk (default 30)")
+    p.add_argument("--regex", action="append", default=[], metavar="PATTERN",
+                   help="one more regular expression to time and generate under (repeatable)")  # fmt: skip
     args = p.parse_args(argv)
+    specs = SPECS + [("regex", r) for r in args.regex]
     from features.structured_outputs import StructuredOutputManager, StructuredOutputsParams
     from level0_naive.loader import load_tokenizer
     from level2_continuous import LLM, SamplingParams
@@ -37,7 +41,7 @@ def main(argv=None) -> dict:
     managers = {b: StructuredOutputManager(tok, vocab, [257], b) for b in ("reference", "xgrammar")}
     out = {}
     print(f"vocabulary: {vocab} tokens; your masker decodes and matches each of them at every step")
-    for kind, value in SPECS:
+    for kind, value in specs:
         spec = StructuredOutputsParams(**{kind: value})
         times = {}
         for name, manager in managers.items():
@@ -58,8 +62,8 @@ def main(argv=None) -> dict:
         )
     llm = LLM(default_model(), structured_outputs_backend="reference", max_model_len=256)
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, structured_outputs=StructuredOutputsParams(**{k: v}))
-              for i, (k, v) in enumerate(SPECS)]  # fmt: skip
-    for (kind, value), o in zip(SPECS, llm.generate(["ROMEO:\n"] * len(SPECS), params, progress=False)):
+              for i, (k, v) in enumerate(specs)]  # fmt: skip
+    for (kind, value), o in zip(specs, llm.generate(["ROMEO:\n"] * len(specs), params, progress=False)):
         print(f"under your masker, {kind} {value!s:.30}: {o.outputs[0].text!r} ({o.outputs[0].finish_reason})")
     return out
 

@@ -8,12 +8,13 @@ scheduler, on a KV budget that holds `--kv-requests` worst-case requests, once p
 watermark. Before each level-2 run it sets `engine.scheduler.watermark = w`; a scheduler
 whose `_admit` refuses an admission that would leave fewer than `w * num_blocks` free
 blocks turns that into a policy (the handout says how). It prints, per run: preemptions,
-prompt tokens prefilled (recomputation included, and as a multiple of the prompts),
-output tokens/s, mean time to first token and wall time.
+prompt tokens prefilled (recomputation included, and as a multiple of the prompts), the
+steps and the requests running in a step (mean over the steps), output tokens/s, mean time
+to first token and wall time.
 
 What it is not: a benchmark that can fail. Tokens/s on a shared machine drifts by 10-20 %
-between runs; preemptions and prefilled tokens depend only on the token counts and
-the policy, so they are exact and repeatable.
+between runs, more on a busy one; preemptions, prefilled tokens, steps and requests
+running depend only on the token counts and the policy, so they are exact and repeatable.
 
 Reference: docs/level2_continuous.md, exercise 3; vLLM V0's `watermark` (BlockSpaceManager).
 """
@@ -48,7 +49,8 @@ def run_one(llm, prompts, params) -> dict:
     outs = llm.generate(prompts, params, progress=False)
     wall = time.perf_counter() - t0
     s = llm.stats
-    return dict(preemptions=s.preemptions, prefilled=s.prompt_tokens, tok_s=s.output_tokens_per_s,
+    return dict(preemptions=s.preemptions, prefilled=s.prompt_tokens, steps=s.steps,
+                running=s.running_sum / max(s.steps, 1), tok_s=s.output_tokens_per_s,
                 ttft=statistics.mean(o.metrics.ttft for o in outs), wall=wall)  # fmt: skip
 
 
@@ -87,11 +89,12 @@ def main(argv=None) -> list[dict]:
             rows.append(dict(engine=f"level 2, watermark {w:g}", **run_one(llm, prompts, params)))
             print(f"  ran watermark {w:g}", flush=True)
     print()
-    print(f"{'engine':<26} {'preemptions':>11} {'prefilled':>10} {'x prompts':>9} {'tok/s':>7} "
-          f"{'TTFT mean':>9} {'wall':>6}")  # fmt: skip
+    print(f"{'engine':<26} {'preemptions':>11} {'prefilled':>10} {'x prompts':>9} {'steps':>6} {'running':>7} "
+          f"{'tok/s':>7} {'TTFT mean':>9} {'wall':>6}")  # fmt: skip
     for r in rows:
         print(f"{r['engine']:<26} {r['preemptions']:>11} {r['prefilled']:>10} {r['prefilled'] / prompt_total:>8.2f}x "
-              f"{r['tok_s']:>7.0f} {r['ttft']:>8.2f}s {r['wall']:>5.1f}s")  # fmt: skip
+              f"{r['steps']:>6} {r['running']:>7.2f} {r['tok_s']:>7.0f} {r['ttft']:>8.2f}s {r['wall']:>5.1f}s")  # fmt: skip
+    print("running: requests in a step, mean over the steps; steps, running, preemptions and prefilled are exact")
     return rows
 
 

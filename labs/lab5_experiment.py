@@ -4,8 +4,9 @@
 
 What it is: the same prompts, greedy, through level 5 with *your* layers at each
 `--tp` (TP=2 starts one more process, which runs your file too), on this CPU over gloo.
-Per layout it prints tokens/s; rank 0's all-reduces and gathers per generated token,
-calls and bytes, next to what the model's shapes predict (two all-reduces per layer
+Per layout it prints tokens/s; rank 0's all-reduces and gathers, calls and bytes, and the
+bytes per token through a forward (prompt tokens and generated ones), next to what the
+model's shapes predict (two all-reduces per layer
 and one for the embedding, each of [tokens, hidden], per forward; one gather of the
 logits rows); rank 0's seconds inside all-reduces, next to the latency-bandwidth
 model t = calls x alpha + bytes x beta with alpha and beta measured here first
@@ -83,17 +84,23 @@ def main(argv=None) -> list[dict]:
                              ar_bytes=ar[1], ar_s=ar[2], gathers=ga[0], pred_calls=per_forward * steps,
                              pred_bytes=per_forward * fed * cfg.hidden_size * width,
                              pred_s=predicted_seconds(fit, ar[0], ar[1]) if fit else None,
-                             alpha_us=1e6 * fit["alpha_s"] if fit else None))  # fmt: skip
+                             alpha_us=1e6 * fit["alpha_s"] if fit else None, fed=fed,
+                             beta_us_per_kib=1e6 * 1024 * fit["beta_s_per_byte"] if fit else None))  # fmt: skip
     print(f"\n{model}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, {args.requests} prompts x "
           f"{args.max_tokens} tokens, {args.dtype}, gloo on this CPU")  # fmt: skip
+    r = rows[0]
+    print(f"{r['steps']} steps; {r['fed']} tokens through a forward ({r['fed'] - r['tokens'] + args.requests} prompt "
+          f"tokens, and every generated token but each request's last), {r['tokens']} generated")  # fmt: skip
     print(f"{'TP':>3} {'tok/s':>7} {'all-reduces':>11} {'predicted':>9} {'KiB':>8} {'predicted':>9} {'per token':>10} "
-          f"{'gathers':>7} {'rank 0 s':>8} {'a-b model':>9} {'alpha':>7}  same text")  # fmt: skip
+          f"{'gathers':>7} {'rank 0 s':>8} {'a-b model':>9} {'alpha':>7} {'beta':>10}  same text")  # fmt: skip
     for r in rows:
         pred_s = "-" if r["pred_s"] is None else f"{r['pred_s']:.3f}"
         alpha = "-" if r["alpha_us"] is None else f"{r['alpha_us']:.0f}us"
+        beta = "-" if r["beta_us_per_kib"] is None else f"{r['beta_us_per_kib']:.2f}us/KiB"
         print(f"{r['tp']:>3} {r['tok_s']:>7.0f} {r['ar_calls']:>11} {r['pred_calls']:>9} {r['ar_bytes'] / 1024:>8.1f} "
-              f"{r['pred_bytes'] / 1024:>9.1f} {r['ar_bytes'] / r['tokens'] / 1024:>8.2f}Ki {r['gathers']:>7} "
-              f"{r['ar_s']:>8.3f} {pred_s:>9} {alpha:>7}  {texts[r['tp']] == texts[args.tp[0]]}")  # fmt: skip
+              f"{r['pred_bytes'] / 1024:>9.1f} {r['ar_bytes'] / r['fed'] / 1024:>8.2f}Ki {r['gathers']:>7} "
+              f"{r['ar_s']:>8.3f} {pred_s:>9} {alpha:>7} {beta:>10}  {texts[r['tp']] == texts[args.tp[0]]}")  # fmt: skip
+    print("per token: all-reduce KiB per token through a forward; beta: the per-byte cost, in microseconds per KiB")
     return rows
 
 

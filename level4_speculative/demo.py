@@ -33,6 +33,8 @@ Reference: Leviathan, Kalman, Matias (ICML 2023), section 3.3 and figure 2.
 from __future__ import annotations
 
 import gc
+import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -104,6 +106,24 @@ def trace_kinds(llm) -> dict[str, list[str]]:
     return kinds
 
 
+def matmul_parameters(model_dir) -> int | None:
+    """The weights a token is multiplied by (two FLOPs each): every parameter but an untied embedding table,
+    which is only looked up (a tied one is the output layer too). None where `model_dir` is not a folder."""
+    folder = Path(model_dir)
+    if not folder.is_dir():
+        return None
+    from safetensors import safe_open
+
+    tied = json.loads((folder / "config.json").read_text()).get("tie_word_embeddings", False)
+    total = 0
+    for f in folder.glob("*.safetensors"):
+        with safe_open(f, "pt") as st:
+            for name in st.keys():
+                if tied or "embed_tokens" not in name:
+                    total += math.prod(st.get_slice(name).get_shape())
+    return total
+
+
 def leviathan(alpha: float, k: int, c_draft: float, c_verify: float) -> tuple[float, float]:
     """(E[N], predicted speedup S) for i.i.d. acceptance with probability alpha."""
     e_n = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1
@@ -173,6 +193,10 @@ def run(args, console: Console) -> dict:
                       f"[bold]{r['speedup']:.2f}x[/]", f"{100 * (r['speedup'] / pred - 1):+.0f} %")  # fmt: skip
     console.print(table)
     console.print(COSTS, style="dim", markup=False, highlight=False)
+    weights = matmul_parameters(model), matmul_parameters(draft)
+    if None not in weights:  # what c_draft would be if a forward cost only its FLOPs
+        console.print(f"FLOPs per token: target {weights[0] / 1e6:.2f}M weights, draft {weights[1] / 1e6:.2f}M: the draft "
+                      f"is {100 * weights[1] / weights[0]:.1f} % of a target forward's FLOPs")  # fmt: skip
     within = show_noise(console, sweep, times3, noise)
 
     # a larger batch: speculation helps less when the target is already busy

@@ -82,6 +82,7 @@ def run(args, console: Console) -> dict:
             records = llm.llm_engine.executor.collective_rpc("record_calls", False) if ranked else []
             after = counters(llm.comm_stats(), KINDS)
         tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+        fed = sum(len(o.prompt_token_ids) + len(o.outputs[0].token_ids) - 1 for o in outs)  # through a forward
         texts[name] = [o.outputs[0].text for o in outs]
         rows[name] = {"tps": tokens / seconds, "kinds": {}}
         for kind in KINDS:
@@ -96,6 +97,9 @@ def run(args, console: Console) -> dict:
     console.print(f"identical text in all three layouts: [bold]{same}[/]")
     console.print(f"[dim]{texts['one process'][0][:100]!r}[/]")
     show_table(console, rows)
+    console.print(f"{tokens} tokens generated; {fed} through a forward (the prompts' {fed - tokens + len(outs)}, and "
+                  f"every generated token but each request's last): a formula per token of a forward (docs/moe.md) "
+                  f"times {fed / tokens:.3f} is a figure per generated token")  # fmt: skip
     routing = route_line(model, LINE)
     show_routing(console, routing)
     plot(args.plot, routing)
