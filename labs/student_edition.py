@@ -403,6 +403,9 @@ else is the real engine, which runs your code: fill in the functions where they 
   handout is in docs/labs/; `python -m labs experiment LAB FILE ...` runs its experiment with your code.
 - Your files are the ones above, where they are: a handout's `python -m labs start LAB DIR` copies them out, if
   you prefer to work elsewhere (then check DIR). Its "do not open the reference" holds no more: here it is yours.
+- A check that runs the engine runs every lab's code the engine reaches: while another lab of this edition is still
+  empty, such a check can fail on it (lab 4's engine check forks sequences, so it needs lab 3b's copy-on-write);
+  the failure names that lab ("NotImplementedError: lab 3b: write ...").
 - The planted bugs and `python -m labs plant` are the teacher's: not in this edition.
 
 Lines that quoted the solution were cut here (each became "{placeholder}"):

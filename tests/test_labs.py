@@ -282,6 +282,7 @@ def test_hints_say_as_much_as_asked(tmp_path, capsys, hints):
         assert c["hint"] == {"full": check.hint, "short": check.rule, "none": None}[hints]
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("lab_id", LAB_IDS)
 def test_every_check_has_a_rule_that_is_not_its_full_hint(lab_id):
     """The short hint names the rule a failure breaks, not the code to write: no calls, attributes, indexing."""
@@ -424,6 +425,7 @@ def test_the_labs_index_commands_parse(capsys):
         assert f"lab {lab.id} " in listed and f"checks: {len(lab.checks)}" in listed and lab.handout in text
 
 
+@pytest.mark.teacher
 def test_run_swaps_the_file_into_any_module(tmp_path):
     """`python -m labs run LAB PATH -m MODULE ARGS`, end to end: here the module is pytest, on a planted bug."""
     cli.main(["plant", "4", "accept-reversed", str(tmp_path)])

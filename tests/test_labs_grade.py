@@ -73,6 +73,7 @@ def expected_row(root: Path, student: str, passed: set[str], flags: str = "", pr
             "flags": flags, "problem": problem}  # fmt: skip
 
 
+@pytest.mark.teacher
 def test_grade_a_class_of_five(tmp_path, capsys):
     root = hand_ins(tmp_path / "submissions")
     out = tmp_path / "grades.csv"

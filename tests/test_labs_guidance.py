@@ -58,6 +58,7 @@ def reference_body(module, part) -> list[str]:
     return [c for c in code if len(c) >= 16]
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("lab_id", LAB_IDS)
 def test_every_part_has_a_short_goal_and_nudge(lab_id):
     for m in get(lab_id).modules:
@@ -106,6 +107,7 @@ def test_every_starter_at_every_level_is_made_and_differs_in_comments_only(lab_i
         starter_files(lab, "most")
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("guidance", ["none", "short"])
 @pytest.mark.parametrize("lab_id", LAB_IDS)
 def test_none_and_short_starters_give_no_code_away(lab_id, guidance):
@@ -165,6 +167,7 @@ def test_a_file_without_the_banner_gets_the_default_hints(tmp_path, capsys):
     assert lab.checks
 
 
+@pytest.mark.teacher
 def test_start_and_starters_take_guidance(tmp_path, capsys):
     assert cli.main(["starters", "--lab", "4", "--guidance", "none"]) == 0
     printed = capsys.readouterr().out

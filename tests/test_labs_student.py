@@ -11,7 +11,10 @@ with `force`, which it replaces), then, in the copy:
   - lab 1's checks, as a student runs them there (`python -m labs check 1 FILES --json`, cwd the copy), all
     fail with NotImplementedError as exported, and all pass once the reference modules are copied back;
   - `export_student` refuses a folder that is not empty, and, even with `force`, one that is not a student
-    edition.
+    edition;
+  - in a second copy with the reference modules copied back, the labs' own text tests (handouts, guidance)
+    pass there, those that read the teacher's material (marker `teacher`) skipped; the whole suite was run
+    so once by hand (docs/course/running.md).
 
 Lab 1 and lab 3 are quick: their checks are unit tests of the block allocator, tables, hashes and pool.
 The export copies what git lists (about 25 MB, the model files included) in a few seconds.
@@ -219,6 +222,22 @@ def test_the_checks_fail_on_the_holes_and_pass_on_the_reference(copy, tmp_path):
     for c in holed["checks"]:
         assert any("NotImplementedError" in d for d in c["details"]), c
     assert reference["passed"], json.dumps(reference, indent=1)
+
+
+def test_the_copys_own_tests_pass_with_the_references_restored(tmp_path):
+    """A student edition is a project whose tests pass once the student's code is the reference's; what
+    reads the teacher's material (planted bugs, teacher notes, full guidance) skips itself there."""
+    dest = tmp_path / "edition"
+    student_edition.export_student(dest, LABS)
+    for lab_id in LABS:
+        for m in spec.get(lab_id).modules:
+            shutil.copyfile(m.reference_path, dest / rel(m))
+    proc = run(dest, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_labs_docs.py",
+               "tests/test_labs_guidance.py", timeout=600)  # fmt: skip
+    tail = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, tail
+    skipped = re.search(r"(\d+) skipped", proc.stdout)
+    assert skipped and int(skipped[1]) >= 18, tail  # at least the teacher notes of the 18 labs
 
 
 def test_export_refuses_a_folder_it_would_overwrite(tmp_path):
