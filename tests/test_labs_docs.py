@@ -4,8 +4,9 @@ Each handout (`docs/labs/<handout>`) ends with a note for teachers of one shape:
 headings in the same order (the time, what the checks catch, the planted bugs, the likely
 mistakes), every check id and planted bug of the lab named in it, and the time it states equal to
 the `minutes` of `labs/lab<id>.toml`. The handout's opening line says the same time, and the
-index (`docs/labs/README.md`) lists each lab's checks and time as `python -m labs list` does.
-Reads text only: no torch, no engine, well under a second.
+index (`docs/labs/README.md`) lists each lab's checks and time as `python -m labs list` does. The
+answer key (`docs/course/answer_keys.md`, the teacher's) has a section per lab, with an answer and a
+rubric line for every numbered question of the handout's experiment. Reads text only: no torch, no engine, well under a second.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from labs import spec
 pytestmark = pytest.mark.labs
 
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "labs"
+KEYS = DOCS.parent / "course" / "answer_keys.md"
 HEADINGS = ("**Time**", "**What the checks catch**", "**Planted bugs**", "**Likely mistakes**")
 # "Time: about 90 minutes, and 20 minutes for the experiment." in the opening, "**Time**: 90 minutes, ..." in the note
 TIME = re.compile(r"Time\**: (?:about )?(\d+) minutes(?: \([^)]*\))?, and (\d+) minutes for the experiment")
@@ -38,6 +40,7 @@ def stated_times(text: str, where: str) -> tuple[int, int]:
     return int(m[1]), int(m[2])
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("lab", LABS, ids=lambda lab: lab.id)
 def test_teacher_note_has_the_headings_in_order(lab):
     note = teacher_note(lab)
@@ -47,6 +50,7 @@ def test_teacher_note_has_the_headings_in_order(lab):
     assert at == sorted(at), f"{lab.handout}'s teacher note has its headings out of order: {HEADINGS}"
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("lab", LABS, ids=lambda lab: lab.id)
 def test_teacher_note_names_every_check_and_bug(lab):
     note = teacher_note(lab)
@@ -63,6 +67,7 @@ def test_teacher_note_names_every_check_and_bug(lab):
         assert not missed, f"{lab.handout}: bug {b.name}'s entry does not say it is caught by {missed}"
 
 
+@pytest.mark.teacher
 @pytest.mark.parametrize("lab", LABS, ids=lambda lab: lab.id)
 def test_handout_times_match_the_definition(lab):
     text = (DOCS / lab.handout).read_text()
@@ -102,3 +107,23 @@ def test_index_lists_every_lab_with_its_checks_and_time():
         assert (int(m[1]), int(m[2])) == (lab.minutes, handout[1]), (
             f"index: lab {lab.id} takes {time}; lab{lab.id}.toml says {lab.minutes} minutes, the handout {handout}"
         )
+
+
+def numbered(text: str) -> set[int]:
+    """The numbers of a markdown text's top-level numbered items (`1. ...` at the start of a line)."""
+    return {int(n) for n in re.findall(r"^(\d+)\. ", text, re.M)}
+
+
+@pytest.mark.teacher
+@pytest.mark.parametrize("lab", LABS, ids=lambda lab: lab.id)
+def test_the_answer_key_answers_every_experiment_question(lab):
+    sections = re.split(r"^## ", KEYS.read_text(), flags=re.M)
+    section = next((s for s in sections if re.match(rf"Lab {re.escape(lab.id)} [—-]", s)), None)
+    assert section is not None, f"{KEYS.name} has no section '## Lab {lab.id} — ...'"
+    handout = (DOCS / lab.handout).read_text()
+    experiment = handout.split("\n## The experiment", 1)[1].split("\n## ", 1)[0]
+    questions = numbered(experiment)
+    assert questions, f"{lab.handout}'s experiment asks no numbered question"
+    missing = questions - numbered(section)
+    assert not missing, f"the key to lab {lab.id} answers no question {sorted(missing)}"
+    assert section.count("*Rubric:*") >= len(questions), f"the key to lab {lab.id}: a rubric line per question"
