@@ -425,6 +425,17 @@ def test_the_labs_index_commands_parse(capsys):
         assert f"lab {lab.id} " in listed and f"checks: {len(lab.checks)}" in listed and lab.handout in text
 
 
+def test_experiment_and_run_take_each_file_of_a_two_file_lab():
+    """`experiment 0c logits_processors.py sampler.py --seed 1`: the lab's files, then the experiment's own flags."""
+    args = cli.parse(["experiment", "0c", "d/logits_processors.py", "d/sampler.py", "--seed", "1"])
+    assert args.paths == ["d/logits_processors.py", "d/sampler.py"] and args.args == ["--seed", "1"]
+    args = cli.parse(["run", "1b", "a/triton_attention.py", "a/attention_split.py", "-m", "pytest", "x.py"])
+    assert args.paths == ["a/triton_attention.py", "a/attention_split.py"]
+    assert (args.module, args.args) == ("pytest", ["x.py"])
+    args = cli.parse(["experiment", "2", "d", "--watermarks", "0"])
+    assert args.paths == ["d"] and args.args == ["--watermarks", "0"]
+
+
 @pytest.mark.teacher
 def test_run_swaps_the_file_into_any_module(tmp_path):
     """`python -m labs run LAB PATH -m MODULE ARGS`, end to end: here the module is pytest, on a planted bug."""

@@ -6,7 +6,8 @@ mistakes), every check id and planted bug of the lab named in it, and the time i
 the `minutes` of `labs/lab<id>.toml`. The handout's opening line says the same time, and the
 index (`docs/labs/README.md`) lists each lab's checks and time as `python -m labs list` does. The
 answer key (`docs/course/answer_keys.md`, the teacher's) has a section per lab, with an answer and a
-rubric line for every numbered question of the handout's experiment. Reads text only: no torch, no engine, well under a second.
+rubric line for every numbered question of the handout's experiment. Reads text only: no torch, no
+engine, well under a second.
 """
 
 from __future__ import annotations
