@@ -49,8 +49,12 @@ def run_one(llm, prompts, params) -> dict:
     outs = llm.generate(prompts, params, progress=False)
     wall = time.perf_counter() - t0
     s = llm.stats
-    return dict(preemptions=s.preemptions, prefilled=s.prompt_tokens, steps=s.steps,
-                running=s.running_sum / max(s.steps, 1), tok_s=s.output_tokens_per_s,
+    # The requests each step ran: level 2's step log names them (its stats count those still running after the
+    # step, the finished ones gone); level 1's stats count the step's own.
+    log = getattr(llm.llm_engine, "step_log", None)
+    running = statistics.mean(len(r.request_ids) for r in log) if log else s.running_sum / max(s.steps, 1)
+    return dict(preemptions=s.preemptions, prefilled=s.prompt_tokens, steps=s.steps, running=running,
+                tok_s=s.output_tokens_per_s,
                 ttft=statistics.mean(o.metrics.ttft for o in outs), wall=wall)  # fmt: skip
 
 
@@ -84,7 +88,7 @@ def main(argv=None) -> list[dict]:
         warm.generate(prompts[:2], params[:2], progress=False)  # first-call costs out of the measurement
         rows.append(dict(engine="level 1 (static)", **run_one(StaticLLM(model, **kw), prompts, params)))
         for w in args.watermarks:
-            llm = LLM(model, **kw)
+            llm = LLM(model, **kw, step_log_size=1 << 20)  # every step's record, not the last 1024
             llm.llm_engine.scheduler.watermark = w
             rows.append(dict(engine=f"level 2, watermark {w:g}", **run_one(llm, prompts, params)))
             print(f"  ran watermark {w:g}", flush=True)
@@ -94,7 +98,7 @@ def main(argv=None) -> list[dict]:
     for r in rows:
         print(f"{r['engine']:<26} {r['preemptions']:>11} {r['prefilled']:>10} {r['prefilled'] / prompt_total:>8.2f}x "
               f"{r['steps']:>6} {r['running']:>7.2f} {r['tok_s']:>7.0f} {r['ttft']:>8.2f}s {r['wall']:>5.1f}s")  # fmt: skip
-    print("running: requests in a step, mean over the steps; steps, running, preemptions and prefilled are exact")
+    print("running: the requests a step ran, mean over the steps; steps, running, preemptions and prefilled are exact")
     return rows
 
 

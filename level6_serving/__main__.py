@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
@@ -312,7 +313,10 @@ def main(argv=None) -> None:
         # A second Ctrl-C skips uvicorn's lifespan shutdown, so engine.shutdown() never ran: not a clean
         # exit. The engine thread may still be inside a forward pass, and finalising the interpreter under
         # it aborts (torch's C++ "terminate called without an active exception", SIGABRT, now and then):
-        # quitting now means skipping the finalisation too.
+        # quitting now means skipping the finalisation too, and with it multiprocessing's, which would have
+        # terminated the tensor/pipeline ranks (daemon processes): that is done here.
+        for child in multiprocessing.active_children():
+            child.terminate()
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()

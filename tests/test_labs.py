@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -434,6 +435,21 @@ def test_experiment_and_run_take_each_file_of_a_two_file_lab():
     assert (args.module, args.args) == ("pytest", ["x.py"])
     args = cli.parse(["experiment", "2", "d", "--watermarks", "0"])
     assert args.paths == ["d"] and args.args == ["--watermarks", "0"]
+
+
+def test_experiment_swaps_in_both_files_of_a_two_file_lab(tmp_path, capsys, monkeypatch):
+    """The command, not only its parse: both of the student's files swapped in, the flags to the experiment."""
+    assert cli.main(["start", "0c", str(tmp_path)]) == 0
+    started = []
+    monkeypatch.setattr(
+        cli.subprocess, "run", lambda argv, env: started.append((argv, env)) or SimpleNamespace(returncode=0)
+    )
+    files = [str(tmp_path / "logits_processors.py"), str(tmp_path / "sampler.py")]
+    assert cli.main(["experiment", "0c", *files, "--seed", "1"]) == 0
+    (argv, env), = started
+    assert argv[-2:] == ["--seed", "1"] and "labs.lab0c_experiment" in argv
+    out = capsys.readouterr().out
+    assert all(f in out for f in files), out
 
 
 @pytest.mark.teacher
