@@ -107,8 +107,9 @@ def trace_kinds(llm) -> dict[str, list[str]]:
 
 
 def matmul_parameters(model_dir) -> int | None:
-    """The weights a token is multiplied by (two FLOPs each): every parameter but an untied embedding table,
-    which is only looked up (a tied one is the output layer too). None where `model_dir` is not a folder."""
+    """The weights a token is multiplied by (two FLOPs each) in a dense model: every parameter but an untied
+    embedding table, which is only looked up (a tied one is the output layer too); a mixture of experts would be
+    overcounted (each token uses k of its experts). None where `model_dir` is not a folder."""
     folder = Path(model_dir)
     if not folder.is_dir():
         return None
@@ -197,6 +198,8 @@ def run(args, console: Console) -> dict:
     if None not in weights:  # what c_draft would be if a forward cost only its FLOPs
         console.print(f"FLOPs per token: target {weights[0] / 1e6:.2f}M weights, draft {weights[1] / 1e6:.2f}M: the draft "
                       f"is {100 * weights[1] / weights[0]:.1f} % of a target forward's FLOPs")  # fmt: skip
+    else:
+        console.print("FLOPs per token: not counted for a model given by name (give its folder to count them)")
     within = show_noise(console, sweep, times3, noise)
 
     # a larger batch: speculation helps less when the target is already busy
