@@ -34,12 +34,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -450,6 +452,28 @@ def test_experiment_swaps_in_both_files_of_a_two_file_lab(tmp_path, capsys, monk
     assert argv[-2:] == ["--seed", "1"] and "labs.lab0c_experiment" in argv
     out = capsys.readouterr().out
     assert all(f in out for f in files), out
+
+
+def test_a_test_stops_on_its_cpu_time_and_on_a_longer_wall_clock(tmp_path):
+    """labs/runner.py's limits: an endless loop is stopped by the CPU time it burns (a busy machine does not
+    stretch that), a test that hangs without computing by the wall clock, WALL_MARGIN times later."""
+    from labs import runner
+
+    (tmp_path / "test_limits.py").write_text(
+        "import time\n\ndef test_spins():\n    while True:\n        pass\n\n"
+        "def test_sleeps():\n    time.sleep(60)\n"
+    )
+    log = tmp_path / "results.jsonl"
+    plugin = runner.recorder(["test_limits.py"], str(log), test_timeout=0.5)
+    t0 = time.monotonic()
+    argv = [str(tmp_path / "test_limits.py"), "--rootdir", str(tmp_path), "-c", os.devnull, "-q", "-p", "no:cacheprovider"]
+    pytest.main([*argv, "-p", "no:xdist"], plugins=[plugin])
+    took = time.monotonic() - t0
+    calls = {r["nodeid"].split("::")[-1]: r for r in map(json.loads, log.read_text().splitlines()) if r.get("when") == "call"}
+    assert calls["test_spins"]["outcome"] == "failed" and "CPU time" in calls["test_spins"]["message"], calls
+    # the second test runs with AFTER_A_TIMEOUT's shorter limit (here still 0.5 s): stopped by the wall clock
+    assert calls["test_sleeps"]["outcome"] == "failed" and "without using its CPU" in calls["test_sleeps"]["message"]
+    assert took < 30, took  # 0.5 s of CPU and 2.5 s of wall clock, not the 60 s sleep
 
 
 @pytest.mark.teacher
