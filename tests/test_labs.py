@@ -467,7 +467,7 @@ def test_a_test_stops_on_its_cpu_time_and_on_a_longer_wall_clock(tmp_path):
     plugin = runner.recorder(["test_limits.py"], str(log), test_timeout=0.5)
     t0 = time.monotonic()
     argv = [str(tmp_path / "test_limits.py"), "--rootdir", str(tmp_path), "-c", os.devnull, "-q", "-p", "no:cacheprovider"]
-    pytest.main([*argv, "-p", "no:xdist"], plugins=[plugin])
+    pytest.main([*argv, "-p", "no:xdist", "-p", "no:benchmark"], plugins=[plugin])
     took = time.monotonic() - t0
     calls = {r["nodeid"].split("::")[-1]: r for r in map(json.loads, log.read_text().splitlines()) if r.get("when") == "call"}
     assert calls["test_spins"]["outcome"] == "failed" and "CPU time" in calls["test_spins"]["message"], calls
