@@ -77,7 +77,8 @@ def matches(nodeid: str, spec: str) -> bool:
 
 # A test's limits. CPU time, not the wall clock, is what an endless loop burns, and a busy machine does not stretch it
 # (a correct kernel lost its points to a 60 s wall-clock limit at load 10 on 2 cores). The wall clock still bounds
-# a test that hangs without computing (a deadlock), with a margin that a machine ten times busier than usual leaves.
+# a test that hangs without computing (a deadlock), with a margin (300 s) that the slowest test reaches only on a
+# machine twenty times slower than a quiet one.
 TEST_TIMEOUT = 60.0  # seconds of CPU time one test may use (the slowest use about 15)
 WALL_MARGIN = 5.0  # ... and of wall-clock time, this many times more
 AFTER_A_TIMEOUT = 10.0  # ... and each later test's CPU time, once one ran out: an endless loop usually recurs
