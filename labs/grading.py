@@ -250,20 +250,31 @@ def not_run(lab_id: str, problem: str, hints: str = DEFAULT_HINTS, paths: list[s
                   commit=project_commit())  # fmt: skip
 
 
-def fingerprint(lab_id: str, paths: list[str | Path]) -> dict[str, str]:
-    """{file name: sha256} of the student's files that are there (any that can be found: for a report whose
-    checks could not run, too), named as the lab names them."""
+def student_files(lab_id: str, paths: list[str | Path]) -> list[tuple[str, Path]]:
+    """(the lab's name for it, path) of each file the paths name: a folder's files named as the lab's, a file
+    itself (named as the lab's one file, if the lab has one). Whether each is there is the caller's question;
+    an unknown lab names no file, so only the files given are listed."""
     try:
         names = [m.filename for m in get(lab_id).modules]
     except ValueError:
         names = []
-    found = {}
+    out = []
     for p in map(Path, paths):
         p = p.expanduser()
-        for f in [p / n for n in names] if p.is_dir() else [p]:
-            if f.is_file():
-                name = names[0] if len(names) == 1 and not p.is_dir() else f.name
-                found.setdefault(name, hashlib.sha256(f.read_bytes()).hexdigest())
+        if p.is_dir():
+            out += [(n, p / n) for n in names]
+        else:
+            out.append((names[0] if len(names) == 1 else p.name, p))
+    return out
+
+
+def fingerprint(lab_id: str, paths: list[str | Path]) -> dict[str, str]:
+    """{file name: sha256} of the student's files that are there (any that can be found: for a report whose
+    checks could not run, too), named as the lab names them."""
+    found = {}
+    for name, f in student_files(lab_id, paths):
+        if f.is_file():
+            found.setdefault(name, hashlib.sha256(f.read_bytes()).hexdigest())
     return found
 
 
@@ -280,20 +291,14 @@ def banner_hints(lab_id: str, paths: list[str | Path]) -> str:
     """The hints a failed check gives when the teacher asks for no level: as many as the student's starter
     gave (a guidance level and a hints level share their names: none, short, full), the least of the files'
     banners; DEFAULT_HINTS for files without one (or that cannot be read: the checks will say so)."""
-    try:
-        names = [m.filename for m in get(lab_id).modules]
-    except ValueError:  # no such lab: only files named on the command line
-        names = []
     levels = []
-    for p in map(Path, paths):
-        p = p.expanduser()
-        for f in [p / n for n in names] if p.is_dir() else [p]:
-            try:
-                level = guidance_of(f.read_text(errors="replace"))
-            except OSError:
-                continue
-            if level is not None:
-                levels.append(level)
+    for _, f in student_files(lab_id, paths):
+        try:
+            level = guidance_of(f.read_text(errors="replace"))
+        except OSError:
+            continue
+        if level is not None:
+            levels.append(level)
     return min(levels, key=GUIDANCE.index) if levels else DEFAULT_HINTS
 
 
