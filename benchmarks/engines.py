@@ -58,7 +58,17 @@ LABELS = {
             ("level4_speculative", "L4"),
         ]
     },
-}  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs
+    **{
+        f"{m}:compiled": f"{lbl} (compiled)"
+        for m, lbl in [
+            ("level1_paged", "L1"),
+            ("level2_continuous", "L2"),
+            ("level3_prefix", "L3"),
+            ("level4_speculative", "L4"),
+        ]
+    },
+}  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs;
+# `:compiled`: with compilation_config=3, torch.compile (docs/compiled_step.md)
 # Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
 # side by side (2026-12-02, Xeon, one thread: 1.48x / 1.40x / 1.37x / 1.34x level 3's tokens/s for
 # k = 2 / 3 / 4 / 5). On a CPU a verifying forward costs more per extra token than on a GPU (one
@@ -148,6 +158,8 @@ class LevelEngine:
             self.kwargs["enable_prefix_caching"] = False
         if variant == "invariant":
             self.kwargs["batch_invariant"] = True
+        if variant == "compiled":
+            self.kwargs["compilation_config"] = 3
         if module == "level4_speculative":  # a draft model when there is one with the same vocabulary, else n-grams
             spec = {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
             if variant == "ngram" or draft_model is None:

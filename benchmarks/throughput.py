@@ -68,8 +68,10 @@ PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its
 
 
 VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"} | {
-    f"{m}:invariant": m for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
-}  # level 3 without its cache, level 4 with n-grams, a level with batch_invariant=True
+    f"{m}:{v}": m
+    for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
+    for v in ("invariant", "compiled")
+}  # level 3 without its cache, level 4 with n-grams, a level with batch_invariant=True or compilation_config=3
 
 
 def parser() -> argparse.ArgumentParser:

@@ -1,11 +1,13 @@
-"""A rich progress bar for `LLM.generate`: prompts done and output tokens per second.
+"""Rich progress bars: `LLM.generate`'s (prompts done and output tokens per second), and
+`StatusBar`, for a long start-up step (the compiled step's compile).
 
 What it is not: required. `generate(..., progress=False)` turns it off (tests do), and it
-draws nothing at all when disabled, so it costs nothing.
+draws nothing at all when disabled, so it costs nothing; a `StatusBar` draws only on a terminal.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 from rich.progress import (
@@ -47,3 +49,23 @@ class GenerateProgress:
         self.tokens += new_tokens
         tps = self.tokens / max(time.perf_counter() - self.start, 1e-9)
         self.bar.update(self.task, advance=finished, tps=tps)
+
+
+class StatusBar:
+    """`with StatusBar("compiling", total=3) as bar: ... bar.advance()`: a bar that goes away when
+    done (the log says what it took), drawn only where standard error is a terminal."""
+
+    def __init__(self, description: str, total: int):
+        self.bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                            TimeElapsedColumn(), transient=True, disable=not sys.stderr.isatty())  # fmt: skip
+        self.task = self.bar.add_task(description, total=total)
+
+    def __enter__(self):
+        self.bar.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.bar.__exit__(*exc)
+
+    def advance(self) -> None:
+        self.bar.update(self.task, advance=1)

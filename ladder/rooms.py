@@ -15,6 +15,7 @@ since any request may carry a spec; the others only where a setting or a checkpo
                                                                                request's constraint (level 0)
     a checkpoint with experts (Mixtral, Qwen-MoE) features.moe                 the model's MLP, the loader,
                                                                                level 5's sharded layers
+    compilation_config=3 (or a dict)             features.compilation          the worker's model runner (level 1)
 
 A level imports this file and never a room; a room imports the level files whose seams it
 plugs into and never this file; this file imports no level and no room (only their names,
@@ -38,6 +39,7 @@ ROOMS = {
     "batch_invariance": "features.batch_invariance",
     "structured_outputs": "features.structured_outputs",
     "moe": "features.moe",
+    "compilation": "features.compilation",
 }
 # Names a room lends a level's public API (`from level3_prefix import StructuredOutputsParams`).
 EXPORTS = {"StructuredOutputsParams": "structured_outputs"}
@@ -102,3 +104,17 @@ def architecture(model_type: str) -> ModuleType | None:
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture"]  # fmt: skip
+
+
+def compilation_config(value, enforce_eager: bool):
+    """`compilation_config=` and `enforce_eager=` -> the room's checked config, or None for eager
+    (the room is not imported for the default)."""
+    if value is None or value is False or value == 0:
+        return None
+    config = load("compilation").parse(value, enforce_eager)
+    return config if config.compiled else None
+
+
+def model_runner(runner, compilation):
+    """Level 0's `ModelRunner` and a `compilation_config` (or None) -> the runner a worker uses."""
+    return runner if compilation is None else load("compilation").compiled_runner(runner, compilation)

@@ -28,7 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
-from level0_naive.config import PARTS, CacheConfig
+from ladder import rooms
+from level0_naive.config import PARTS, CacheConfig, Part
 from level0_naive.engine import NaiveEngine
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.model_runner import Chunk
@@ -50,14 +51,35 @@ class PagedCacheConfig(CacheConfig):
             raise ValueError(f"block_size={self.block_size} must be >= 1")
 
 
+@dataclass
+class CompilationSettings(Part):
+    """`compilation_config=`: None or 0 (eager), 3 or a dict of vLLM's fields (torch.compile: the room
+    features/compilation); `enforce_eager=True`: eager whatever it says. `config` is the checked one."""
+
+    compilation_config: object = None
+    enforce_eager: bool = False
+
+    def __post_init__(self):
+        self.config = rooms.compilation_config(self.compilation_config, self.enforce_eager)  # None: eager
+
+
+def compilation_for(config) -> object:
+    """The engine's checked compilation config (None: eager), refused where it is not built."""
+    compilation = config.compilation.config
+    if compilation is not None and config.model.batch_invariant:
+        raise ValueError("compilation_config with batch_invariant=True is not built (Inductor's kernels are "
+                         "not fixed-order): use enforce_eager=True")  # fmt: skip
+    return compilation
+
+
 class PagedEngine(NaiveEngine):
-    config_parts = {**PARTS, "cache": PagedCacheConfig}
+    config_parts = {**PARTS, "cache": PagedCacheConfig, "compilation": CompilationSettings}
 
     def _init_kv_cache(self) -> None:
         bs = self.config.cache.block_size
         self.num_blocks = num_blocks_for_budget(self.kv_budget, bs, self.bytes_per_token)
         self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.cache.attention_backend,
-                             self.config.model.batch_invariant)  # fmt: skip
+                             self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
         self.blocks = BlockTables(self.num_blocks, bs)
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from ladder import rooms
 from level0_naive.model import Transformer
 from level0_naive.model_runner import ModelRunner
 
@@ -36,8 +37,10 @@ class Worker:
     cache, the attention implementation and scale: what one device needs for a step."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 batch_invariant: bool = False):  # fmt: skip
-        self.runner = ModelRunner(model)
+                 batch_invariant: bool = False, compilation=None):  # fmt: skip
+        # `compilation`: None, or a compilation_config that asks for torch.compile: then the runner
+        # is the room's compiled one (features/compilation), the same forward through a compiled graph
+        self.runner = rooms.model_runner(ModelRunner(model), compilation)
         self.model, self.device = model, self.runner.device
         cfg = model.config
         self.block_size = block_size

@@ -44,7 +44,7 @@ from level0_naive.outputs import RequestOutput
 from level0_naive.sampling_params import SamplingParams
 from level0_naive.stats import Timer
 from level1_paged.block_table import check_fits_in_pool, num_blocks_for_budget
-from level1_paged.engine import PagedCacheConfig
+from level1_paged.engine import CompilationSettings, PagedCacheConfig, compilation_for
 from level1_paged.model_input import ModelInput
 from level1_paged.worker import Worker
 
@@ -89,7 +89,8 @@ class StepRecord:
 
 
 class ContinuousEngine(EngineBase):
-    config_parts = {**PARTS, "cache": PagedCacheConfig, "scheduler": ContinuousSchedulerConfig}
+    config_parts = {**PARTS, "cache": PagedCacheConfig, "scheduler": ContinuousSchedulerConfig,
+                    "compilation": CompilationSettings}  # fmt: skip
     sequence_class = Request
     scheduler_class = Scheduler  # a subclass may swap in a subclass of it
 
@@ -108,7 +109,8 @@ class ContinuousEngine(EngineBase):
         """The model and its paged KV cache, as many blocks as the budget holds."""
         c = self.config.cache
         num_blocks = num_blocks_for_budget(self.kv_budget, c.block_size, self.bytes_per_token)
-        return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant)
+        return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant,
+                      compilation_for(self.config))  # fmt: skip
 
     def make_kv_manager(self) -> KVCacheManager:
         """Level 1's block tables behind the `KVCacheManager` Protocol (kv_cache_manager.py)."""

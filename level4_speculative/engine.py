@@ -48,6 +48,7 @@ from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.loader import LoadedModel, load_model
 from level0_naive.outputs import logprob_entries
 from level0_naive.stats import Timer
+from level1_paged.engine import compilation_for
 from level1_paged.model_input import ModelInput
 from level1_paged.worker import Worker
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -168,7 +169,7 @@ class SpeculativeEngine(PrefixCachingEngine):
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
         c = self.config.cache
         draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend,
-                              self.config.model.batch_invariant)  # fmt: skip
+                              self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
         return DraftModelProposer(draft_worker, self.kv.block_table, c.block_size, self.sampler)
 
     @property

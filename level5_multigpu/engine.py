@@ -114,6 +114,9 @@ class ParallelEngine(SpeculativeEngine):
         blocks any rank holds (`executor.num_blocks`)."""
         if not self.parallel:
             return super().make_worker()
+        if self.config.compilation.config is not None:
+            raise ValueError("compilation_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
+                             "(each rank's collectives would break the graph): use enforce_eager=True")  # fmt: skip
         spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
                                         device_type=self.device.type,
                                         extra_bytes_rank0=self.draft_kv_bytes_per_token())  # fmt: skip

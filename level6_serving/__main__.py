@@ -84,6 +84,11 @@ def json_object(text: str) -> dict:
     return value
 
 
+def level_or_json_object(text: str) -> int | dict:
+    """`--compilation-config 3` or `--compilation-config '{"level": 3, ...}'`, as vLLM's flag."""
+    return int(text) if text.strip().lstrip("-").isdigit() else json_object(text)
+
+
 def parser() -> argparse.ArgumentParser:
     # No abbreviations: the router hands its command line to the replicas minus its own flags, and
     # `--data 2` would reach them as a data-parallel size of their own.
@@ -112,6 +117,10 @@ def parser() -> argparse.ArgumentParser:
       help="turn automatic prefix caching off (on by default)")  # fmt: skip
     a("--speculative-config", type=json_object, default=None,
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
+    a("--compilation-config", "-O", type=level_or_json_object, default=None,
+      help="torch.compile the model: 3, or as JSON, e.g. '{\"level\": 3, \"backend\": \"inductor\"}' "
+           "(default: eager; docs/compiled_step.md)")  # fmt: skip
+    a("--enforce-eager", action="store_true", help="never compile the model, whatever --compilation-config says")
     a("--tensor-parallel-size", type=positive_int, default=1, help="ranks that split each layer (default 1)")
     a("--pipeline-parallel-size", type=positive_int, default=1, help="ranks that split the layers (default 1)")
     a("--distributed-executor-backend", default=None, choices=["mp", "ray"],
@@ -172,6 +181,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                 check_device_and_models(p, argparse.Namespace(device=args.device, model=spec.model))
         except ValueError as e:
             p.error(f"argument --speculative-config: {e}")
+    if args.compilation_config is not None:
+        from ladder import rooms
+
+        try:
+            rooms.compilation_config(args.compilation_config, args.enforce_eager)
+        except ValueError as e:
+            p.error(f"argument --compilation-config: {e}")
     return args
 
 
@@ -184,7 +200,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=args.speculative_config, seed=args.seed, revision=args.revision,
-              download_dir=args.download_dir)  # fmt: skip
+              download_dir=args.download_dir, compilation_config=args.compilation_config,
+              enforce_eager=args.enforce_eager)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip

@@ -328,6 +328,30 @@ def test_cpu_kernel_mutant_and_auto():
 
 
 @needs_cpu_kernel
+def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
+    """The C code trusts its metadata; the range checks run once per step's tensors (a step's
+    layers reuse them), and again for a new tensor or one written in place since."""
+    w = make_workload([1, 1], [9, 12], 8, 2, 64, 8, torch.float32, seed=2)
+    args = lambda tables: (w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens, tables, w.scale)  # noqa: E731
+    tables = w.block_tables.clone()
+    cpu_attention.kernel(*args(tables))  # checked and remembered
+    cpu_attention.kernel(*args(tables))  # the same tensor: not checked again (a layer of the same step)
+    tables[0, 0] = w.k_cache.shape[0]  # one past the last block, written in place: its version moves
+    with pytest.raises(IndexError, match="block ids outside"):
+        cpu_attention.kernel(*args(tables))
+    bad = w.block_tables.clone()
+    bad[1, 0] = -1  # a new tensor, never checked
+    with pytest.raises(IndexError, match="block ids outside"):
+        cpu_attention.kernel(*args(bad))
+    k, v = torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)
+    slots = torch.tensor([0, 1])
+    cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
+    slots[1] = w.k_cache.shape[0] * w.k_cache.shape[1]  # past the last slot
+    with pytest.raises(IndexError, match="slots outside"):
+        cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_kernel_rows_are_batch_invariant(dtype):
     """Each row's output bits depend only on its own query, keys and values: one sequence's

@@ -7,6 +7,8 @@ to some sessions, for minutes): one command, prepared and tried on a CPU, in par
   prompt_logprobs      the features only a CUDA device can break, each on the built-in pair in seconds
   sampled_speculation  (benchmarks/sim/gpu_correctness.py says what each checks); structured outputs need
   structured_outputs   xgrammar or llguidance, and are skipped in one line without either
+  compiled_step        the built-in model eager against compiled with CUDA graphs (benchmarks/compiled_step.py's
+                       gpu_part): the same greedy tokens counted, ms per decode step at batch 1 and 16
   model                a random-weight Llama of about 1B parameters (Llama-3.2-1B's shape: hidden 2048, 16
                        layers, 32 query / 8 KV heads, FFN 8192, with the project's byte-level tokenizer, 259
                        tokens) in bfloat16, saved with `save_pretrained` into the output folder (2.5 GB:
@@ -41,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from benchmarks import compiled_step
+
 from . import gpu_correctness
 from .fail_soft import Check, Skip, part_line
 
@@ -52,7 +56,7 @@ SMALL = dict(hidden=128, layers=2, heads=4, kv_heads=2, ffn=256, max_positions=2
 # The caps keep one hung part from eating the others' time; the throughput, which writes its JSON only
 # at its end, runs to the deadline rather than be cut for a later part that would have nothing to read.
 PARTS = {"prompt_logprobs": (10, 60), "sampled_speculation": (10, 45), "structured_outputs": (10, 45),
-         "model": (20, 90), "throughput": (60, None), "predict": (5, 60), "throughput_level1": (30, None)}  # fmt: skip
+         "compiled_step": (30, 120), "model": (20, 90), "throughput": (60, None), "predict": (5, 60), "throughput_level1": (30, None)}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -280,6 +284,7 @@ def main(argv=None) -> dict:
             f, args.device, one_dtype, requests, tokens
         ),
         "structured_outputs": lambda f: gpu_correctness.structured_outputs(f, args.device, one_dtype),
+        "compiled_step": lambda f: compiled_step.gpu_part(f, args.device),
         "model": build,
         "throughput": lambda f: measure(needs_model(model), args, out / "measured.json", f),
         "predict": lambda f: predict_part(check, out / "measured.json", needs_model(model), gpu_name, f),

@@ -56,6 +56,8 @@ class CpuOps(Ops):
     """PyTorch's matmuls, compiled RMSNorm and RoPE (cpu_ops.cpp); the default formulas where they do not apply."""
 
     norm_dtypes = NORM  # the batch-invariant ops (features/batch_invariance/ops.py) add float64
+    # ctypes calls: torch.compile cannot trace them (features/compilation swaps in the torch formulas)
+    traceable = False
 
     def __init__(self, asked_for: str = "ops='cpu'"):
         self.lib = LIBRARY.require(asked_for)

@@ -1,0 +1,39 @@
+"""Room: the compiled step. `torch.compile` as vLLM V1 uses it, plugged into level 1's worker.
+
+What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in four small files:
+
+    config.py        `CompilationConfig`: vLLM's names (level, backend, splitting_ops,
+                     cudagraph_capture_sizes, use_cudagraph), checked
+    attention_op.py  attention as one opaque custom op (`torch.ops.ladder.attention`) with a fake
+                     implementation, reading the step's paged cache from a forward context
+    piecewise.py     the backend: the traced graph split at attention, each piece compiled
+    runner.py        `CompiledRunner`: the worker's model runner, compiled; padding, warm-up,
+                     falling back to eager in one log line
+    cuda_graphs.py   on a GPU: each piece captured as a CUDA graph per padded size, replayed
+
+The worker (level1_paged/worker.py) asks `ladder/rooms.py` for a runner; a level never imports
+this room. The lesson is docs/compiled_step.md.
+
+What it is not: a faster attention (the engine's own kernel is the op), or on by default yet
+(measured: docs/compiled_step.md).
+
+Reference: vLLM `vllm/compilation/` and `vllm/config/compilation.py`.
+"""
+
+from .config import CompilationConfig, parse
+from .runner import CompiledRunner
+
+
+def compiled_runner(runner, config: CompilationConfig):
+    """Level 0's `ModelRunner` -> the runner the worker uses: itself when eager, else compiled."""
+    if not config.compiled:
+        return runner
+    wrap = None
+    if config.graphs_captured(runner.device.type):
+        from .cuda_graphs import capture_wrapper
+
+        wrap = capture_wrapper(config.capture_sizes("cuda"), runner.model)
+    return CompiledRunner(runner, config, wrap)
+
+
+__all__ = ["CompilationConfig", "CompiledRunner", "compiled_runner", "parse"]

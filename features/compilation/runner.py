@@ -1,0 +1,166 @@
+"""The compiled model runner: level 0's `ModelRunner.forward`, through `torch.compile`, same answers.
+
+What it is: `CompiledRunner(runner, config)`, what level 1's worker holds instead of its
+`ModelRunner` when `compilation_config` asks for compilation. One step:
+
+    batch (T tokens) --pad to a capture size--> input_ids, positions [Tp]       (on a CPU by default: Tp = T)
+        set_forward_context(this step's attention backend, T)                    (attention_op.py)
+        compiled(input_ids, positions) -> hidden [Tp, hidden]                     (the graph; pieces: piecewise.py)
+        logits of the rows batch.logits_indices names (real rows only)           (eager: one matmul)
+
+Dynamo traces the model once on the first call and Inductor compiles it; the token count is
+marked dynamic, so one graph serves every T from 2 up (Dynamo always specialises a size of 1:
+a second graph for T = 1). Both are compiled at start-up by a warm-up forward whose attention
+writes nowhere, and the start-up log says how long it took and how big Inductor's on-disk cache
+is (a second start loads from it: `TORCHINDUCTOR_CACHE_DIR`, by default a folder in /tmp).
+
+The model's ops must be traceable: the CPU room's compiled RMSNorm and RoPE (ctypes calls) are
+swapped for the torch formulas, which Inductor fuses into its own C++ loops. Attention stays
+the engine's own backend (the C++ kernel on a CPU, Triton on a GPU), called by the opaque op.
+
+It never crashes and never slows down silently: if compiling fails (no C++ compiler, a model
+Dynamo cannot trace, a recompile limit) the runner says why in one log line and runs eager.
+
+What it is not: a second model (the same modules and weights), or a cache of compiled code of
+our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
+level 5), with `batch_invariant=True` (refused), or the draft model of level 4 (runs eager).
+
+Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
+the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import time
+from pathlib import Path
+
+import torch
+import torch._dynamo
+
+from level0_naive.model_runner import FlatBatch, ModelRunner
+from level0_naive.ops import DEFAULT_OPS
+
+from .attention_op import OPAQUE, set_forward_context
+from .config import CompilationConfig
+from .piecewise import Backend
+
+log = logging.getLogger(__name__)
+
+
+def _allow_many_engines() -> None:
+    """Dynamo keeps every graph of one function in one list, whichever engine traced it, and
+    past `recompile_limit` (8) runs the function eager *silently*. Every engine's runner traces
+    the same function (two graphs each), so raise the limit, and make reaching it an error that
+    the runner catches and says (never a silent slowdown)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 1024)
+    torch._dynamo.config.accumulated_recompile_limit = max(torch._dynamo.config.accumulated_recompile_limit, 8192)
+    torch._dynamo.config.fail_on_recompile_limit_hit = True
+
+
+def inductor_cache() -> tuple[Path, int]:
+    """Inductor's on-disk cache folder and the bytes in it."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    root = Path(cache_dir())
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file()) if root.exists() else 0
+    return root, size
+
+
+class _WriteNowhere:
+    """The warm-up's attention: zeros out, nothing written (the cache is not touched)."""
+
+    def __call__(self, layer, q, k, v):
+        return torch.zeros_like(q)
+
+
+class CompiledRunner:
+    """`ModelRunner`'s forward through `torch.compile` (see the module docstring)."""
+
+    def __init__(self, runner: ModelRunner, config: CompilationConfig, wrap_piece=None):
+        self.runner, self.model, self.device = runner, runner.model, runner.device
+        self.config = config
+        self.capture_sizes = config.capture_sizes(self.device.type)  # ascending; [] = no padding
+        self.backend = Backend(config.backend, config.split_at(self.device.type), wrap_piece,
+                               config.inductor_settings(self.device.type))  # fmt: skip
+        self.eager_reason: str | None = None  # why this runner fell back to eager, once it has
+        if not getattr(self.model.ops, "traceable", True):
+            self.model.set_ops(DEFAULT_OPS)  # the torch formulas: Inductor fuses them
+        _allow_many_engines()
+        self.compiled = torch.compile(self._model_forward, backend=self.backend, dynamic=False, fullgraph=True)
+        self.startup_s = self.warm_up()
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, OPAQUE)  # [Tp, hidden]; what Dynamo traces
+
+    def padded(self, n: int) -> int:
+        """The capture size a batch of n tokens runs at (n itself above the largest, or with none)."""
+        i = bisect.bisect_left(self.capture_sizes, n)
+        return self.capture_sizes[i] if i < len(self.capture_sizes) else n
+
+    @torch.inference_mode()
+    def forward(self, batch: FlatBatch, attn) -> torch.Tensor:
+        """-> logits [len(batch.logits_indices), V], as `ModelRunner.forward`."""
+        if self.eager_reason is not None:
+            return self.runner.forward(batch, attn)
+        try:
+            hidden = self._run(batch.input_ids, batch.positions, attn)  # [Tp, hidden]
+        except Exception as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
+            self._fall_back(e)
+            return self.runner.forward(batch, attn)
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]: real rows only
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        n = input_ids.shape[0]
+        if not input_ids.is_inference():  # built outside inference mode (on a CPU, the batch as the engine made it):
+            input_ids, positions = (
+                input_ids.clone(),
+                positions.clone(),
+            )  # Dynamo guards on the kind: one kind, one graph
+        tp = self.padded(n)
+        if tp != n:  # padding rows: token 0 at position 0, their attention writes nowhere (attention_op.py)
+            input_ids = torch.nn.functional.pad(input_ids, (0, tp - n))
+            positions = torch.nn.functional.pad(positions, (0, tp - n))
+        if tp >= 2:  # one graph for every T >= 2 (T = 1 is always specialised)
+            torch._dynamo.mark_dynamic(input_ids, 0)
+            torch._dynamo.mark_dynamic(positions, 0)
+        with set_forward_context(attn, n, tp):
+            return self.compiled(input_ids, positions)
+
+    def _fall_back(self, error: Exception) -> None:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+        self.eager_reason = f"{type(error).__name__}: {first}"
+        log.warning("torch.compile failed, running the model eager (as enforce_eager=True): %s", self.eager_reason)
+
+    @torch.inference_mode()
+    def warm_up(self) -> float:
+        """Compile (or load from Inductor's cache) the graphs a run needs before the first request,
+        then capture each size where graphs are captured; returns the seconds it took."""
+        from ladder.progress import StatusBar
+
+        start = time.perf_counter()
+        sizes = sorted({1, 2, *self.capture_sizes}, reverse=True)  # largest first, as vLLM captures
+        try:
+            with StatusBar("compiling the model (torch.compile)", total=len(sizes)) as bar:
+                for tp in sizes:
+                    ids = torch.zeros(tp, dtype=torch.long, device=self.device)
+                    pos = torch.arange(tp, dtype=torch.long, device=self.device)
+                    for _ in range(
+                        2 if self.backend.wrap_piece is not None else 1
+                    ):  # a captured size: run, then capture
+                        self._run(ids, pos, _WriteNowhere())
+                    bar.advance()
+        except Exception as e:
+            self._fall_back(e)
+            return time.perf_counter() - start
+        elapsed = time.perf_counter() - start
+        c = self.backend.counters
+        root, size = inductor_cache() if self.config.backend == "inductor" else (Path("-"), 0)
+        log.info("compiled the model (%s, %s): %d graph(s), %d piece(s), %.1f s; Inductor's cache %s holds %.1f MB",
+                 self.config.backend, f"split at {c.splits} attention calls" if c.splits else "one piece",
+                 c.graphs, c.pieces, elapsed, root, size / 1e6)  # fmt: skip
+        return elapsed
+
+
+__all__ = ["CompiledRunner", "inductor_cache"]

@@ -1,0 +1,242 @@
+"""The compiled step (features/compilation): the same greedy tokens as eager and as the oracle, one
+graph for every batch, attention the split point, and a failure to compile said in one line.
+
+Costs: Inductor compiles each model twice (T = 1 and a symbolic T), about 10-20 s cold on 2 cores
+for the suite's small checkpoints, then from its on-disk cache. So the equivalence test builds
+one compiled engine per level and runs hypothesis' workloads through it (the knobs that need a
+new engine are drawn once per engine: a tight pool for preemption, a small token budget for
+chunked prefill); the structural tests use the `eager` backend (Dynamo's graph, no compiler).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from conftest import VOCAB
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from test_equivalence import AllAccepted, Staggered, WarmCache, kv_bytes, workloads
+
+import level1_paged
+import level3_prefix
+import level4_speculative
+from features.compilation import CompilationConfig, parse
+from level0_naive import SamplingParams
+from level1_paged.model_input import ModelInput
+
+pytestmark = pytest.mark.compilation
+EAGER_BACKEND = {"backend": "eager"}  # Dynamo's graph run op by op: the structure, without Inductor's minutes
+
+
+def greedy(llm_or_engine, prompts, max_tokens=8):
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True) for _ in prompts]
+    return [o.outputs[0].token_ids for o in llm_or_engine.generate(prompts, params, progress=False)]
+
+
+def runner_of(llm):
+    return llm.llm_engine.worker.runner
+
+
+# --- the setting ---------------------------------------------------------------------------------------
+
+
+def test_the_setting_takes_vllms_forms_and_refuses_bad_ones_naming_the_field():
+    assert not parse(None).compiled and not parse(0).compiled
+    assert parse(3).compiled and parse({}).compiled and parse({"level": 0}).compiled is False
+    assert not parse(3, enforce_eager=True).compiled  # vLLM's switch wins
+    assert parse({"cudagraph_capture_sizes": [8, 1, 4]}).capture_sizes("cpu") == [1, 4, 8]
+    assert parse(3).capture_sizes("cpu") == [] and parse(3).capture_sizes("cuda")[:4] == [1, 2, 4, 8]
+    assert parse(3).split_at("cpu") == [] and parse(3).split_at("cuda") == ["ladder.attention"]
+    for bad, field in [(2, "level"), ({"backend": "tvm"}, "backend"), ({"splitting_ops": ["x"]}, "splitting_ops"),
+                       ({"cudagraph_capture_sizes": [0]}, "cudagraph_capture_sizes"), ({"levle": 3}, "levle"),
+                       ("fast", "compilation_config")]:  # fmt: skip
+        with pytest.raises(ValueError, match=field):
+            parse(bad)
+    assert isinstance(parse(CompilationConfig(level=3)), CompilationConfig)
+
+
+@pytest.mark.level1
+def test_an_engine_refuses_what_is_not_built_in_one_line(llama_dir):
+    with pytest.raises(ValueError, match="level=5"):
+        level1_paged.LLM(llama_dir, dtype="float64", compilation_config=5)
+    with pytest.raises(ValueError, match="batch_invariant=True is not built"):
+        level3_prefix.LLM(llama_dir, dtype="float32", batch_invariant=True, compilation_config=3)
+    eager = level3_prefix.LLM(llama_dir, dtype="float64", compilation_config=3, enforce_eager=True)
+    assert type(runner_of(eager)).__name__ == "ModelRunner"  # enforce_eager: nothing compiled, nothing imported for it
+
+
+@pytest.mark.level5
+def test_level5_refuses_compiling_over_ranks_before_starting_any(llama_dir):
+    import level5_multigpu
+
+    with pytest.raises(ValueError, match="tensor_parallel_size x pipeline_parallel_size > 1 is not built"):
+        level5_multigpu.LLM(llama_dir, dtype="float64", tensor_parallel_size=2, compilation_config=3)
+
+
+@pytest.mark.level6
+def test_the_server_takes_vllms_flags_and_refuses_a_bad_one_naming_it(capsys):
+    from level6_serving.__main__ import engine_kwargs, parse_args
+
+    kw = engine_kwargs(parse_args(["--compilation-config", '{"level": 3, "backend": "eager"}', "--enforce-eager"]))
+    assert kw["compilation_config"] == {"level": 3, "backend": "eager"} and kw["enforce_eager"] is True
+    assert engine_kwargs(parse_args(["-O", "3"]))["compilation_config"] == 3
+    with pytest.raises(SystemExit):
+        parse_args(["--compilation-config", '{"levle": 3}'])
+    assert "argument --compilation-config: compilation_config has no field(s) levle" in capsys.readouterr().err
+
+
+# --- the graph -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.level3
+def test_attention_is_the_split_point_and_nothing_breaks_the_graph(llama_dir):
+    from torch._dynamo.utils import counters
+
+    breaks = sum(counters["graph_break"].values())
+    llm = level3_prefix.LLM(
+        llama_dir, dtype="float64", compilation_config={**EAGER_BACKEND, "splitting_ops": ["ladder.attention"]}
+    )
+    c = runner_of(llm).backend.counters
+    layers = llm.llm_engine.loaded.model.config.num_layers
+    assert c.graphs == 2  # T = 1 and a symbolic T, both at start-up
+    assert c.splits == layers  # one split per layer's attention
+    assert c.pieces == 2 * (layers + 1)  # per graph: the pieces between attention calls, compiled
+    assert sum(counters["graph_break"].values()) == breaks  # the opaque op: Dynamo traced every layer whole
+    one = level3_prefix.LLM(llama_dir, dtype="float64", compilation_config=EAGER_BACKEND)  # a CPU's default: no split
+    assert runner_of(one).backend.counters.pieces == 2 and runner_of(one).backend.counters.splits == 0
+
+
+@pytest.mark.level3
+def test_no_recompile_as_batch_sizes_and_contexts_change_at_every_step(llama_dir):
+    """Requests arriving every step, chunked prefills of several sizes, decodes of a growing
+    batch: T and every context length change each step, and the two start-up graphs serve all."""
+    engine = level3_prefix.LLMEngine(llama_dir, dtype="float64", compilation_config=EAGER_BACKEND,
+                                     max_num_batched_tokens=7, block_size=4, kv_cache_memory=kv_bytes(llama_dir, 400))  # fmt: skip
+    counters = engine.worker.runner.backend.counters
+    assert counters.graphs == 2
+    g = torch.Generator().manual_seed(0)
+    for i in range(12):
+        prompt = torch.randint(0, VOCAB, (1 + 3 * i % 11,), generator=g).tolist()
+        engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+        engine.step()
+    while engine.has_unfinished_requests():
+        engine.step()
+    steps = {len(r.request_ids) for r in engine.step_log}
+    assert len(steps) >= 4  # the batch really changed (and so did T: chunks of up to 7 tokens besides)
+    assert counters.graphs == 2  # not one more
+
+
+# --- the tokens ----------------------------------------------------------------------------------------
+
+ENGINES: dict = {}  # (level, arch) -> (compiled engine wrapped for generate, per-example data-free): built once
+
+
+def compiled_engine(level: str, path, data):
+    """One compiled (Inductor, float64) engine per level and model, reused by every example."""
+    key = (level, str(path))
+    if key not in ENGINES:
+        common = dict(dtype="float64", compilation_config=3, max_num_seqs=4, policy="fcfs")
+        tight = kv_bytes(path, 60)  # 15 blocks of 4: the workloads' longest request is 54 tokens, so four preempt
+        if level == "level1":
+            ENGINES[key] = level1_paged.LLM(path, dtype="float64", compilation_config=3, block_size=4, max_num_seqs=3,
+                                            kv_cache_memory=kv_bytes(path, 64))  # fmt: skip
+        elif level == "level3":  # preemption (a small pool), chunked prefill (7 tokens a step), prefix hits
+            ENGINES[key] = level3_prefix.LLMEngine(path, block_size=4, kv_cache_memory=tight, max_num_batched_tokens=7,
+                                                   **common)  # fmt: skip
+        else:  # level 4: the target itself as the draft (every draft accepted), k = 3, both compiled
+            spec = {"num_speculative_tokens": 3, "model": str(path)}
+            ENGINES[key] = level4_speculative.LLMEngine(path, block_size=4, kv_cache_memory=2 * tight,
+                                                        speculative_config=spec, **common)  # fmt: skip
+    engine = ENGINES[key]
+    if level == "level1":
+        return engine
+    wrapped = Staggered(engine, data)
+    return AllAccepted(wrapped, data) if level == "level4" else WarmCache(wrapped, data)
+
+
+@pytest.mark.level3
+@pytest.mark.parametrize("level", ["level1", "level3", "level4"])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(workload=workloads(), data=st.data())
+def test_compiled_greedy_output_equals_the_oracle(level, workload, data, checkpoint_factory, oracle):
+    path = checkpoint_factory("llama")
+    engine = compiled_engine(level, path, data)
+    prompts = [p for p, _ in workload]
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+    for (prompt, n), out in zip(workload, engine.generate(prompts, params, progress=False)):
+        assert out.outputs[0].token_ids == oracle.greedy(path, prompt, n)
+    inner = engine.llm_engine if hasattr(engine, "llm_engine") else engine.inner
+    inner = getattr(inner, "engine", inner)
+    assert inner.worker.runner.eager_reason is None  # it really ran compiled
+    assert inner.worker.runner.backend.counters.graphs == 2
+
+
+@pytest.mark.level1
+def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
+    """One step's batch through an eager and a compiled worker over the same weights and the same
+    starting cache: logits within float32's rounding, and the two caches equal, padding rows (3
+    tokens run as 4) written nowhere."""
+    eager = level1_paged.LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 64, 4))
+    compiled = level1_paged.LLM(llama_dir, dtype="float32", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 64, 4),
+                                compilation_config={"cudagraph_capture_sizes": [4, 8]})  # fmt: skip
+    assert runner_of(compiled).padded(3) == 4 and runner_of(compiled).padded(9) == 9
+    mi = ModelInput.build([([5, 6, 7], 0)], [[2]], 4, [3])  # 3 tokens in block 2: slots 8, 9, 10
+    a, b = eager.llm_engine.worker.execute(mi), compiled.llm_engine.worker.execute(mi)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for ca, cb in zip(eager.llm_engine.worker.cache.k + eager.llm_engine.worker.cache.v,
+                      compiled.llm_engine.worker.cache.k + compiled.llm_engine.worker.cache.v):  # fmt: skip
+        torch.testing.assert_close(cb, ca, rtol=1e-4, atol=1e-5)
+        assert (
+            cb[2, 3].abs().sum() == 0 and cb[0].abs().sum() == 0
+        )  # slot 11 and block 0 (a padding row's slot 0) untouched
+
+
+# --- failing to compile ----------------------------------------------------------------------------------
+
+
+@pytest.mark.level3
+def test_without_a_cpp_compiler_the_engine_runs_eager_and_says_so_once(llama_dir, monkeypatch, caplog):
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.setattr(inductor_config, "force_disable_caches", True)  # a cache hit would need no compiler
+    monkeypatch.setattr(inductor_config.cpp, "cxx", ("/nonexistent/g++",))
+    with caplog.at_level(logging.WARNING, logger="features.compilation.runner"):
+        llm = level3_prefix.LLM(llama_dir, dtype="float64", compilation_config=3)
+    said = [r.getMessage() for r in caplog.records if "running the model eager" in r.getMessage()]
+    assert len(said) == 1 and "\n" not in said[0]
+    assert runner_of(llm).eager_reason is not None
+    assert greedy(llm, [[1, 2, 3]]) == greedy(level3_prefix.LLM(llama_dir, dtype="float64"), [[1, 2, 3]])
+
+
+@pytest.mark.level3
+def test_a_model_dynamo_cannot_trace_runs_eager_and_says_why(llama_dir, monkeypatch, caplog):
+    """A data-dependent branch (on a token's value) is a graph break: with the graph asked whole,
+    Dynamo refuses it, and the engine falls back in one line instead of recompiling per value."""
+    from level0_naive.model import Transformer
+
+    plain = Transformer.rope
+
+    def branchy(self, positions, dtype):
+        if int(positions.max()) > 1000:  # data-dependent: Dynamo cannot trace past it
+            positions = positions % 1000
+        return plain(self, positions, dtype)
+
+    monkeypatch.setattr(Transformer, "rope", branchy)
+    with caplog.at_level(logging.WARNING, logger="features.compilation.runner"):
+        llm = level3_prefix.LLM(llama_dir, dtype="float64", compilation_config=EAGER_BACKEND)
+    assert runner_of(llm).eager_reason is not None
+    assert any("running the model eager" in r.getMessage() for r in caplog.records)
+    assert greedy(llm, [[4, 5]], 3) == greedy(level3_prefix.LLM(llama_dir, dtype="float64"), [[4, 5]], 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graphs_give_the_eager_tokens(llama_dir):
+    eager = level3_prefix.LLM(llama_dir, dtype="float32", device="cuda")
+    compiled = level3_prefix.LLM(llama_dir, dtype="float32", device="cuda",
+                                 compilation_config={"cudagraph_capture_sizes": [1, 2, 4, 8]})  # fmt: skip
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10]]
+    assert greedy(compiled, prompts, 12) == greedy(eager, prompts, 12)
+    wrapped = runner_of(compiled).backend.wrapped
+    assert wrapped and all(sorted(p.graphs) == [1, 2, 4, 8] for p in wrapped)  # every piece captured at every size
