@@ -334,9 +334,13 @@ def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
     w = make_workload([1, 1], [9, 12], 8, 2, 64, 8, torch.float32, seed=2)
     args = lambda tables: (w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens, tables, w.scale)  # noqa: E731
     tables = w.block_tables.clone()
+    memo, shape = cpu_attention._ATTENTION_CHECKED, tuple(w.k_cache.shape[:2])
     cpu_attention.kernel(*args(tables))  # checked and remembered
-    cpu_attention.kernel(*args(tables))  # the same tensor: not checked again (a layer of the same step)
+    lens = w.seq_lens.to(torch.int32).contiguous()  # the same object the kernel saw (already int32)
+    assert memo.seen((tables, lens), shape)  # the next layer of this step skips the checks
+    cpu_attention.kernel(*args(tables))
     tables[0, 0] = w.k_cache.shape[0]  # one past the last block, written in place: its version moves
+    assert not memo.seen((tables, lens), shape)
     with pytest.raises(IndexError, match="block ids outside"):
         cpu_attention.kernel(*args(tables))
     bad = w.block_tables.clone()

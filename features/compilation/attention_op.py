@@ -26,8 +26,8 @@ Padding (a batch padded to a capture size): rows from `num_tokens` on are paddin
 gets only the real rows, so padding writes no slot; its output rows are zeros, never sampled
 (the runner's logits indices point at real rows only).
 
-What it is not: an attention kernel (the backend's is called), or thread-safe (one context per
-process, as vLLM's: two engines never run a forward at the same time in one thread).
+What it is not: an attention kernel (the backend's is called). The context is per thread (vLLM's is
+per process): engines stepping on two threads of one process never see each other's step.
 
 Reference: vLLM `vllm/attention/layer.py` (`unified_attention`, `direct_register_custom_op`) and
 `vllm/forward_context.py` (`set_forward_context`).
@@ -36,14 +36,19 @@ Reference: vLLM `vllm/attention/layer.py` (`unified_attention`, `direct_register
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import torch
 
 
-class _Context:
-    attn = None  # this step's attention backend object: (layer, q, k, v) -> out
-    num_tokens = 0  # the step's real tokens; rows from here on are padding
-    padded_tokens = 0  # the rows the graph runs (a capture size, or num_tokens)
+class _Context(threading.local):
+    """Per thread: two engines stepping on two threads of one process (two servers in a test) each
+    see their own step."""
+
+    def __init__(self):
+        self.attn = None  # this step's attention backend object: (layer, q, k, v) -> out
+        self.num_tokens = 0  # the step's real tokens; rows from here on are padding
+        self.padded_tokens = 0  # the rows the graph runs (a capture size, or num_tokens)
 
 
 CONTEXT = _Context()
@@ -59,9 +64,10 @@ def set_forward_context(attn, num_tokens: int, padded_tokens: int):
         CONTEXT.attn, CONTEXT.num_tokens, CONTEXT.padded_tokens = None, 0, 0
 
 
-@torch.library.custom_op("ladder::attention", mutates_args=())
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
-    """q [Tp, Hq, D], k/v [Tp, Hkv, D] -> out [Tp, Hq, D]: the step's backend on the real rows, zeros on padding."""
+def attention_real(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The op's implementation, run when the compiled code reaches it: q [Tp, Hq, D], k/v [Tp, Hkv, D] ->
+    out [Tp, Hq, D], the step's backend on the first num_tokens rows (it writes their K/V into the cache
+    and attends), zeros on the padding rows after them."""
     if CONTEXT.attn is None:
         raise RuntimeError("ladder.attention called outside set_forward_context (no step's attention backend)")
     n = CONTEXT.num_tokens
@@ -72,9 +78,16 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> 
     return out
 
 
-@attention.register_fake
-def _(q, k, v, layer):
-    return q.new_empty(q.shape)  # all a tracer needs to know: q's shape and dtype
+def attention_fake(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int) -> torch.Tensor:
+    """The op's fake implementation, what Dynamo and Inductor run while tracing (on fake tensors: shapes,
+    dtypes and devices, no values): an empty tensor shaped, typed and placed as the output."""
+    return q.new_empty(q.shape)  # the output: one row per query, one head per query head
+
+
+# Registered once, at import: the op's schema comes from attention_real's annotations; nothing it
+# receives is written (mutates_args=()), the cache it writes is not an argument (see above).
+attention = torch.library.custom_op("ladder::attention", attention_real, mutates_args=())
+attention.register_fake(attention_fake)
 
 
 class OpaqueAttention:

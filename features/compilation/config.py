@@ -20,7 +20,8 @@ setting's forms into one (a `ValueError` naming the field on a bad one):
                              max_capture_size on a GPU, none on a CPU (one graph with a symbolic
                              token count: padding 33 tokens to 64 cost 0.81x there, measured)
     max_capture_size         the largest default capture size (vLLM: 512)
-    use_cudagraph            capture each size's pieces as CUDA graphs (on a GPU only)
+    use_cudagraph            capture each size's pieces as CUDA graphs (on a GPU only, and only with
+                             the graph split at attention: with splitting_ops=[] nothing is captured)
     inductor_compile_config  Inductor settings while it compiles (`torch._inductor.config`); None:
                              {"cpp_wrapper": True} on a CPU (the code that calls the kernels in
                              C++ too, not Python: 2.43 against 2.67 ms a decode step at batch 1,
@@ -76,7 +77,7 @@ class CompilationConfig:
         """The sizes a batch is padded up to, ascending ([] on a CPU unless given)."""
         if self.cudagraph_capture_sizes is not None:
             return sorted(set(self.cudagraph_capture_sizes))
-        if device_type != "cuda":
+        if not self.graphs_captured(device_type):  # padding buys nothing without graphs to replay
             return []
         # vLLM's default list: 1, 2, 4, then every multiple of 8 up to the largest
         return [s for s in [1, 2, 4, *range(8, self.max_capture_size + 1, 8)] if s <= self.max_capture_size]
@@ -93,7 +94,11 @@ class CompilationConfig:
         return list(SPLITTING_OPS) if device_type == "cuda" else []
 
     def graphs_captured(self, device_type: str) -> bool:
-        return self.compiled and self.use_cudagraph and device_type == "cuda" and self.backend == "inductor"
+        """Whether pieces are captured as CUDA graphs: on a GPU, compiled by Inductor, and only when the
+        graph is split at attention (a graph with attention inside would replay the warm-up's attention,
+        which wrote nothing, at every step: attention must run outside the captured pieces)."""
+        return (self.compiled and self.use_cudagraph and device_type == "cuda" and self.backend == "inductor"
+                and "ladder.attention" in self.split_at(device_type))  # fmt: skip
 
 
 def parse(value, enforce_eager: bool = False) -> CompilationConfig:

@@ -20,6 +20,11 @@ caching allocator hands a step's activations the same addresses as the last step
 Attention pieces are never wrapped (piecewise.py does not compile them): their inputs change
 with every step's context, and the Triton kernel runs between the replays.
 
+Known costs, not yet cut: every (piece, size) keeps its own input buffers and outputs (vLLM shares
+one buffer of the largest size and keeps weak references to outputs), and the graphs are captured
+after the KV cache was sized, outside its budget; each capture also runs a garbage collection.
+For the built-in model this is megabytes; for a large model give few capture sizes.
+
 What it is not: tested on this project's CPU machines (`tests/test_compilation.py` runs it only
 where CUDA is; `benchmarks/sim/gpu_check.sh` times it against eager), or vLLM's full graph mode
 (the whole step, attention included, in one graph: needs attention metadata in fixed buffers).
@@ -63,7 +68,8 @@ class CapturedPiece:
         moving = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.data_ptr() not in self.fixed]
         static_args = list(args)
         for i in moving:
-            static_args[i] = args[i].clone()  # a buffer of our own, where the graph will read
+            a = args[i]  # a buffer of our own, where the graph will read, with the input's strides
+            static_args[i] = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device).copy_(a)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):

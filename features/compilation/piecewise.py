@@ -75,6 +75,21 @@ class Piece(torch.nn.Module):
         return self.fn(*args)
 
 
+class Releasable:
+    """What the backend hands Dynamo: the compiled code behind one reference that `release` drops.
+    Dynamo keeps every graph it compiled for a function, for the life of the process, and every
+    engine's runner compiles the same function: without this, an engine's compiled code (and on a
+    GPU its captured graphs and their memory) would outlive the engine."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args):
+        if self.fn is None:
+            raise RuntimeError("this engine's compiled model was released (the engine is gone)")
+        return self.fn(*args)
+
+
 class _CompilePieces(torch.fx.Interpreter):
     """Runs the split graph on fake tensors; each piece without a split point is compiled on the
     fake arguments it receives (their shapes symbolic where the trace's were) and put in its place."""
@@ -99,9 +114,10 @@ class Backend:
         self.inductor_settings = inductor_settings or {}  # torch._inductor.config while compiling
         self.wrap_piece = wrap_piece  # (piece callable, name) -> callable: cuda_graphs.py's capture, on a GPU
         self.wrapped: list = []  # the pieces it wrapped
+        self.handed_out: list[Releasable] = []  # what it gave Dynamo, emptied by release()
         self.counters = Counters()
 
-    def compile_piece(self, gm: torch.fx.GraphModule, example_inputs: list):
+    def compile_piece(self, gm: torch.fx.GraphModule, example_inputs: list, wrap: bool = True):
         self.counters.pieces += 1
         if self.compiler == "eager":
             fn = gm  # Dynamo's graph, run op by op: what the trace captured, no compiler
@@ -111,23 +127,34 @@ class Backend:
 
             with torch._inductor.config.patch(self.inductor_settings):
                 fn = compile_fx(gm, example_inputs)
-        if self.wrap_piece is None:
+        if self.wrap_piece is None or not wrap:
             return fn
         self.wrapped.append(self.wrap_piece(fn, f"piece{self.counters.pieces}"))
         return self.wrapped[-1]
+
+    def release_later(self, fn) -> Releasable:
+        self.handed_out.append(Releasable(fn))
+        return self.handed_out[-1]
+
+    def release(self) -> None:
+        """Drop the compiled code and captured graphs (the runner's finalizer calls it)."""
+        for r in self.handed_out:
+            r.fn = None
+        self.handed_out.clear()
+        self.wrapped.clear()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list):
         start = time.perf_counter()
         self.counters.graphs += 1
         try:
-            if not self.split_at:
-                return self.compile_piece(gm, example_inputs)
+            if not self.split_at:  # one piece, attention inside it: never captured (config.graphs_captured)
+                return self.release_later(self.compile_piece(gm, example_inputs, wrap=False))
             split, self.counters.splits = split_graph(gm, self.split_at)
             fake_mode = detect_fake_mode()  # the trace's: it knows the symbolic token count of these inputs
             fake = [fake_mode.from_tensor(t) if isinstance(t, torch.Tensor) else t for t in example_inputs]
             with fake_mode:
                 _CompilePieces(split, self.compile_piece, self.split_at).run(*fake)
-            return split
+            return self.release_later(split)
         finally:
             self.counters.compile_s += time.perf_counter() - start
 

@@ -23,7 +23,8 @@ Dynamo cannot trace, a recompile limit) the runner says why in one log line and 
 
 What it is not: a second model (the same modules and weights), or a cache of compiled code of
 our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
-level 5), with `batch_invariant=True` (refused), or the draft model of level 4 (runs eager).
+level 5), or with `batch_invariant=True` (refused). Level 4's draft model has a runner of its own,
+compiled too. It changes Dynamo's recompile limits for the whole process (`_allow_many_engines`).
 
 Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
 the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
@@ -34,6 +35,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+import weakref
 from pathlib import Path
 
 import torch
@@ -47,6 +49,9 @@ from .config import CompilationConfig
 from .piecewise import Backend
 
 log = logging.getLogger(__name__)
+# What a compile can raise once the engine runs (a recompile): Dynamo's and Inductor's errors, and the
+# recompile limit. Anything else (a kernel's IndexError, out of memory) is the step's, and propagates.
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 def _allow_many_engines() -> None:
@@ -85,8 +90,10 @@ class CompiledRunner:
         self.backend = Backend(config.backend, config.split_at(self.device.type), wrap_piece,
                                config.inductor_settings(self.device.type))  # fmt: skip
         self.eager_reason: str | None = None  # why this runner fell back to eager, once it has
+        self.eager_ops = self.model.ops  # given back on a fallback: eager is then exactly enforce_eager's
         if not getattr(self.model.ops, "traceable", True):
             self.model.set_ops(DEFAULT_OPS)  # the torch formulas: Inductor fuses them
+        weakref.finalize(self, self.backend.release)  # Dynamo keeps the backend; the compiled code goes with us
         _allow_many_engines()
         self.compiled = torch.compile(self._model_forward, backend=self.backend, dynamic=False, fullgraph=True)
         self.startup_s = self.warm_up()
@@ -106,7 +113,7 @@ class CompiledRunner:
             return self.runner.forward(batch, attn)
         try:
             hidden = self._run(batch.input_ids, batch.positions, attn)  # [Tp, hidden]
-        except Exception as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
+        except COMPILE_ERRORS as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
             self._fall_back(e)
             return self.runner.forward(batch, attn)
         return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]: real rows only
@@ -131,6 +138,7 @@ class CompiledRunner:
     def _fall_back(self, error: Exception) -> None:
         first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
         self.eager_reason = f"{type(error).__name__}: {first}"
+        self.model.set_ops(self.eager_ops)
         log.warning("torch.compile failed, running the model eager (as enforce_eager=True): %s", self.eager_reason)
 
     @torch.inference_mode()
