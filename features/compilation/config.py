@@ -116,9 +116,8 @@ def parse(value, enforce_eager: bool = False) -> CompilationConfig:
             raise ValueError(
                 f"compilation_config has no field(s) {', '.join(unknown)}; it takes: {', '.join(sorted(known))}"
             )
-        config = CompilationConfig(
-            **{"level": PIECEWISE, **value}
-        )  # a dict asks for compilation unless it says level 0
+        # a dict asks for compilation unless it says level 0
+        config = CompilationConfig(**{"level": PIECEWISE, **value})
     else:
         raise ValueError(f"compilation_config={value!r} must be a level (0 or 3), a dict of its fields, or None")
     if enforce_eager:

@@ -73,6 +73,10 @@ def inductor_cache() -> tuple[Path, int]:
     return root, size
 
 
+def first_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0][:300]}"
+
+
 class _WriteNowhere:
     """The warm-up's attention: zeros out, nothing written (the cache is not touched)."""
 
@@ -120,11 +124,8 @@ class CompiledRunner:
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
         n = input_ids.shape[0]
-        if not input_ids.is_inference():  # built outside inference mode (on a CPU, the batch as the engine made it):
-            input_ids, positions = (
-                input_ids.clone(),
-                positions.clone(),
-            )  # Dynamo guards on the kind: one kind, one graph
+        if not input_ids.is_inference():  # made outside inference mode (a CPU batch as the engine built it):
+            input_ids, positions = input_ids.clone(), positions.clone()  # Dynamo guards on the kind: one kind
         tp = self.padded(n)
         if tp != n:  # padding rows: token 0 at position 0, their attention writes nowhere (attention_op.py)
             input_ids = torch.nn.functional.pad(input_ids, (0, tp - n))
@@ -136,8 +137,11 @@ class CompiledRunner:
             return self.compiled(input_ids, positions)
 
     def _fall_back(self, error: Exception) -> None:
-        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
-        self.eager_reason = f"{type(error).__name__}: {first}"
+        root = error
+        while (root.__cause__ or root.__context__) not in (None, root):  # what Dynamo's message wraps
+            root = root.__cause__ or root.__context__
+        # the cause first (say, the fake implementation's own error), then what Dynamo made of it
+        self.eager_reason = first_line(error) if root is error else f"{first_line(root)} (then {first_line(error)})"
         self.model.set_ops(self.eager_ops)
         log.warning("torch.compile failed, running the model eager (as enforce_eager=True): %s", self.eager_reason)
 
@@ -154,9 +158,8 @@ class CompiledRunner:
                 for tp in sizes:
                     ids = torch.zeros(tp, dtype=torch.long, device=self.device)
                     pos = torch.arange(tp, dtype=torch.long, device=self.device)
-                    for _ in range(
-                        2 if self.backend.wrap_piece is not None else 1
-                    ):  # a captured size: run, then capture
+                    runs = 2 if self.backend.wrap_piece is not None else 1  # a captured size: run, then capture
+                    for _ in range(runs):
                         self._run(ids, pos, _WriteNowhere())
                     bar.advance()
         except Exception as e:
