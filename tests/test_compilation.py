@@ -206,6 +206,24 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
         assert cb[2, 3].abs().sum() == 0 and cb[0].abs().sum() == 0
 
 
+@pytest.mark.level3
+def test_a_step_under_a_dispatch_mode_runs_eager_and_the_next_compiled(llama_dir):
+    """torch.compile refuses to run under a TorchDispatchMode (benchmarks.profile counts aten ops with one):
+    that step runs eager, and compiling is not given up."""
+    from benchmarks.profile import CountOps
+
+    engine = level3_prefix.LLMEngine(llama_dir, dtype="float64", compilation_config=EAGER_BACKEND)
+    engine.add_request("a", [1, 2, 3], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()
+    counted = CountOps()
+    with counted:
+        engine.step()
+    assert counted.count > 50  # the eager model's ops, seen one by one
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.worker.runner.eager_reason is None and engine.worker.runner.backend.counters.graphs == 2
+
+
 # --- failing to compile ----------------------------------------------------------------------------------
 
 

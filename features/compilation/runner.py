@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 import torch._dynamo
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from level0_naive.model_runner import FlatBatch, ModelRunner
 from level0_naive.ops import DEFAULT_OPS
@@ -113,7 +114,9 @@ class CompiledRunner:
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, attn) -> torch.Tensor:
         """-> logits [len(batch.logits_indices), V], as `ModelRunner.forward`."""
-        if self.eager_reason is not None:
+        if self.eager_reason is not None or _get_current_dispatch_mode() is not None:
+            # (a TorchDispatchMode watching every op, a profiler's count or a test's: compiled code cannot
+            # run under one, so this one step runs eager, and the next compiled again)
             return self.runner.forward(batch, attn)
         try:
             hidden = self._run(batch.input_ids, batch.positions, attn)  # [Tp, hidden]
