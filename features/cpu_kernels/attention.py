@@ -97,7 +97,9 @@ class _CheckedOnce:
     each: a few microseconds, a dozen per layer) cost about 0.2 ms of a 2 ms decode step of the
     built-in model. A tensor counts as checked while it is the very object checked (a weak
     reference: a new step's tensor is a new object, even at the same address) at the same version
-    (an in-place write bumps it) against a cache of the same shape."""
+    (an in-place write bumps it) against a cache of the same shape. A write that bypasses torch
+    (through a numpy view, or a pointer) moves no version: the engine builds fresh metadata tensors
+    every step (ModelInput.build), and a persistent buffer written that way would need a check a call."""
 
     def __init__(self):
         self.refs: tuple = ()
