@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from test_equivalence import AllAccepted, Staggered, WarmCache, kv_bytes, workloads
 
 import level1_paged
+import level2_continuous
 import level3_prefix
 import level4_speculative
 from features.compilation import CompilationConfig, parse
@@ -145,6 +146,9 @@ def compiled_engine(level: str, path, data):
         if level == "level1":
             ENGINES[key] = level1_paged.LLM(path, dtype="float64", compilation_config=3, block_size=4, max_num_seqs=3,
                                             kv_cache_memory=kv_bytes(path, 64))  # fmt: skip
+        elif level == "level2":  # continuous batching: preemption (a small pool), chunked prefill (7 tokens a step)
+            ENGINES[key] = level2_continuous.LLMEngine(path, block_size=4, kv_cache_memory=tight, max_num_batched_tokens=7,
+                                                       **common)  # fmt: skip
         elif level == "level3":  # preemption (a small pool), chunked prefill (7 tokens a step), prefix hits
             ENGINES[key] = level3_prefix.LLMEngine(path, block_size=4, kv_cache_memory=tight, max_num_batched_tokens=7,
                                                    **common)  # fmt: skip
@@ -156,11 +160,13 @@ def compiled_engine(level: str, path, data):
     if level == "level1":
         return engine
     wrapped = Staggered(engine, data)
+    if level == "level2":
+        return wrapped
     return AllAccepted(wrapped, data) if level == "level4" else WarmCache(wrapped, data)
 
 
 @pytest.mark.level3
-@pytest.mark.parametrize("level", ["level1", "level3", "level4"])
+@pytest.mark.parametrize("level", ["level1", "level2", "level3", "level4"])
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(workload=workloads(), data=st.data())
 def test_compiled_greedy_output_equals_the_oracle(level, workload, data, checkpoint_factory, oracle):
@@ -170,7 +176,7 @@ def test_compiled_greedy_output_equals_the_oracle(level, workload, data, checkpo
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
     for (prompt, n), out in zip(workload, engine.generate(prompts, params, progress=False)):
         assert out.outputs[0].token_ids == oracle.greedy(path, prompt, n)
-    inner = engine.llm_engine if hasattr(engine, "llm_engine") else engine.inner
+    inner = getattr(engine, "llm_engine", None) or getattr(engine, "inner", engine)
     inner = getattr(inner, "engine", inner)
     runners = [inner.worker.runner]
     if level == "level4":  # the draft model's runner, compiled too
