@@ -104,37 +104,28 @@ def gpu_part(figures: dict, device: str, prompts: int = 4, tokens: int = 32, ste
 
     if device != "cuda":
         raise Skip("CUDA graphs need a GPU (the compiled step's CPU path is tests/test_compilation.py's)")
-    from level3_prefix import LLMEngine, SamplingParams
+    from level3_prefix import LLM, SamplingParams
 
     model, t0 = str(default_model()), time.perf_counter()
-    eager = LLMEngine(model, dtype="float32", device="cuda", max_num_seqs=16, seed=0)
+    eager = LLM(model, dtype="float32", device="cuda", max_num_seqs=16, seed=0)
     figures["eager_startup_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    compiled = LLMEngine(model, dtype="float32", device="cuda", max_num_seqs=16, seed=0,
-                         compilation_config={"cudagraph_capture_sizes": GPU_SIZES})  # fmt: skip
-    runner = compiled.worker.runner
+    compiled = LLM(model, dtype="float32", device="cuda", max_num_seqs=16, seed=0,
+                   compilation_config={"cudagraph_capture_sizes": GPU_SIZES})  # fmt: skip
+    runner = compiled.llm_engine.worker.runner
     figures.update(compiled_startup_s=time.perf_counter() - t0, eager_reason=runner.eager_reason,
-                   pieces=runner.backend.counters.pieces, captured=sum(len(p.graphs) for p in runner.backend.wrapped))  # fmt: skip
+                   pieces=runner.backend.counters.pieces)  # fmt: skip
     params = SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True)
     texts = [[5 + i, 6, 7, 8 + i] for i in range(prompts)]
-    outs = {}
-    for name, engine in (("eager", eager), ("compiled", compiled)):
-        for i, t in enumerate(texts):
-            engine.add_request(f"{name}-{i}", t, params)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-        outs[name] = [done[f"{name}-{i}"] for i in range(prompts)]
-    figures["same_tokens"] = sum(a == b for a, b in zip(outs["eager"], outs["compiled"]))
+    outs = [[o.outputs[0].token_ids for o in llm.generate(texts, params, progress=False)] for llm in (eager, compiled)]
+    figures["same_tokens"] = sum(a == b for a, b in zip(*outs))
     decode = SamplingParams(max_tokens=steps + 2, ignore_eos=True, temperature=0)
     for batch in (1, 16):
         runs = {"eager": [], "compiled": []}
         for _ in range(3):
-            for name, engine in (("eager", eager), ("compiled", compiled)):
+            for name, llm in (("eager", eager), ("compiled", compiled)):
                 torch.cuda.synchronize()
-                runs[name].append(decode_round(engine, batch, steps, decode))
+                runs[name].append(decode_round(llm.llm_engine, batch, steps, decode))
         figures[f"batch{batch}_ms"] = {name: min(r) for name, r in runs.items()}
     figures["captured"] = sum(len(p.graphs) for p in runner.backend.wrapped)
     return (f"same greedy tokens {figures['same_tokens']}/{prompts}; start-up eager {figures['eager_startup_s']:.1f} s, "

@@ -1,6 +1,6 @@
 """Room: the compiled step. `torch.compile` as vLLM V1 uses it, plugged into level 1's worker.
 
-What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in four small files:
+What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in small files:
 
     config.py        `CompilationConfig`: vLLM's names (level, backend, splitting_ops,
                      cudagraph_capture_sizes, use_cudagraph), checked
@@ -10,6 +10,7 @@ What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in four s
     runner.py        `CompiledRunner`: the worker's model runner, compiled; padding, warm-up,
                      falling back to eager in one log line
     cuda_graphs.py   on a GPU: each piece captured as a CUDA graph per padded size, replayed
+    demo.py          the model traced with attention followed into the backend and as the op
 
 The worker (level1_paged/worker.py) asks `ladder/rooms.py` for a runner; a level never imports
 this room. The lesson is docs/compiled_step.md.
@@ -25,9 +26,8 @@ from .runner import CompiledRunner
 
 
 def compiled_runner(runner, config: CompilationConfig):
-    """Level 0's `ModelRunner` -> the runner the worker uses: itself when eager, else compiled."""
-    if not config.compiled:
-        return runner
+    """Level 0's `ModelRunner` and a config that compiles (ladder/rooms.py passes no other) -> the
+    compiled runner the worker uses."""
     wrap = None
     if config.graphs_captured(runner.device.type):
         from .cuda_graphs import capture_wrapper

@@ -43,8 +43,8 @@ from .attention_op import CONTEXT
 class CapturedPiece:
     """One compiled piece, captured per padded size (see the module docstring)."""
 
-    def __init__(self, fn, name: str, sizes: list[int], pool, fixed: set[int]):
-        self.fn, self.name, self.sizes, self.pool = fn, name, set(sizes), pool
+    def __init__(self, fn, sizes: list[int], pool, fixed: set[int]):
+        self.fn, self.sizes, self.pool = fn, set(sizes), pool
         self.fixed = fixed  # data pointers of the model's weights and buffers: read in place
         self.warmed: set[int] = set()  # sizes run once
         self.graphs: dict[int, tuple] = {}  # size -> (graph, moving arg indices, static args, static outputs)
@@ -79,12 +79,12 @@ class CapturedPiece:
 
 
 def capture_wrapper(sizes: list[int], model: torch.nn.Module):
-    """-> (compiled piece, name) -> the piece captured per size in `sizes` (one memory pool for all)."""
+    """-> (compiled piece -> the piece captured per size in `sizes`), one memory pool for all."""
     pool = torch.cuda.graph_pool_handle()
     fixed = {t.data_ptr() for t in [*model.parameters(), *model.buffers()]}
 
-    def wrap(fn, name: str):
-        return CapturedPiece(fn, name, sizes, pool, fixed)
+    def wrap(fn):
+        return CapturedPiece(fn, sizes, pool, fixed)
 
     return wrap
 

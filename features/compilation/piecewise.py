@@ -67,9 +67,9 @@ def split_graph(gm: torch.fx.GraphModule, split_at: list[str]) -> tuple[torch.fx
 class Piece(torch.nn.Module):
     """A compiled piece in the split graph's place (a submodule must be a Module)."""
 
-    def __init__(self, fn, name: str):
+    def __init__(self, fn):
         super().__init__()
-        self.fn, self.name = fn, name
+        self.fn = fn
 
     def forward(self, *args):
         return self.fn(*args)
@@ -102,7 +102,7 @@ class _CompilePieces(torch.fx.Interpreter):
         out = super().call_module(target, args, kwargs)  # on fake tensors: shapes only
         sub = getattr(self.module, target)
         if not any(is_split_point(n, self.split_at) for n in sub.graph.nodes):
-            setattr(self.module, target, Piece(self.compile_piece(sub, list(args)), target))
+            setattr(self.module, target, Piece(self.compile_piece(sub, list(args))))
         return out
 
 
@@ -112,7 +112,7 @@ class Backend:
     def __init__(self, compiler: str, split_at: list[str], wrap_piece=None, inductor_settings: dict | None = None):
         self.compiler, self.split_at = compiler, split_at
         self.inductor_settings = inductor_settings or {}  # torch._inductor.config while compiling
-        self.wrap_piece = wrap_piece  # (piece callable, name) -> callable: cuda_graphs.py's capture, on a GPU
+        self.wrap_piece = wrap_piece  # piece callable -> callable: cuda_graphs.py's capture, on a GPU
         self.wrapped: list = []  # the pieces it wrapped
         self.handed_out: list[Releasable] = []  # what it gave Dynamo, emptied by release()
         self.counters = Counters()
@@ -129,7 +129,7 @@ class Backend:
                 fn = compile_fx(gm, example_inputs)
         if self.wrap_piece is None or not wrap:
             return fn
-        self.wrapped.append(self.wrap_piece(fn, f"piece{self.counters.pieces}"))
+        self.wrapped.append(self.wrap_piece(fn))
         return self.wrapped[-1]
 
     def release_later(self, fn) -> Releasable:
