@@ -7,7 +7,7 @@ What it is: one level-3 engine per mode in this one process, each running `--ste
 at each batch size, in alternating rounds (a shared machine drifts: ratios from one process drift
 much less than absolutes), keeping each mode's best round and its median. The modes:
 
-    eager          the engine as it runs by default (the C++ CPU kernels for norms, RoPE, attention)
+    eager          compilation_config=0 (the C++ CPU kernels for norms, RoPE, attention; the default on a GPU)
     compiled       compilation_config={"inductor_compile_config": {"cpp_wrapper": False}}:
                    Inductor's kernels called from Python
     compiled-cpp   compilation_config=3, the default on a CPU: the calls in C++ too (cpp_wrapper)
@@ -31,7 +31,7 @@ import torch
 from ladder.models import default_model
 
 MODES = {
-    "eager": None,
+    "eager": 0,
     "compiled": {"level": 3, "inductor_compile_config": {"cpp_wrapper": False}},
     "compiled-cpp": 3,
 }

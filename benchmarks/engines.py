@@ -59,16 +59,18 @@ LABELS = {
         ]
     },
     **{
-        f"{m}:compiled": f"{lbl} (compiled)"
+        f"{m}:{variant}": f"{lbl} ({variant})"
         for m, lbl in [
             ("level1_paged", "L1"),
             ("level2_continuous", "L2"),
             ("level3_prefix", "L3"),
             ("level4_speculative", "L4"),
         ]
+        for variant in ("compiled", "eager")
     },
 }  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs;
-# `:compiled`: with compilation_config=3, torch.compile (docs/compiled_step.md)
+# `:compiled`: with compilation_config=3, torch.compile (docs/compiled_step.md; the default on a CPU, so
+# the same as the plain name there, and what a GPU run compares); `:eager`: with enforce_eager=True
 # Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
 # side by side (2026-12-02, Xeon, one thread: 1.48x / 1.40x / 1.37x / 1.34x level 3's tokens/s for
 # k = 2 / 3 / 4 / 5). On a CPU a verifying forward costs more per extra token than on a GPU (one
@@ -160,6 +162,8 @@ class LevelEngine:
             self.kwargs["batch_invariant"] = True
         if variant == "compiled":
             self.kwargs["compilation_config"] = 3
+        if variant == "eager":
+            self.kwargs["enforce_eager"] = True
         if module == "level4_speculative":  # a draft model when there is one with the same vocabulary, else n-grams
             spec = {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
             if variant == "ngram" or draft_model is None:

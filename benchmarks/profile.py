@@ -16,7 +16,14 @@ decode steps, each split into
 
 by wrapping those methods on the one engine object (an instance attribute each; the engine's
 code is untouched, and `torch` on a CPU is synchronous, so a wall clock around a call is its
-cost). One more, untimed, step counts the aten ops dispatched (`TorchDispatchMode`).
+cost). One more, untimed, step counts the aten ops called (`torch.profiler`'s aten events that
+no other aten op called: what Python, or compiled code, asked the dispatcher for).
+
+    python -m benchmarks.profile --compiled      # the engine's default on a CPU: the model compiled
+
+profiles the compiled step instead (compilation_config=3; without the flag the engine runs with
+enforce_eager=True): the compiled forward is one call, so `linears`, `attention` and `glue` are
+one part there, `model` (a stopwatch inside it would break the graph).
 
 Beside each batch it prints the honest ceiling at that batch: the time the model's matmuls
 take at that batch size on this machine (`roofline.matmul_flops_per_s`, weights hot in cache)
@@ -55,7 +62,7 @@ from level0_naive.ops import Ops
 from .roofline import Dims, kv_read_bandwidth, matmul_flops_per_s, step_floor
 from .workloads import NAMES, make_workload
 
-PARTS = ("schedule", "input", "linears", "attention", "glue", "sampling", "outputs", "between")
+PARTS = ("schedule", "input", "linears", "attention", "glue", "model", "sampling", "outputs", "between")
 
 
 class TimedOps(Ops):
@@ -93,7 +100,8 @@ def _timed(fn, clock: Counter, part: str):
 
 
 class CountOps(TorchDispatchMode):
-    """Counts every aten op dispatched while it is active."""
+    """Counts every aten op dispatched while it is active (a compiled model's step runs eager under
+    one: features/compilation/runner.py, so `aten_ops` below counts with the profiler instead)."""
 
     def __init__(self):
         super().__init__()
@@ -104,8 +112,19 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def instrument(engine, clock: Counter) -> None:
-    """Wrap the engine's parts so that each adds its seconds to `clock` (see the module docstring)."""
+def aten_ops(step) -> int:
+    """The aten ops one call of `step` asks for: the profiler's aten events not inside another."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    aten = [e for e in prof.events() if e.name.startswith("aten::")]
+    return sum(1 for e in aten if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
+
+
+def instrument(engine, clock: Counter, inside: bool = True) -> None:
+    """Wrap the engine's parts so that each adds its seconds to `clock` (see the module docstring);
+    `inside=False` leaves the forward pass whole (a compiled one)."""
     engine.schedule = _timed(engine.schedule, clock, "schedule")
     engine.prepare_input = _timed(engine.prepare_input, clock, "input")
     engine.sample = _timed(engine.sample, clock, "sampling")
@@ -114,6 +133,8 @@ def instrument(engine, clock: Counter) -> None:
     engine.outputs.make = _timed(engine.outputs.make, clock, "outputs")
     worker = engine.worker
     worker.execute = _timed(worker.execute, clock, "forward")
+    if not inside:
+        return
     impl = worker.impl
     worker.impl = type(impl)(_timed(impl.write_kv, clock, "attention"), _timed(impl.attend, clock, "attention"))
     model = worker.model
@@ -124,6 +145,7 @@ def profile_batch(args, module, batch: int) -> dict:
     """One engine at one batch size: per-part milliseconds per decode step, and the ops count."""
     max_tokens = args.steps + 8
     kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=-1, seed=0)
+    kw.update(compilation_config=3) if args.compiled else kw.update(enforce_eager=True)
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
     if args.batch_invariant:
@@ -146,11 +168,9 @@ def profile_batch(args, module, batch: int) -> dict:
     while any(r.num_computed_tokens < len(r.prompt_token_ids) for g in engine.requests.values() for r in g):
         engine.step()  # every prompt prefilled: from here on, every step is a decode step
     engine.step()  # and one more, so first-call costs are behind us
-    counter = CountOps()
-    with counter:
-        engine.step()
+    ops = aten_ops(engine.step)
     clock: Counter = Counter()
-    instrument(engine, clock)
+    instrument(engine, clock, inside=not args.compiled)
     contexts = []
     t0 = time.perf_counter()
     for _ in range(args.steps):
@@ -161,11 +181,12 @@ def profile_batch(args, module, batch: int) -> dict:
         part: 1e3 * clock[part] / args.steps
         for part in ("schedule", "input", "linears", "attention", "sampling", "outputs")
     }
-    ms["glue"] = 1e3 * (clock["forward"] - clock["linears"] - clock["attention"]) / args.steps
+    forward = 1e3 * (clock["forward"] - clock["linears"] - clock["attention"]) / args.steps
+    ms["model"], ms["glue"] = (forward, 0.0) if args.compiled else (0.0, forward)
     ms["between"] = 1e3 * wall / args.steps - sum(ms.values())
     step_ms = 1e3 * wall / args.steps
     return {"batch": batch, "step_ms": step_ms, "tok_per_s": batch / (step_ms / 1e3), "ms": ms,
-            "aten_ops_per_step": counter.count, "mean_context": statistics.mean(contexts),
+            "aten_ops_per_step": ops, "mean_context": statistics.mean(contexts),
             "bytes_per_token": engine.bytes_per_token}  # fmt: skip
 
 
@@ -187,7 +208,7 @@ def show(rows: list[dict], title: str) -> None:
     for col in ("batch", "step ms", *PARTS, "aten ops", "tok/s", "ceiling tok/s", "of ceiling"):
         table.add_column(col, justify="right")
     for r in rows:
-        parts = [f"{r['ms'][p]:.2f}" for p in PARTS]
+        parts = [f"{r['ms'].get(p, 0.0):.2f}" for p in PARTS]
         table.add_row(str(r["batch"]), f"{r['step_ms']:.2f}", *parts, str(r["aten_ops_per_step"]), f"{r['tok_per_s']:.0f}",
                       f"{r['ceiling_tok_per_s']:.0f}", f"{100 * r['of_ceiling']:.0f} %")  # fmt: skip
     console = Console(width=max(Console().width, 150))  # the table is wide; a pipe or CI log gets it whole
@@ -207,7 +228,7 @@ def plot(rows: list[dict], title: str, path: Path) -> None:
     labels = [str(r["batch"]) for r in rows]
     bottom = [0.0] * len(rows)
     for part in PARTS:
-        per_token = [1e3 * r["ms"][part] / r["batch"] for r in rows]  # microseconds per token
+        per_token = [1e3 * r["ms"].get(part, 0.0) / r["batch"] for r in rows]  # µs per token (a JSON from before "model": none)
         ax.bar(labels, per_token, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, per_token)]
     floor = [1e3 * (r["matmul_ms"] + r["kv_ms"]) / r["batch"] for r in rows]
@@ -236,6 +257,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--attention-backend", default=None, help="auto (default), cpu, torch, ref")
     p.add_argument("--batch-invariant", action="store_true", help="the engine with batch_invariant=True")
+    p.add_argument("--compiled", action="store_true", help="the model compiled (compilation_config=3; default: eager)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
                    help="draw the stacked bars (to PATH, default profile_LEVEL.png outside the repository)")  # fmt: skip
@@ -258,7 +280,7 @@ def main(argv=None) -> dict:
     from features.cpu_kernels import attention as cpu_attention
 
     backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")
-    title = (f"{args.level}, {args.workload} prompts, {args.dtype}, attention {backend}, "
+    title = (f"{args.level}{' compiled' if args.compiled else ''}, {args.workload} prompts, {args.dtype}, attention {backend}, "
              f"{args.threads} thread(s); KV read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     show(rows, title)
     data = {"title": title, "level": args.level, "workload": args.workload, "bandwidth": bandwidth, "rows": rows}

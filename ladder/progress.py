@@ -69,3 +69,9 @@ class StatusBar:
 
     def advance(self) -> None:
         self.bar.update(self.task, advance=1)
+
+    def report(self, line: str) -> None:
+        """After the bar: one line saying what the step did, on the terminal the bar was drawn on (a
+        log line at INFO says it too, for a process whose logging is configured)."""
+        if not self.bar.disable:
+            self.bar.console.print(line, highlight=False)

@@ -24,12 +24,13 @@ Reference: Kwon et al., SOSP 2023, sections 4.2 (block table) and 4.5 (recomputa
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ladder import rooms
-from level0_naive.config import PARTS, CacheConfig, Part
+from level0_naive.config import PARTS, CacheConfig, Part, resolve_device
 from level0_naive.engine import NaiveEngine
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.model_runner import Chunk
@@ -53,22 +54,42 @@ class PagedCacheConfig(CacheConfig):
 
 @dataclass
 class CompilationSettings(Part):
-    """`compilation_config=`: None or 0 (eager), 3 or a dict of vLLM's fields (torch.compile: the room
-    features/compilation); `enforce_eager=True`: eager whatever it says. `config` is the checked one."""
+    """`compilation_config=`: None (the platform's default, below), 0 (eager), 3 or a dict of vLLM's
+    fields (torch.compile: the room features/compilation); `enforce_eager=True`: eager whatever it says.
+    `config` is the checked one (None: eager); `asked` says whether the caller chose it.
+
+    The default (compilation_config=None) is level 3 on a CPU, where the compiled step is faster at
+    every batch size measured (docs/compiled_step.md), and eager on a GPU (its CUDA-graph path has
+    not run on one yet), with batch_invariant=True, and at tensor x pipeline parallel size > 1, the
+    three places compilation is not built. LADDER_COMPILE_LEVEL=0 makes the default eager (vLLM had
+    VLLM_TORCH_COMPILE_LEVEL): what the test suite sets, where a compile per engine would cost minutes."""
 
     compilation_config: object = None
     enforce_eager: bool = False
 
     def __post_init__(self):
-        self.config = rooms.compilation_config(self.compilation_config, self.enforce_eager)  # None: eager
+        self.asked = self.compilation_config is not None
+        value = self.compilation_config if self.asked else int(os.environ.get("LADDER_COMPILE_LEVEL", "3"))
+        self.config = rooms.compilation_config(value, self.enforce_eager)  # None: eager
+        if self.config is not None:
+            self.config.by_default = not self.asked  # the room leaves an MoE model eager then (its docstring)
 
 
-def compilation_for(config) -> object:
-    """The engine's checked compilation config (None: eager), refused where it is not built."""
-    compilation = config.compilation.config
-    if compilation is not None and config.model.batch_invariant:
+def compilation_for(config, parallel: bool = False) -> object:
+    """The engine's checked compilation config (None: eager): the default only where it is built
+    (see CompilationSettings), one that was asked for refused with a one-line error where it is not."""
+    part, compilation = config.compilation, config.compilation.config
+    if compilation is None:
+        return None
+    if not part.asked:  # the default: compiled on a CPU, alone, outside the batch-invariant mode
+        cpu = resolve_device(config.model.device).type == "cpu"
+        return compilation if cpu and not config.model.batch_invariant and not parallel else None
+    if config.model.batch_invariant:
         raise ValueError("compilation_config with batch_invariant=True is not built (Inductor's kernels are "
                          "not fixed-order): use enforce_eager=True")  # fmt: skip
+    if parallel:
+        raise ValueError("compilation_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
+                         "(each rank's collectives would break the graph): use enforce_eager=True")  # fmt: skip
     return compilation
 
 

@@ -41,6 +41,7 @@ from collections import deque
 from ladder.metrics import Counter, Metric
 from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.stats import Timer
+from level1_paged.engine import compilation_for
 from level1_paged.executor import Executor
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level4_speculative.engine import LLM as SpeculativeLLM
@@ -114,9 +115,7 @@ class ParallelEngine(SpeculativeEngine):
         blocks any rank holds (`executor.num_blocks`)."""
         if not self.parallel:
             return super().make_worker()
-        if self.config.compilation.config is not None:
-            raise ValueError("compilation_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
-                             "(each rank's collectives would break the graph): use enforce_eager=True")  # fmt: skip
+        compilation_for(self.config, parallel=True)  # refuses one that was asked for; the default is eager here
         spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
                                         device_type=self.device.type,
                                         extra_bytes_rank0=self.draft_kv_bytes_per_token())  # fmt: skip

@@ -119,7 +119,7 @@ def parser() -> argparse.ArgumentParser:
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
     a("--compilation-config", "-O", type=level_or_json_object, default=None,
       help="torch.compile the model: 3, or as JSON, e.g. '{\"level\": 3, \"backend\": \"inductor\"}' "
-           "(default: eager; docs/compiled_step.md)")  # fmt: skip
+           "(default: 3 on a CPU, where it is built; eager on a GPU; docs/compiled_step.md)")  # fmt: skip
     a("--enforce-eager", action="store_true", help="never compile the model, whatever --compilation-config says")
     a("--tensor-parallel-size", type=positive_int, default=1, help="ranks that split each layer (default 1)")
     a("--pipeline-parallel-size", type=positive_int, default=1, help="ranks that split the layers (default 1)")

@@ -28,6 +28,11 @@ if not torch.cuda.is_available():
     # it must be set before any of that happens.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# A CPU engine compiles its model by default (features/compilation: 3-40 s an engine); the suite builds
+# hundreds, so its default is eager, and tests/test_compilation.py asks for compilation where it tests it.
+# Set here, before any engine, so the demos' and servers' subprocesses inherit it too.
+os.environ.setdefault("LADDER_COMPILE_LEVEL", "0")
+
 from hypothesis import HealthCheck, settings  # noqa: E402
 
 from ladder.models import train_tiny_module  # noqa: E402

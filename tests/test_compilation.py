@@ -69,6 +69,42 @@ def test_an_engine_refuses_what_is_not_built_in_one_line(llama_dir):
     assert type(runner_of(eager)).__name__ == "ModelRunner"  # enforce_eager: nothing compiled
 
 
+def test_the_default_compiles_on_a_cpu_only_where_compilation_is_built(monkeypatch):
+    from types import SimpleNamespace
+
+    import level1_paged.engine as paged
+    from level1_paged.engine import CompilationSettings, compilation_for
+
+    def config(device="cpu", batch_invariant=False, **settings):
+        return SimpleNamespace(compilation=CompilationSettings(**settings),
+                               model=SimpleNamespace(device=device, batch_invariant=batch_invariant))  # fmt: skip
+
+    monkeypatch.delenv("LADDER_COMPILE_LEVEL")  # the suite's own default (conftest.py) off: a user's
+    assert compilation_for(config()).compiled and compilation_for(config(device="auto")).compiled
+    # where it is not built, the default is eager and says nothing; asked for, it is refused in one line
+    assert compilation_for(config(batch_invariant=True)) is None
+    assert compilation_for(config(), parallel=True) is None
+    with pytest.raises(ValueError, match="batch_invariant=True is not built"):
+        compilation_for(config(batch_invariant=True, compilation_config=3))
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not built"):
+        compilation_for(config(compilation_config={"backend": "eager"}), parallel=True)
+    assert compilation_for(config(enforce_eager=True)) is None and compilation_for(config(compilation_config=0)) is None
+    monkeypatch.setattr(paged, "resolve_device", lambda device: torch.device("cuda"))
+    assert compilation_for(config(device="cuda")) is None  # a GPU: eager until its CUDA-graph path has run on one
+    assert compilation_for(config(device="cuda", compilation_config=3)).compiled  # asked for: compiled
+    monkeypatch.setenv("LADDER_COMPILE_LEVEL", "0")  # the switch the suite and the labs set
+    monkeypatch.setattr(paged, "resolve_device", lambda device: torch.device("cpu"))
+    assert compilation_for(config()) is None
+
+
+@pytest.mark.level3
+def test_by_default_an_moe_model_runs_eager_without_a_word(checkpoint_factory, monkeypatch, caplog):
+    monkeypatch.delenv("LADDER_COMPILE_LEVEL")  # a user's default: compiled on this CPU
+    moe = level3_prefix.LLM(checkpoint_factory("mixtral"), dtype="float32")
+    assert type(runner_of(moe)).__name__ == "ModelRunner"  # its routing's data-dependent sizes: not traced
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.level5
 def test_level5_refuses_compiling_over_ranks_before_starting_any(llama_dir):
     import level5_multigpu

@@ -15,8 +15,12 @@ What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in small 
 The worker (level1_paged/worker.py) asks `ladder/rooms.py` for a runner; a level never imports
 this room. The lesson is docs/compiled_step.md.
 
-What it is not: a faster attention (the engine's own kernel is the op), or on by default yet
-(measured: docs/compiled_step.md).
+On by default on a CPU (level1_paged/engine.py's CompilationSettings says where not), except for a
+mixture-of-experts model: its routing sizes each expert's batch from the data, which Dynamo cannot
+trace (vLLM makes the fused MoE a custom op, as attention here: not built), so by default it runs
+eager without a word, and asked for, it tries and falls back in one log line.
+
+What it is not: a faster attention (the engine's own kernel is the op). Measured: docs/compiled_step.md.
 
 Reference: vLLM `vllm/compilation/` and `vllm/config/compilation.py`.
 """
@@ -27,7 +31,9 @@ from .runner import CompiledRunner
 
 def compiled_runner(runner, config: CompilationConfig):
     """Level 0's `ModelRunner` and a config that compiles (ladder/rooms.py passes no other) -> the
-    compiled runner the worker uses."""
+    compiled runner the worker uses (level 0's runner itself for an MoE model by default: see above)."""
+    if getattr(config, "by_default", False) and any(hasattr(m, "experts") for m in runner.model.modules()):
+        return runner
     wrap = None
     if config.graphs_captured(runner.device.type):
         from .cuda_graphs import capture_wrapper

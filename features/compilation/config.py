@@ -3,7 +3,9 @@
 What it is: `CompilationConfig`, vLLM's names where they exist, and `parse`, which turns the
 setting's forms into one (a `ValueError` naming the field on a bad one):
 
-    compilation_config=None or 0       eager: the model runs as written (today's default; see below)
+    compilation_config=None            the engine's default: 3 on a CPU, 0 on a GPU, with batch_invariant=True
+                                       and over ranks (level1_paged/engine.py's CompilationSettings says why)
+    compilation_config=0               eager: the model runs as written
     compilation_config=3               torch.compile, vLLM's "piecewise" level, every default below
     compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4, 8], ...}
     enforce_eager=True                 eager whatever compilation_config says (vLLM's switch)

@@ -157,7 +157,8 @@ class CompiledRunner:
         start = time.perf_counter()
         sizes = sorted({1, 2, *self.capture_sizes}, reverse=True)  # largest first, as vLLM captures
         try:
-            with StatusBar("compiling the model (torch.compile)", total=len(sizes)) as bar:
+            bar = StatusBar("compiling the model (torch.compile)", total=len(sizes))
+            with bar:
                 for tp in sizes:
                     ids = torch.zeros(tp, dtype=torch.long, device=self.device)
                     pos = torch.arange(tp, dtype=torch.long, device=self.device)
@@ -171,9 +172,12 @@ class CompiledRunner:
         elapsed = time.perf_counter() - start
         c = self.backend.counters
         root, size = inductor_cache() if self.config.backend == "inductor" else (Path("-"), 0)
-        log.info("compiled the model (%s, %s): %d graph(s), %d piece(s), %.1f s; Inductor's cache %s holds %.1f MB",
-                 self.config.backend, f"split at {c.splits} attention calls" if c.splits else "one piece",
-                 c.graphs, c.pieces, elapsed, root, size / 1e6)  # fmt: skip
+        line = (f"compiled the model ({self.config.backend}, "
+                f"{f'split at {c.splits} attention calls' if c.splits else 'one piece'}): {c.graphs} graph(s), "
+                f"{c.pieces} piece(s), {elapsed:.1f} s; Inductor's cache {root} holds {size / 1e6:.1f} MB "
+                "(enforce_eager=True runs eager)")  # fmt: skip
+        log.info(line)
+        bar.report(line)
         return elapsed
 
 
