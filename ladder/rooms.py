@@ -16,6 +16,8 @@ since any request may carry a spec; the others only where a setting or a checkpo
     a checkpoint with experts (Mixtral, Qwen-MoE) features.moe                 the model's MLP, the loader,
                                                                                level 5's sharded layers
     compilation_config=3 (or a dict)             features.compilation          the worker's model runner (level 1)
+    kv_transfer_config={...}                     features.kv_connectors        level 3's block pool and KV cache
+                                                                               manager, level 1's worker
 
 A level imports this file and never a room; a room imports the level files whose seams it
 plugs into and never this file; this file imports no level and no room (only their names,
@@ -40,6 +42,7 @@ ROOMS = {
     "structured_outputs": "features.structured_outputs",
     "moe": "features.moe",
     "compilation": "features.compilation",
+    "kv_connectors": "features.kv_connectors",
 }
 # Names a room lends a level's public API (`from level3_prefix import StructuredOutputsParams`).
 EXPORTS = {"StructuredOutputsParams": "structured_outputs"}
@@ -103,7 +106,8 @@ def architecture(model_type: str) -> ModuleType | None:
 
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
-           "logits_processors", "structured_outputs_backends", "request_preparer", "architecture"]  # fmt: skip
+           "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
+           "kv_connector"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -113,6 +117,11 @@ def compilation_config(value, enforce_eager: bool):
         return None
     config = load("compilation").parse(value, enforce_eager)
     return config if config.compiled else None
+
+
+def kv_connector(value, block_size: int, hash_fn):
+    """`kv_transfer_config=` -> the room's connector (both sides of vLLM's seam), or None without one."""
+    return None if value is None else load("kv_connectors").make_connector(value, block_size, hash_fn)
 
 
 def model_runner(runner, compilation):

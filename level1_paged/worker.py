@@ -49,12 +49,22 @@ class Worker:
         self.scale = cfg.head_dim**-0.5
         self._uncollected: list[torch.Tensor] = []  # logits of submits not yet collected, oldest first
         self._num_submitted = 0
+        # a KV connector's worker side (features/kv_connectors), set by the level that made one: it
+        # moves KV between this cache and what lies outside it, before the forward and after
+        self.kv_connector = None
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """One forward: write this step's K/V into the cache, attend -> logits [S, V]."""
         mi = model_input.to(self.device)
-        return self.runner.forward(mi, mi.attention_backend(self.cache, self.impl, self.scale))
+        connector = self.kv_connector
+        if connector is not None:
+            connector.start_load_kv(self.cache)  # the step's loads are in before anything reads them
+        logits = self.runner.forward(mi, mi.attention_backend(self.cache, self.impl, self.scale))
+        if connector is not None:
+            connector.wait_for_save()
+            connector.clear_connector_metadata()
+        return logits
 
     # --- the Executor Protocol (level1_paged/executor.py): one process, nothing runs behind your back ---
     @property

@@ -95,6 +95,7 @@ class BlockPool:
         self.hash_fn = hash_fn
         self.evictions = 0
         self.num_stored = 0  # tokens in blocks with ref_cnt > 0, each block counted once
+        self.on_evict = None  # called with a named block about to be reused (a KV connector saves it)
 
     @property
     def num_free(self) -> int:
@@ -130,6 +131,8 @@ class BlockPool:
     def _evict(self, b: KVBlock) -> None:
         """Its content is about to be overwritten: forget its name (lazy eviction)."""
         if b.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(b)  # its content is still there: the step that reuses it has not run
             if self.cached.get(b.block_hash) is b:
                 del self.cached[b.block_hash]
             b.block_hash = b.parent_hash = b.tokens = None

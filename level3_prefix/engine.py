@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ladder import rooms
 from ladder.metrics import Counter, Metric
 from level1_paged.engine import PagedCacheConfig
 from level1_paged.model_input import ModelInput
@@ -31,7 +32,7 @@ from level2_continuous.engine import ContinuousEngine
 from level2_continuous.scheduler import SchedulerOutput
 
 from .beam_search import BeamSearchOutput, BeamSearchParams, beam_search
-from .block_hash import PrefixRequest
+from .block_hash import PrefixRequest, hash_block
 from .copy_on_write import CopyOnWriteInput
 from .kv_cache_manager import PrefixCachingKVCacheManager
 from .scheduler import ForkingScheduler
@@ -40,6 +41,8 @@ from .scheduler import ForkingScheduler
 @dataclass
 class PrefixCacheConfig(PagedCacheConfig):
     enable_prefix_caching: bool = True
+    # a KV connector (vLLM's names: {"kv_connector": "OffloadingConnector", ...}; features/kv_connectors)
+    kv_transfer_config: object = None
 
 
 class PrefixCachingEngine(ContinuousEngine):
@@ -48,10 +51,25 @@ class PrefixCachingEngine(ContinuousEngine):
     scheduler_class = ForkingScheduler
 
     fork_samples = True  # n > 1: samples fork after the prompt (level 4 with a draft model: off)
+    connector = None  # a KV connector (make_connector), or None
 
     def make_kv_manager(self) -> PrefixCachingKVCacheManager:
         c = self.config.cache
-        return PrefixCachingKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
+        return PrefixCachingKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching,
+                                           connector=self.make_connector())  # fmt: skip
+
+    def make_connector(self):
+        """The KV connector `kv_transfer_config` names (ladder/rooms.py), both its sides wired: the
+        worker's cache registered with it, the worker told to run its moves. None without one."""
+        c = self.config.cache
+        self.connector = rooms.kv_connector(c.kv_transfer_config, c.block_size, hash_block)
+        if self.connector is not None:
+            if not c.enable_prefix_caching:
+                raise ValueError("kv_transfer_config needs enable_prefix_caching=True (the connector finds blocks "
+                                 "by their prefix-cache names)")  # fmt: skip
+            self.connector.register_kv_caches(self.worker.cache)
+            self.worker.kv_connector = self.connector
+        return self.connector
 
     def make_scheduler(self) -> ForkingScheduler:
         scheduler = super().make_scheduler()
@@ -59,7 +77,11 @@ class PrefixCachingEngine(ContinuousEngine):
         return scheduler
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
-        """Level 2's input, plus the copies a forked sequence's first write needs (copy-on-write)."""
+        """Level 2's input, plus the copies a forked sequence's first write needs (copy-on-write), and
+        the connector's moves for this step handed to the worker's side of it (one process: directly;
+        vLLM ships them to each worker inside the SchedulerOutput)."""
+        if self.connector is not None:
+            self.connector.bind_connector_metadata(self.connector.build_connector_meta(sched))
         return CopyOnWriteInput.with_copies(super().prepare_input(sched), self.kv.take_block_copies())
 
     def reset_prefix_cache(self) -> None:
@@ -70,11 +92,15 @@ class PrefixCachingEngine(ContinuousEngine):
         """prefix_cache_queries / prefix_cache_hits (tokens), hit rate, cached blocks, evictions."""
         return self.kv.stats()
 
+    def kv_connector_stats(self) -> dict:
+        """The connector's counters (tiers' blocks, hits, bytes moved, seconds); {} without one."""
+        return self.connector.stats() if self.connector is not None else {}
+
     def get_metrics(self) -> list[Metric]:
         return super().get_metrics() + [
             Counter("vllm:prefix_cache_queries", value=self.kv.queries),
             Counter("vllm:prefix_cache_hits", value=self.kv.hits),
-        ]
+        ] + (self.connector.metrics() if self.connector is not None else [])
 
 
 class LLM(ContinuousLLM):

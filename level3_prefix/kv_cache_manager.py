@@ -32,10 +32,17 @@ from .prefix_cache import PrefixCache
 
 
 class PrefixCachingKVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn=hash_block):
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True, hash_fn=hash_block,
+                 connector=None):  # fmt: skip
+        """`connector`: a KV connector (features/kv_connectors, through ladder/rooms.py) that keeps
+        what the pool evicts and hands back a prefix the pool has lost, or None."""
         self.block_size, self.num_blocks = block_size, num_blocks
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, hash_fn)
+        self.connector = connector
+        self.external: dict[int, int] = {}  # seq_id -> tokens its admission's lookup found in the connector
+        if connector is not None:
+            self.pool.on_evict = connector.block_evicted
         self.prefix = PrefixCache(self.pool, block_size, enable_caching)
         self.cow = CopyOnWrite(self.pool, block_size)
         self.req_blocks: dict[int, list[KVBlock]] = {}  # seq_id -> its blocks, logical order
@@ -48,7 +55,13 @@ class PrefixCachingKVCacheManager:
         if forked is not None:
             return forked
         hit = self.prefix.lookup(req)
-        return hit, len(hit) * self.block_size
+        num_hit = len(hit) * self.block_size
+        if self.connector is None or not self.enable_caching:
+            return hit, num_hit
+        # past the pool's hit, the connector's: its tokens count as computed, their blocks are fresh
+        # ones allocate_slots takes from the pool, and the worker loads them before the step
+        self.external[req.seq_id] = self.connector.get_num_new_matched_tokens(req, num_hit)
+        return hit, num_hit + self.external[req.seq_id]
 
     def allocate_slots(self, req, num_new_tokens: int, computed_blocks: list | None = None,
                        keep_free: int = 0) -> bool:  # fmt: skip
@@ -87,6 +100,12 @@ class PrefixCachingKVCacheManager:
             self.cow.copy_block(blocks, i, self.num_filled.get(req.seq_id, 0))
             self.num_named[req.seq_id] = min(self.num_named.get(req.seq_id, 0), i)  # the copy has no name
         blocks.extend(self.pool.allocate(need))
+        external = self.external.pop(req.seq_id, 0) if computed_blocks is not None else 0
+        if external:  # the blocks after the pool's hit receive the connector's tokens: full ones
+            loaded = blocks[len(computed): len(computed) + external // self.block_size]
+            self.connector.update_state_after_alloc(req, loaded, external)
+            for b in loaded:
+                self.pool.fill(b, self.block_size)
         return True
 
     def cache_blocks(self, req, num_tokens: int | None = None) -> None:
@@ -108,6 +127,9 @@ class PrefixCachingKVCacheManager:
         self.num_filled[req.seq_id] = now
 
     def free(self, req) -> None:
+        if self.connector is not None:
+            self.external.pop(req.seq_id, None)
+            self.connector.request_finished(req, self.block_table(req) if req.seq_id in self.req_blocks else [])
         self.cow.forget(req)
         self.pool.free(list(reversed(self.req_blocks.pop(req.seq_id, []))))
         self.num_named.pop(req.seq_id, None)
@@ -161,6 +183,8 @@ class PrefixCachingKVCacheManager:
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset()
+        if self.connector is not None:
+            self.connector.reset()
 
     def stats(self) -> dict:
         return self.prefix.stats()

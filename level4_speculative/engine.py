@@ -183,6 +183,9 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.draft is None:
             return super().make_kv_manager()
         c = self.config.cache
+        if c.kv_transfer_config is not None:
+            raise ValueError("kv_transfer_config with a draft model is not built (the connector would have to "
+                             "move the draft's cache too): use method='ngram' or no speculation")  # fmt: skip
         return DraftAwareKVCacheManager(self.num_blocks, c.block_size, c.enable_prefix_caching)
 
     # --- the step ------------------------------------------------------------------------------

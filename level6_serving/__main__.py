@@ -117,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
       help="turn automatic prefix caching off (on by default)")  # fmt: skip
     a("--speculative-config", type=json_object, default=None,
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
+    a("--kv-transfer-config", type=json_object, default=None,
+      help='a KV connector, as JSON, e.g. \'{"kv_connector": "OffloadingConnector", '
+           '"kv_connector_extra_config": {"cpu_bytes_to_use": 268435456}}\' (docs/kv_connectors.md)')  # fmt: skip
     a("--compilation-config", "-O", type=level_or_json_object, default=None,
       help="torch.compile the model: 3, or as JSON, e.g. '{\"level\": 3, \"backend\": \"inductor\"}' "
            "(default: 3 on a CPU, where it is built; eager on a GPU; docs/compiled_step.md)")  # fmt: skip
@@ -181,6 +184,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                 check_device_and_models(p, argparse.Namespace(device=args.device, model=spec.model))
         except ValueError as e:
             p.error(f"argument --speculative-config: {e}")
+    if args.kv_transfer_config is not None:
+        from ladder import rooms
+
+        try:
+            rooms.load("kv_connectors").parse(args.kv_transfer_config)
+        except ValueError as e:
+            p.error(f"argument --kv-transfer-config: {e}")
     if args.compilation_config is not None:
         from ladder import rooms
 
@@ -201,7 +211,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=args.speculative_config, seed=args.seed, revision=args.revision,
               download_dir=args.download_dir, compilation_config=args.compilation_config,
-              enforce_eager=args.enforce_eager)  # fmt: skip
+              enforce_eager=args.enforce_eager, kv_transfer_config=args.kv_transfer_config)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip

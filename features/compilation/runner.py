@@ -175,7 +175,7 @@ class CompiledRunner:
         line = (f"compiled the model ({self.config.backend}, "
                 f"{f'split at {c.splits} attention calls' if c.splits else 'one piece'}): {c.graphs} graph(s), "
                 f"{c.pieces} piece(s), {elapsed:.1f} s; Inductor's cache {root} holds {size / 1e6:.1f} MB "
-                "(enforce_eager=True runs eager)")  # fmt: skip
+                "(enforce_eager=True or --enforce-eager: eager)")  # fmt: skip
         log.info(line)
         bar.report(line)
         return elapsed

@@ -1,0 +1,35 @@
+"""Room: KV connectors. KV cache that lives outside an engine's device pool, moved in and out of it.
+
+What it is: what `kv_transfer_config=` asks for (vLLM's names), in small files:
+
+    config.py      `KVTransferConfig`: kv_connector, kv_role, kv_connector_extra_config, checked
+    base.py        `KVConnectorBase`: vLLM V1's seam, the scheduler's side and the worker's
+    tiers.py       the host tier and the disk tier: bounded, LRU, entries checked by name and content
+    offloading.py  `OffloadingConnector`: the device pool's victims saved to the tiers, and a prefix
+                   that misses the pool but hits a tier loaded back instead of computed
+
+The seams: level 3's block pool tells the connector which named block it is about to reuse, its
+KV cache manager asks it at admission how much of a prefix it holds and tells it which blocks
+receive it, its engine hands the step's moves to the worker, and level 1's worker makes them
+before the forward. A level never imports this room (ladder/rooms.py). The lesson is
+docs/kv_connectors.md.
+
+What it is not (yet): disaggregated prefill and decode (a producer and a consumer over TCP, the
+proxy), asynchronous loads (a request waiting for its KV while others run), or level 4 with a
+draft model and level 5 over ranks (both refuse a kv_transfer_config in one line).
+
+Reference: vLLM `vllm/distributed/kv_transfer/kv_connector/v1/` and `vllm/v1/kv_offload/`.
+"""
+
+from .base import KVConnectorBase
+from .config import KVTransferConfig, parse
+from .offloading import OffloadingConnector
+
+
+def make_connector(value, block_size: int, hash_fn) -> KVConnectorBase:
+    """`kv_transfer_config=` (a dict, JSON or KVTransferConfig) -> the connector it names."""
+    config = parse(value)
+    return OffloadingConnector(config, block_size, hash_fn)  # the only kv_connector parse accepts so far
+
+
+__all__ = ["KVConnectorBase", "KVTransferConfig", "OffloadingConnector", "make_connector", "parse"]
