@@ -67,7 +67,8 @@ README = HERE.parent / "README.md"
 PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its cache off
 
 
-VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative"} | {
+VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative",
+            "level3_prefix:offload": "level3_prefix"} | {
     f"{m}:{v}": m
     for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
     for v in ("invariant", "compiled", "eager")

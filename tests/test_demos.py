@@ -28,7 +28,7 @@ pytestmark = pytest.mark.docs
 DOCS = ["docs/level0_naive.md", "docs/level1_paged.md", "docs/level2_continuous.md", "docs/level1_kernel.md", "docs/engine_core.md", "docs/level3_prefix.md",
         "docs/level4_speculative.md", "docs/level5_multigpu.md", "docs/level6_serving.md", "docs/benchmarks.md",
         "docs/batch_invariance.md", "docs/structured_outputs.md", "docs/beam_search.md", "docs/what_if.md",
-        "docs/compiled_step.md"]  # fmt: skip
+        "docs/compiled_step.md", "docs/kv_connectors.md"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
