@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import VOCAB
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_equivalence import Staggered, WarmCache, workloads
 
@@ -136,6 +136,7 @@ class FakeRequest:
         return self.tokens[start : start + n]
 
 
+@settings(report_multiple_bugs=False)  # one failure, whole: an unwritten method's NotImplementedError (lab 3c)
 @given(ops=st.lists(st.tuples(st.sampled_from(["evict", "admit", "step"]), st.integers(0, 7), st.integers(0, 9)),
                     max_size=60), host=st.integers(1, 5), disk=st.sampled_from([None, 1, 3]))  # fmt: skip
 def test_the_tiers_never_pass_their_bounds_and_load_what_was_saved(ops, host, disk, tmp_path_factory):
@@ -154,8 +155,9 @@ def test_the_tiers_never_pass_their_bounds_and_load_what_was_saved(ops, host, di
     def value(h):
         return names[h][1]
 
-    cache = SimpleNamespace(k=[torch.zeros(10, bs, 1, 2, dtype=torch.float64) for _ in range(layers)],
-                            v=[torch.zeros(10, bs, 1, 2, dtype=torch.float64) for _ in range(layers)])  # fmt: skip
+    # blocks 0-9 are evicted from, 10-19 loaded into (so no eviction overwrites a block a load checks)
+    cache = SimpleNamespace(k=[torch.zeros(20, bs, 1, 2, dtype=torch.float64) for _ in range(layers)],
+                            v=[torch.zeros(20, bs, 1, 2, dtype=torch.float64) for _ in range(layers)])  # fmt: skip
     per_block = 2 * layers * bs * 2 * 8
     extra = {"cpu_bytes_to_use": host * per_block}
     if disk is not None:
@@ -163,7 +165,7 @@ def test_the_tiers_never_pass_their_bounds_and_load_what_was_saved(ops, host, di
     conn = OffloadingConnector(parse({"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra}),
                                bs, hash_block)  # fmt: skip
     conn.register_kv_caches(cache)
-    expect = {}  # block id -> the value a load put there (checked after the step)
+    expect = {}  # block id -> the value its admission wants there: its chain's block's, by position
 
     def check_bounds():
         assert len(conn.host) <= conn.host.capacity
@@ -176,43 +178,39 @@ def test_the_tiers_never_pass_their_bounds_and_load_what_was_saved(ops, host, di
         loads = list(conn._meta.loads)
         conn.start_load_kv(cache)
         conn.clear_connector_metadata()
-        for entry, b in loads:
-            assert cache.k[0][b].flatten()[0].item() == value(entry.block_hash)
+        for entry, b in loads:  # what was saved under the name, and the name the block's position wants
+            assert cache.k[layers - 1][b].flatten()[0].item() == value(entry.block_hash) == expect[b]
+            assert cache.v[layers - 1][b].flatten()[0].item() == -value(entry.block_hash)
 
     for op, a, b in ops:
-        if op == "evict":  # block b (0-9) held chain a's block (a % 4): write its content, then evict it
-            tokens = chains[a]
-            i = b % 4
-            h = None
-            for j in range(i + 1):
-                h = hash_block(h, tuple(tokens[j * bs : (j + 1) * bs]))
-            parent = None if i == 0 else hash_block_chain(tokens, i, bs)
-            for layer in range(layers):
-                cache.k[layer][b] = value(h)
-                cache.v[layer][b] = -value(h)
-            conn.block_evicted(SimpleNamespace(block_id=b, block_hash=h, parent_hash=parent,
-                                               tokens=tuple(tokens[i * bs : (i + 1) * bs])))  # fmt: skip
-            step()  # the save runs before anything overwrites block b
+        if op == "evict":  # blocks b, b + 1, ... (0-9) held chain a's first b % 4 + 1 blocks: evict them
+            tokens, h = chains[a], None
+            for i in range(b % 4 + 1):
+                parent, h = h, hash_block(h, tuple(tokens[i * bs : (i + 1) * bs]))
+                block_id = (b + i) % 10
+                for layer in range(layers):
+                    cache.k[layer][block_id] = value(h)
+                    cache.v[layer][block_id] = -value(h)
+                conn.block_evicted(SimpleNamespace(block_id=block_id, block_hash=h, parent_hash=parent,
+                                                   tokens=tuple(tokens[i * bs : (i + 1) * bs])))  # fmt: skip
+            step()  # the saves run before anything overwrites those blocks
         elif op == "admit":
             req = FakeRequest(a, chains[a] + [0])
             n = conn.get_num_new_matched_tokens(req, 0)
             assert n % bs == 0
-            blocks = [SimpleNamespace(block_id=(a + j) % 10) for j in range(n // bs)]
+            blocks = [SimpleNamespace(block_id=10 + (a + j) % 10) for j in range(n // bs)]
+            h = None
+            for j, block in enumerate(blocks):
+                h = hash_block(h, tuple(chains[a][j * bs : (j + 1) * bs]))
+                expect[block.block_id] = value(h)
             conn.update_state_after_alloc(req, blocks, n)
+            step()  # the admission's loads run in its own step, as in the engine
         else:
             step()
         check_bounds()
     step()
     assert all(e.pins == 0 for e in conn.host.entries.values())
     conn.close()
-
-
-def hash_block_chain(tokens, i, bs):
-    """The name of block i - 1 of `tokens` (block i's parent)."""
-    h = None
-    for j in range(i):
-        h = hash_block(h, tuple(tokens[j * bs : (j + 1) * bs]))
-    return h
 
 
 # --- settings -----------------------------------------------------------------------------------------

@@ -109,6 +109,9 @@ class OffloadingConnector(KVConnectorBase):
         return len(found) * bs
 
     def update_state_after_alloc(self, req, blocks: list, num_external_tokens: int) -> None:
+        """The admission stuck: `blocks` (fresh, in the request's order) receive the first
+        num_external_tokens // block_size entries of its last lookup, one each, as loads for the
+        next step (their pins now held for the load); the lookup's other entries are let go."""
         found = self.matched.pop(req.seq_id, [])
         use = num_external_tokens // self.block_size
         for entry, _ in found[use:]:
@@ -149,16 +152,21 @@ class OffloadingConnector(KVConnectorBase):
             entry.v = torch.stack([v[b] for v in cache.v]).to("cpu", copy=True)
             entry.pins -= 1
         t1 = time.perf_counter()
-        for entry, b in meta.loads:
-            for layer in range(self.num_layers):
-                cache.k[layer][b].copy_(entry.k[layer])
-                cache.v[layer][b].copy_(entry.v[layer])
-            entry.pins -= 1
+        self.load_blocks(cache, meta.loads)
         t2 = time.perf_counter()
         self.tally["bytes_saved"] += len(meta.saves) * self.block_bytes
         self.tally["bytes_loaded"] += len(meta.loads) * self.block_bytes
         self.tally["save_seconds"] += t1 - t0
         self.tally["load_seconds"] += t2 - t1
+
+    def load_blocks(self, cache, loads: list[tuple[TierEntry, int]]) -> None:
+        """Each (entry, block id): the entry's K and V of every layer into that block of the cache
+        (level 1's PagedKVCache: cache.k[layer] is [num_blocks, bs, Hkv, D]); its load's pin released."""
+        for entry, b in loads:
+            for layer in range(self.num_layers):  # entry.k[layer]: [bs, Hkv, D], one block of one layer
+                cache.k[layer][b].copy_(entry.k[layer])
+                cache.v[layer][b].copy_(entry.v[layer])
+            entry.pins -= 1
 
     # --- the tiers --------------------------------------------------------------------------------
     def _promote(self, block_hash: bytes, parent, tokens) -> TierEntry | None:
