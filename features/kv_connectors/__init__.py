@@ -7,6 +7,8 @@ What it is: what `kv_transfer_config=` asks for (vLLM's names), in small files:
     tiers.py       the host tier and the disk tier: bounded, LRU, entries checked by name and content
     offloading.py  `OffloadingConnector`: the device pool's victims saved to the tiers, and a prefix
                    that misses the pool but hits a tier loaded back instead of computed
+    demo.py        `python -m features.kv_connectors.demo`: a chat that outgrows the pool, with and
+                   without a host tier (lab 3c's experiment)
 
 The seams: level 3's block pool tells the connector which named block it is about to reuse, its
 KV cache manager asks it at admission how much of a prefix it holds and tells it which blocks
