@@ -246,6 +246,25 @@ def test_bad_settings_are_refused_in_one_line_naming_the_field(llama_dir, tmp_pa
 
 
 @pytest.mark.level6
+def test_the_tiers_metrics_are_served_per_tier_in_prometheus_text(checkpoint_factory, tmp_path):
+    from level6_serving.metrics import parse as parse_prometheus
+    from level6_serving.metrics import render
+
+    path, bs = checkpoint_factory("llama"), 4
+    per_block = block_bytes(path, bs)
+    rng = random.Random(2)
+    prompts = [[rng.randrange(VOCAB) for _ in range(20)] for _ in range(6)]
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=bs, kv_cache_memory=8 * per_block, max_num_seqs=1,
+                            kv_transfer_config=offloading(2, per_block, tmp_path, 1000))  # fmt: skip
+    greedy(llm, prompts), greedy(llm, prompts)
+    text = parse_prometheus(render(llm.get_metrics(), "tiny").decode())
+    stats = llm.llm_engine.kv_connector_stats()
+    assert text['ladder:kv_offload_hits_total{model_name="tiny",tier="disk"}'] == stats["hits_disk_tokens"] > 0
+    assert text['ladder:kv_offload_bytes_total{direction="load",model_name="tiny",tier="host"}'] == stats["bytes_loaded"]
+    assert text['ladder:kv_offload_blocks{model_name="tiny",tier="host"}'] == stats["host_blocks"] <= 2
+
+
+@pytest.mark.level6
 def test_the_server_takes_vllms_flag_and_refuses_a_bad_one(capsys):
     from level6_serving.__main__ import engine_kwargs, parse_args
 
