@@ -229,6 +229,7 @@ def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -
             chunks = [(b.token_slice(b.num_computed_tokens, b.num_tokens), b.num_computed_tokens) for b in beams]
             tables = [kv.block_table(b) for b in beams]
             mi = CopyOnWriteInput.with_copies(ModelInput.build(chunks, tables, bs, [1] * len(beams)), kv.take_block_copies())
+            engine.bind_connector()  # a KV connector's loads (a prefix from its tier) and saves, first
             logits = engine.worker.execute(mi)  # [B, V]
             for b in beams:
                 b.num_computed_tokens = b.num_tokens

@@ -80,9 +80,14 @@ class PrefixCachingEngine(ContinuousEngine):
         """Level 2's input, plus the copies a forked sequence's first write needs (copy-on-write), and
         the connector's moves for this step handed to the worker's side of it (one process: directly;
         vLLM ships them to each worker inside the SchedulerOutput)."""
+        self.bind_connector(sched)
+        return CopyOnWriteInput.with_copies(super().prepare_input(sched), self.kv.take_block_copies())
+
+    def bind_connector(self, sched: SchedulerOutput | None = None) -> None:
+        """Hand the connector's moves since the last step to its worker side, for the next forward
+        (every caller of `worker.execute` does this first: the steps here, and beam search's own)."""
         if self.connector is not None:
             self.connector.bind_connector_metadata(self.connector.build_connector_meta(sched))
-        return CopyOnWriteInput.with_copies(super().prepare_input(sched), self.kv.take_block_copies())
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached prefix (running requests keep their blocks)."""

@@ -53,6 +53,7 @@ class PrefixCachingKVCacheManager:
     def get_computed_blocks(self, req) -> tuple[list[KVBlock], int]:
         forked = self.cow.forked_prefix(req, self.req_blocks)  # a sample forked from its parent's prompt
         if forked is not None:
+            self.external.pop(req.seq_id, None)  # (nothing from a connector: the fork's blocks are its parent's)
             return forked
         hit = self.prefix.lookup(req)
         num_hit = len(hit) * self.block_size
@@ -88,6 +89,8 @@ class PrefixCachingKVCacheManager:
         if need + len(shared) > self.pool.num_free - idle_hits - keep_free:
             if not blocks:
                 del self.req_blocks[req.seq_id]
+            if computed_blocks is not None and self.external.pop(req.seq_id, 0):
+                self.connector.update_state_after_alloc(req, [], 0)  # nothing to load: its finds let go now
             return False
         self.pool.touch(computed)  # first, so no allocation below can evict a hit
         blocks.extend(computed)

@@ -120,6 +120,30 @@ def test_a_prefix_the_pool_evicted_comes_back_from_each_tier(level, checkpoint_f
             assert 0 < len(files) == stats["disk_blocks"] <= stats["disk_capacity_blocks"]
 
 
+def test_beam_search_loads_a_prefix_from_the_tier_too(checkpoint_factory, tmp_path):
+    """Beam search runs its own forwards (level3_prefix/beam_search.py): its admissions hit the tier
+    too, and the loads must run before its first forward, or the beams attend over stale blocks."""
+    from level3_prefix import BeamSearchParams
+
+    path, bs = checkpoint_factory("llama"), 4
+    per_block = block_bytes(path, bs)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(17)] for _ in range(6)]
+    params = BeamSearchParams(beam_width=2, max_tokens=4)
+
+    def run(**kw):
+        llm = level3_prefix.LLM(path, dtype="float64", block_size=bs, kv_cache_memory=16 * per_block,
+                                max_num_seqs=1, **kw)  # fmt: skip
+        greedy(llm, prompts)  # the pool keeps the last prompts; the first ones' blocks went to the tier
+        before = llm.llm_engine.kv_connector_stats().get("hits_host_tokens", 0)
+        beams = [[s.tokens for s in out.sequences] for out in llm.beam_search(prompts[:2], params)]
+        return beams, llm.llm_engine.kv_connector_stats().get("hits_host_tokens", 0) - before
+
+    plain, _ = run()
+    tiered, hits = run(kv_transfer_config=offloading(1000, per_block))
+    assert hits > 0 and tiered == plain
+
+
 # --- the tiers' bounds, pins and contents --------------------------------------------------------------
 
 

@@ -17,7 +17,8 @@ and `parse`, which turns a dict (or a JSON string, the server's flag) into one, 
         disk_path              a directory for a disk tier below the host tier (optional; the
                                engine writes its files in a folder of its own inside, removed
                                when the engine goes)
-        disk_bytes_to_use      the disk tier's bound in bytes (required with disk_path)
+        disk_bytes_to_use      the disk tier's bound in bytes (required with disk_path), kept as a
+                               number of blocks: each file adds about 1.5 KB of torch.save's framing
 
 What it is not: vLLM's whole `KVTransferConfig` (no `kv_ip`, `kv_port`, `kv_rank`: nothing here
 goes over a network yet), or the connector (offloading.py).

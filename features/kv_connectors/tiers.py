@@ -15,7 +15,7 @@ new one rather than grow past its bound. `DiskTier` writes one file per entry (`
 folder of its own and deletes its LRU file past its bound.
 
 What it is not: shared between engines or kept across restarts (the disk folder is this
-engine's, removed when it goes), or a transport (nothing here knows about requests or steps).
+engine's, removed when the tier is collected or the process exits: a killed process leaves it), or a transport (nothing here knows about requests or steps).
 
 Reference: vLLM `vllm/v1/kv_offload/` (its CPU tier's LRU manager and the tiering spec);
 LMCache's local CPU and disk backends.
