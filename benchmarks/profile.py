@@ -145,7 +145,10 @@ def profile_batch(args, module, batch: int) -> dict:
     """One engine at one batch size: per-part milliseconds per decode step, and the ops count."""
     max_tokens = args.steps + 8
     kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=-1, seed=0)
-    kw.update(compilation_config=3) if args.compiled else kw.update(enforce_eager=True)
+    if args.compiled:
+        kw["compilation_config"] = 3
+    else:
+        kw["enforce_eager"] = True  # the parts timed one by one need the model's ops called from Python
     if args.attention_backend:
         kw["attention_backend"] = args.attention_backend
     if args.batch_invariant:
