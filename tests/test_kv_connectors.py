@@ -18,7 +18,7 @@ import torch
 from conftest import VOCAB
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_equivalence import Staggered, WarmCache, workloads
+from test_equivalence import Staggered, WarmCache, kv_bytes, workloads
 
 import level3_prefix
 import level4_speculative
@@ -31,11 +31,7 @@ pytestmark = pytest.mark.level3
 
 def block_bytes(path, block_size: int) -> int:
     """Bytes of one block of every layer's K and V of the checkpoint, in float64."""
-    import json
-
-    c = json.loads((path / "config.json").read_text())
-    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
-    return 2 * c["num_hidden_layers"] * block_size * c["num_key_value_heads"] * head_dim * 8
+    return kv_bytes(path, block_size)
 
 
 def offloading(host_blocks: int, bytes_per_block: int, disk=None, disk_blocks: int = 0) -> dict:

@@ -27,6 +27,7 @@ import torch
 from benchmarks.workloads import make_workload
 from ladder.models import default_model
 from level0_naive import SamplingParams
+from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.loader import load_metadata
 from level1_paged.block_table import blocks_for
 from level3_prefix import LLM
@@ -60,11 +61,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     model = args.model or str(default_model())
-    vocab = load_metadata(model).config.vocab_size
-    workload = make_workload("chat", 16 if args.quick else 128, vocab, seed=0, quick=args.quick)
+    config = load_metadata(model).config
+    workload = make_workload("chat", 16 if args.quick else 128, config.vocab_size, seed=0, quick=args.quick)
     longest = max(len(r.prompt) + r.max_tokens for r in workload.first) * (2 if args.quick else 4)  # its last turn, about
-    probe = LLM(model, dtype="float32", max_model_len=-1, block_size=args.block_size, enforce_eager=True)
-    per_token = probe.llm_engine.bytes_per_token
+    per_token = kv_bytes_per_token(config, torch.float32)  # what the engines' float32 cache takes a token
     pool = args.kv_requests * blocks_for(longest, args.block_size) * args.block_size * per_token
     block_bytes = args.block_size * per_token
     host = (args.host_blocks or 100_000) * block_bytes

@@ -28,6 +28,7 @@ import tempfile
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -70,16 +71,13 @@ class HostTier:
     def put(self, entry: TierEntry) -> list[TierEntry] | None:
         """Add `entry` (most recently used): the entries it pushed out (LRU, unpinned, saved), or None
         if every entry is pinned and it does not fit (then it is not added)."""
-        victims = []
-        while len(self.entries) >= self.capacity:
-            victim = next((e for e in self.entries.values() if e.pins == 0 and e.k is not None), None)
-            if victim is None:
-                for e in victims:  # undo: the tier is as it was
-                    self.entries[e.block_hash] = e
-                    self.entries.move_to_end(e.block_hash, last=False)
-                return None
+        excess = len(self.entries) + 1 - self.capacity
+        evictable = (e for e in self.entries.values() if e.pins == 0 and e.k is not None)  # LRU first
+        victims = list(islice(evictable, max(excess, 0)))
+        if len(victims) < excess:
+            return None  # the tier stays as it was, its order too
+        for victim in victims:
             del self.entries[victim.block_hash]
-            victims.append(victim)
         self.entries[entry.block_hash] = entry
         return victims
 
