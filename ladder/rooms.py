@@ -119,9 +119,9 @@ def compilation_config(value, enforce_eager: bool):
     return config if config.compiled else None
 
 
-def kv_connector(value, block_size: int, hash_fn):
+def kv_connector(value, block_size: int, hash_fn, model: str = ""):
     """`kv_transfer_config=` -> the room's connector (both sides of vLLM's seam), or None without one."""
-    return None if value is None else load("kv_connectors").make_connector(value, block_size, hash_fn)
+    return None if value is None else load("kv_connectors").make_connector(value, block_size, hash_fn, model)
 
 
 def model_runner(runner, compilation):

@@ -54,6 +54,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's: anything a room or a plugin reads from the request (a KV connector's kv_transfer_params);
+    # the sampler never looks
+    extra_args: dict | None = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):

@@ -29,6 +29,7 @@ Reference: vLLM V1 `v1/engine/core.py` (EngineCore.step), `v1/engine/llm_engine.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -52,6 +53,8 @@ from .kv_cache_manager import KVCacheManager, SimpleKVCacheManager
 from .observers import StepObserver, notify
 from .request import Request
 from .scheduler import ModelRunnerOutput, Scheduler, SchedulerOutput
+
+WAIT_FOR_OUTSIDE_S = 0.001  # a step with nothing admissible but requests pending sleeps this long
 
 
 @dataclass
@@ -203,8 +206,10 @@ class ContinuousEngine(EngineBase):
             with Timer() as t_sched:
                 sched = self.schedule()
                 if not sched.scheduled:
-                    if self.scheduler.has_unfinished():  # admission guarantees a lone request fits
+                    if self.scheduler.running or self.scheduler.admissible():  # a lone request always fits
                         raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
+                    if self.scheduler.has_unfinished():  # each waits on something outside (its KV, arriving)
+                        time.sleep(WAIT_FOR_OUTSIDE_S)  # rather than spin
                     return []
                 model_input = self.prepare_input(sched)
             logits = self.take_prompt_logprobs(self.chunks(sched), self.worker.execute(model_input))

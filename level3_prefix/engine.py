@@ -21,6 +21,8 @@ Reference: vLLM V1 automatic prefix caching (`docs/design/prefix_caching.md`).
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 from ladder import rooms
@@ -62,7 +64,8 @@ class PrefixCachingEngine(ContinuousEngine):
         """The KV connector `kv_transfer_config` names (ladder/rooms.py), both its sides wired: the
         worker's cache registered with it, the worker told to run its moves. None without one."""
         c = self.config.cache
-        self.connector = rooms.kv_connector(c.kv_transfer_config, c.block_size, hash_block)
+        model = os.path.basename(os.path.normpath(self.config.model.model))  # what two engines trading KV compare
+        self.connector = rooms.kv_connector(c.kv_transfer_config, c.block_size, hash_block, model)
         if self.connector is not None:
             if not c.enable_prefix_caching:
                 raise ValueError("kv_transfer_config needs enable_prefix_caching=True (the connector finds blocks "

@@ -111,6 +111,10 @@ class PrefixCachingKVCacheManager:
                 self.pool.fill(b, self.block_size)
         return True
 
+    def waiting_for_kv(self, req) -> bool:
+        """The request's KV is on its way from elsewhere (a connector's fetch): not admissible yet."""
+        return self.connector is not None and self.connector.is_receiving(req)
+
     def cache_blocks(self, req, num_tokens: int | None = None) -> None:
         """After a step: record how full its blocks are and name those that became full (up to
         `num_tokens`, default `num_computed_tokens`; level 4 names fewer while its draft's cache lags)."""

@@ -58,8 +58,9 @@ class ForkingScheduler(Scheduler):
         return parent.status is not RequestStatus.RUNNING or parent.num_computed_tokens < req.num_tokens - 1
 
     def admissible(self) -> list[Request]:
-        """Level 2's waiting queue, less the samples that must wait (they keep their places in it)."""
-        return [r for r in self.waiting if not self._must_wait(r)]
+        """Level 2's waiting queue, less the samples that must wait and the requests whose KV a
+        connector is still receiving (vLLM's WAITING_FOR_REMOTE_KVS): they keep their places in it."""
+        return [r for r in self.waiting if not self._must_wait(r) and not self.kv.waiting_for_kv(r)]
 
     def finish(self, req: Request, reason: str | None = None) -> None:
         super().finish(req, reason)

@@ -49,6 +49,7 @@ codes); vLLM `entrypoints/openai/protocol.py`.
 from __future__ import annotations
 
 import re
+import uuid
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
@@ -276,6 +277,9 @@ class SamplingFields(Strict):
     # vLLM's beam search (beam_search.py): n is the beam width
     use_beam_search: bool | None = None
     length_penalty: Float | None = None  # a finished beam's score: cum_logprob / len(output) ** length_penalty
+    # vLLM's disaggregated prefill (features/kv_connectors/tcp.py, level6_serving/disagg.py): to a prefill
+    # instance {"do_remote_decode": true, "transfer_id": ...}; to a decode instance what the prefill answered
+    kv_transfer_params: dict[str, Any] | None = None
 
     NEUTRAL_ONLY: ClassVar[dict] = {
         "logit_bias": lambda v: not v,
@@ -362,6 +366,9 @@ class SamplingFields(Strict):
                 raise APIError(400, f"{name} is not supported by this server (only its default)", name)
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed when stream is true", "stream_options")
+        if (self.kv_transfer_params or {}).get("do_remote_decode") and (self.stream or self.num_samples != 1):
+            raise APIError(400, "kv_transfer_params with do_remote_decode asks for one prefill: stream must be false "
+                                "and n 1", "kv_transfer_params")  # fmt: skip
 
     def structured(self) -> tuple[StructuredOutputsParams | None, str | None]:
         """The request's structured-output spec and the API field it came from (a 400 names that field
@@ -419,7 +426,7 @@ class SamplingFields(Strict):
                 repetition_penalty=pick(self.repetition_penalty, 1.0), logprobs=logprobs, prompt_logprobs=prompt_logprobs,
                 include_stop_str_in_output=bool(self.include_stop_str_in_output),
                 skip_special_tokens=pick(self.skip_special_tokens, True), output_kind=RequestOutputKind.DELTA,
-                structured_outputs=self.structured()[0],
+                structured_outputs=self.structured()[0], extra_args=self.extra_args(),
             )  # fmt: skip
         except ValueError as e:
             m = re.match(r"SamplingParams\.(\w+)=(.*)", str(e))
@@ -431,6 +438,14 @@ class SamplingFields(Strict):
             raise APIError(400, f"{field}={m[2]}", field) from None
 
     logprobs_field: ClassVar[str] = "logprobs"  # the API field that becomes SamplingParams.logprobs
+
+    def extra_args(self) -> dict | None:
+        """SamplingParams.extra_args: the kv_transfer_params (a prefill's get a transfer id if they have none)."""
+        if not self.kv_transfer_params:
+            return None
+        if self.kv_transfer_params.get("do_remote_decode"):
+            self.kv_transfer_params.setdefault("transfer_id", uuid.uuid4().hex)
+        return {"kv_transfer_params": dict(self.kv_transfer_params)}
 
     def beam_search_params(self, max_tokens: int | None) -> BeamSearchParams:
         """`use_beam_search`: n beams (at most MAX_LOGPROBS / 2: each step asks the engine for a beam's

@@ -300,6 +300,17 @@ class OpenAIServing:
         self.max_num_waiting, self.max_n = max_num_waiting, max_n
         self.draining = False
 
+    def kv_transfer(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> dict:
+        """vLLM's `kv_transfer_params` in a prefill instance's answer: where its consumer fetches the
+        prompt's KV (features/kv_connectors/tcp.py); {} for any other request or instance."""
+        connector = getattr(self.engine.engine, "connector", None)
+        asked = req.kv_transfer_params or {}
+        if connector is None or not hasattr(connector, "response_params") or not asked.get("do_remote_decode"):
+            return {}
+        if num_prompts != 1:
+            return {}  # (one transfer id per request: only the first prompt's blocks would be kept under it)
+        return {"kv_transfer_params": connector.response_params(asked, "")}
+
     # --- checks before anything is queued ------------------------------------------------------
     async def parse(self, model, raw: Request):
         body = await raw.body()
@@ -477,6 +488,7 @@ class OpenAIServing:
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
         streams = await self.add_all(ctx["id"], ids, params, req.structured()[1])
+        ctx |= self.kv_transfer(req, len(ids))
         if prompt_only:
             streams = [PromptOnly(s) for s in streams]
         if req.stream:
@@ -553,6 +565,7 @@ class OpenAIServing:
             return await unless_disconnected(raw, self.beam_response({**ctx, "object": "chat.completion"}, [ids],
                                                                      beams, choice), [])  # fmt: skip
         streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1])
+        ctx |= self.kv_transfer(req, 1)
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)
         return await unless_disconnected(raw, self.chat_response(ctx, req, streams), streams)

@@ -26,12 +26,16 @@ Reference: vLLM `vllm/distributed/kv_transfer/kv_connector/v1/` and `vllm/v1/kv_
 from .base import KVConnectorBase
 from .config import KVTransferConfig, parse
 from .offloading import OffloadingConnector
+from .tcp import TCPConnector
 
 
-def make_connector(value, block_size: int, hash_fn) -> KVConnectorBase:
-    """`kv_transfer_config=` (a dict, JSON or KVTransferConfig) -> the connector it names."""
+def make_connector(value, block_size: int, hash_fn, model: str = "") -> KVConnectorBase:
+    """`kv_transfer_config=` (a dict, JSON or KVTransferConfig) -> the connector it names; `model`
+    is the engine's model's name (two engines that trade KV must agree on it)."""
     config = parse(value)
-    return OffloadingConnector(config, block_size, hash_fn)  # the only kv_connector parse accepts so far
+    if config.kv_connector == "TCPConnector":
+        return TCPConnector(config, block_size, hash_fn, model)
+    return OffloadingConnector(config, block_size, hash_fn)
 
 
-__all__ = ["KVConnectorBase", "KVTransferConfig", "OffloadingConnector", "make_connector", "parse"]
+__all__ = ["KVConnectorBase", "KVTransferConfig", "OffloadingConnector", "TCPConnector", "make_connector", "parse"]
