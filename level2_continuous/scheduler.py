@@ -95,6 +95,7 @@ class Scheduler:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.num_admissible = 0  # set by each schedule(): see there
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -105,6 +106,7 @@ class Scheduler:
     # --- one step's decision -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
+        self.num_admissible = 0  # the waiting requests this step could have admitted (_admit counts them)
         running = self.schedulable()  # the running requests this step may schedule or preempt
         i = 0
         while i < len(running) and budget > 0:
@@ -139,6 +141,7 @@ class Scheduler:
         """Admit from `admissible()` while budget and seats last; `running` are this step's running requests
         (the seats and the headroom count them), and each admitted request joins them."""
         waiting = self.admissible()
+        self.num_admissible = len(waiting)
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._next_waiting(waiting)
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)

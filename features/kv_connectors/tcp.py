@@ -127,8 +127,8 @@ class _Serve(socketserver.BaseRequestHandler):
         self.request.settimeout(server.timeout_s)
         try:
             hello = recv_json(self.request.makefile("rb"))
-            wrong = layout_mismatch(server.layout, hello.get("layout", {}), f"producer {server.address}",
-                                    "this consumer")  # fmt: skip
+            wrong = layout_mismatch(hello.get("layout", {}), server.layout, "this consumer",
+                                    f"producer {server.address}")  # fmt: skip
             if wrong:
                 send_json(self.request, {"error": wrong})
                 return
@@ -140,7 +140,7 @@ class _Serve(socketserver.BaseRequestHandler):
             send_json(self.request, {"num_blocks": len(parcel.payloads), "tokens": parcel.tokens,
                                      "block_bytes": server.block_bytes})  # fmt: skip
             for payload in parcel.payloads:
-                send_block(self.request, server.corrupt(payload))
+                send_block(self.request, payload, server.on_the_way)
             server.tally["sent"] += 1
             server.tally["bytes_sent"] += parcel.nbytes
         except (OSError, TransferError, ValueError) as e:
@@ -156,7 +156,7 @@ class ProducerServer(socketserver.ThreadingTCPServer):
         self.outbox, self.layout, self.block_bytes, self.timeout_s = outbox, layout, block_bytes, timeout_s
         self.address = f"{host}:{self.server_address[1]}"
         self.tally: Tally = Tally()
-        self.corrupt = lambda payload: payload  # tests replace it to damage what goes out
+        self.on_the_way = lambda wire: wire  # what happens to a block's bytes on the wire (tests damage or delay them)
 
 
 # --- the consumer's side: one fetch per request, on a thread -------------------------------------

@@ -60,8 +60,9 @@ def block_payload(k: torch.Tensor, v: torch.Tensor) -> bytes:
     return k.contiguous().view(torch.uint8).numpy().tobytes() + v.contiguous().view(torch.uint8).numpy().tobytes()
 
 
-def send_block(sock, payload: bytes) -> None:
-    sock.sendall(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
+def send_block(sock, payload: bytes, on_the_way=lambda wire: wire) -> None:
+    """The header and the payload; `on_the_way` may change the bytes after the checksum is taken (tests)."""
+    sock.sendall(on_the_way(HEADER.pack(len(payload), zlib.crc32(payload)) + payload))
 
 
 def recv_block(stream, block_bytes: int, dtype: torch.dtype, shape: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -85,7 +86,7 @@ def recv_block(stream, block_bytes: int, dtype: torch.dtype, shape: tuple) -> tu
 def layout_mismatch(mine: dict, theirs: dict, me: str, them: str) -> str | None:
     """None if the layouts agree, else one line naming each differing field's two values."""
     diffs = [f"{key} {theirs.get(key)!r} ({them}) against {mine.get(key)!r} ({me})"
-             for key in mine if mine.get(key) != theirs.get(key)]  # fmt: skip
+             for key in dict.fromkeys([*theirs, *mine]) if mine.get(key) != theirs.get(key)]  # fmt: skip
     return None if not diffs else "KV layouts differ: " + "; ".join(diffs)
 
 
