@@ -10,6 +10,7 @@ with the same arguments:
     ladder labs ...    =  python -m labs ...                   (start, check, experiment)
     ladder watch ...   =  python -m benchmarks.watch ...       (the live dashboard over an offline or simulated run)
     ladder trace ...   =  python -m benchmarks.trace ...       (one step's call paths, each frame's level or room)
+    ladder disagg ...  =  python -m level6_serving.disagg ...  (the proxy over prefill and decode instances)
     ladder demo N ...  =  python -m levelN_xxx.demo ...        (level N's demo, N = 0..6)
 
 `python -m ladder ...` is the same command without the install's PATH entry.
@@ -26,11 +27,11 @@ import runpy
 import sys
 
 COMMANDS = {"serve": "level6_serving", "bench": "benchmarks.throughput", "labs": "labs", "watch": "benchmarks.watch",
-            "trace": "benchmarks.trace"}  # fmt: skip
+            "trace": "benchmarks.trace", "disagg": "level6_serving.disagg"}  # fmt: skip
 DEMOS = {str(n): f"{name}.demo" for n, name in enumerate(["level0_naive", "level1_paged", "level2_continuous",
          "level3_prefix", "level4_speculative", "level5_multigpu", "level6_serving"])}  # fmt: skip
 
-USAGE = """usage: ladder {serve,bench,labs,watch,trace,demo N} [ARGS ...]
+USAGE = """usage: ladder {serve,bench,labs,watch,trace,disagg,demo N} [ARGS ...]
 
   serve    python -m level6_serving: the OpenAI-compatible server (level 6); `ladder serve MODEL`
            takes a directory, a built-in name or a hub id (downloaded on first use), as `vllm serve`
@@ -38,6 +39,7 @@ USAGE = """usage: ladder {serve,bench,labs,watch,trace,demo N} [ARGS ...]
   labs     python -m labs: the classroom labs (start, check, experiment)
   watch    python -m benchmarks.watch: the live dashboard over an offline run or a simulated GPU
   trace    python -m benchmarks.trace: one step's call paths, from LLMEngine.step to the attention call
+  disagg   python -m level6_serving.disagg: one endpoint over prefill and decode instances (KV over TCP)
   demo N   python -m levelN_xxx.demo: level N's demo, N = 0..6
 
 `ladder COMMAND --help` shows that command's flags.

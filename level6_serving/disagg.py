@@ -54,6 +54,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ladder.cli import LadderParser, positive_float
+
 from .http_client import post
 from .metrics import CONTENT_TYPE
 
@@ -272,17 +274,24 @@ def check_models(prefill: list[str], decode: list[str]) -> None:
             raise SystemExit(f"disagg: {first} serves {names[first]}, {url} serves {served}: one model on both sides")
 
 
+def parser() -> argparse.ArgumentParser:
+    p = LadderParser(prog="python -m level6_serving.disagg", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--prefill", nargs="+", required=True, metavar="URL",
+                   help="prefill instances: level-6 servers started with a kv_producer TCPConnector")
+    p.add_argument("--decode", nargs="+", required=True, metavar="URL",
+                   help="decode instances: level-6 servers started with a kv_consumer TCPConnector")
+    p.add_argument("--host", default="127.0.0.1", help="the address the proxy listens on")
+    p.add_argument("--port", type=int, default=8000, help="the port the proxy listens on")
+    p.add_argument("--prefill-timeout", type=positive_float, default=30.0,
+                   help="seconds a prefill instance has to answer before the decode side computes the prompt")
+    return p
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
-    p = argparse.ArgumentParser(prog="python -m level6_serving.disagg", description=__doc__.split("\n\n")[0])
-    p.add_argument("--prefill", nargs="+", required=True, metavar="URL", help="prefill instances (kv_producer)")
-    p.add_argument("--decode", nargs="+", required=True, metavar="URL", help="decode instances (kv_consumer)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--prefill-timeout", type=float, default=30.0,
-                   help="seconds a prefill instance has to answer before the decode side computes the prompt")
-    args = p.parse_args(argv)
+    args = parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     check_models(args.prefill, args.decode)
     uvicorn.run(build_disagg_app(args.prefill, args.decode, args.prefill_timeout), host=args.host, port=args.port,

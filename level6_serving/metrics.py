@@ -54,6 +54,11 @@ HELP = {
     "ladder:kv_offload_bytes": "Bytes a KV connector moved, per tier and direction (save: into it, load: out).",
     "ladder:kv_offload_seconds": "Seconds spent moving blocks out of a KV connector's tier, per tier.",
     "ladder:kv_offload_blocks": "Blocks a KV connector's tier holds now, per tier.",
+    "ladder:kv_transfer": "KV transfers between a prefill and a decode instance, by role and outcome (a consumer's "
+                          "failed ones were computed instead).",
+    "ladder:kv_transfer_bytes": "Bytes of KV a TCP connector sent (producer) or received (consumer).",
+    "ladder:kv_transfer_seconds": "Seconds a consumer's fetches took, connection to last block.",
+    "ladder:kv_transfer_parcels_waiting": "Finished prefills whose blocks wait in a producer's outbox for their consumer.",
 }
 
 

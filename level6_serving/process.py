@@ -39,8 +39,10 @@ PARENT_ENV = "LADDER_PARENT_PID"  # set by ServerProcess for its server: the pro
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], log: Path | None = None, startup_timeout: float = 120.0):
-        self.args, self.startup_timeout = list(args), startup_timeout
+    def __init__(self, args: list[str], log: Path | None = None, startup_timeout: float = 120.0,
+                 cpus: set[int] | None = None):  # fmt: skip
+        """`cpus`: the cores the server (all its threads) may run on, or None for any."""
+        self.args, self.startup_timeout, self.cpus = list(args), startup_timeout, cpus
         # A scratch log nobody asked for is removed with its folder in stop(); a given path is the caller's.
         self._scratch = None if log else tempfile.TemporaryDirectory(prefix="level6-server-")
         self.log = Path(log) if log else Path(self._scratch.name) / "server.log"
@@ -55,8 +57,9 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PARENT_ENV: str(os.getpid())}  # fmt: skip
         with open(self.log, "w") as out:  # its own session: a kill reaches the ranks it spawns (level 5) too
+            pin = None if self.cpus is None else (lambda: os.sched_setaffinity(0, self.cpus))
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                         start_new_session=True)  # fmt: skip
+                                         start_new_session=True, preexec_fn=pin)  # fmt: skip
         self.url = self._wait_until_up()
         return self
 

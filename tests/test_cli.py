@@ -76,10 +76,12 @@ BAD_FLAGS = [  # (command, arguments, the flag the one-line message must name)
     ("benchmarks.throughput", ["--markdown", "missing.json"], "--markdown"),
     ("benchmarks.detokenize", ["--tokens", "10"], "--tokens"),  # shorter than one 50-token window
     ("ladder.figures", ["--only", "level9"], "--only"),
+    ("level6_serving.disagg", ["--prefill", "http://a", "--decode", "http://b", "--prefill-timeout", "0"],
+     "--prefill-timeout"),
 ]
 
 
-HELP = [*DEMOS, "benchmarks.throughput", "benchmarks.parallel", "ladder.figures"]
+HELP = [*DEMOS, "benchmarks.throughput", "benchmarks.parallel", "ladder.figures", "level6_serving.disagg"]
 REAL = [0, 19, 22]  # BAD_FLAGS run as real subprocesses too: a demo, the server, the benchmark
 
 
@@ -162,6 +164,7 @@ SMALL = {  # the demos' own defaults for every path, with a tiny workload so the
     "level5_multigpu.demo": ["--max-tokens", "4", "--requests", "2"],
     "features.moe.demo": ["--max-tokens", "4", "--requests", "2"],
     "level6_serving.demo": ["--max-tokens", "6", "--clients", "2"],
+    "level6_serving.disagg_demo": ["--max-tokens", "6", "--prompt-tokens", "200"],
 }
 
 
@@ -190,7 +193,7 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
     for module in SMALL:
         res = runs[module]
         assert res.returncode == 0, f"{module}: {res.stderr[-3000:]}"
-        if module != "level0_naive.demo":  # level 0 draws no picture
+        if module not in ("level0_naive.demo", "level6_serving.disagg_demo"):  # (they draw no picture)
             assert str(env_out) in res.stdout.replace("\n", ""), f"{module} did not say where its picture went"
         outputs[module] = res.stdout
     res = runs["benchmark"]
@@ -217,6 +220,8 @@ def test_demos_and_the_quick_benchmark_leave_the_tree_clean(tmp_path):
     assert level6.count(url) == 1, "it offered the demo's own server (stopped at the end) to try"
     assert "python -m level6_serving" in level6[level6.index("SIGTERM") :]  # how to start one instead
     assert "all 2 clients" in level6  # the table says how many of the clients it shows
+    disagg = outputs["level6_serving.disagg_demo"]
+    assert "the same greedy text all three ways" in disagg and 'outcome="received"' in disagg
 
 
 def test_a_server_that_fails_to_start_says_why_and_leaves_no_file(tmp_path, monkeypatch):
