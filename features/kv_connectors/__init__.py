@@ -7,18 +7,22 @@ What it is: what `kv_transfer_config=` asks for (vLLM's names), in small files:
     tiers.py       the host tier and the disk tier: bounded, LRU, entries checked by name and content
     offloading.py  `OffloadingConnector`: the device pool's victims saved to the tiers, and a prefix
                    that misses the pool but hits a tier loaded back instead of computed
+    tcp.py         `TCPConnector`: disaggregated prefill and decode, a finished prompt's blocks kept by
+                   the prefill instance (kv_producer) and fetched by the decode instance (kv_consumer)
+    wire.py        the transfer's format on the socket: a hello, the blocks' tokens, a CRC per block
     demo.py        `python -m features.kv_connectors.demo`: a chat that outgrows the pool, with and
                    without a host tier (lab 3c's experiment)
 
 The seams: level 3's block pool tells the connector which named block it is about to reuse, its
 KV cache manager asks it at admission how much of a prefix it holds and tells it which blocks
 receive it, its engine hands the step's moves to the worker, and level 1's worker makes them
-before the forward. A level never imports this room (ladder/rooms.py). The lesson is
+before the forward; its scheduler leaves a request whose KV is still arriving out of the
+admissible ones. A level never imports this room (ladder/rooms.py). The proxy in front of a
+prefill and a decode instance is level 6's (level6_serving/disagg.py). The lesson is
 docs/kv_connectors.md.
 
-What it is not (yet): disaggregated prefill and decode (a producer and a consumer over TCP, the
-proxy), asynchronous loads (a request waiting for its KV while others run), or level 4 with a
-draft model and level 5 over ranks (both refuse a kv_transfer_config in one line).
+What it is not (yet): level 4 with a draft model and level 5 over ranks (both refuse a
+kv_transfer_config in one line), or a transfer straight between GPUs (RDMA, NCCL).
 
 Reference: vLLM `vllm/distributed/kv_transfer/kv_connector/v1/` and `vllm/v1/kv_offload/`.
 """

@@ -5,6 +5,8 @@ connector is how KV cache that lives outside this engine's device pool (in host 
 disk, in another engine) gets into a request's blocks, and how blocks get out:
 
     scheduler side (level 3's KV cache manager calls these while the step is scheduled)
+      is_receiving(req)               is the waiting request's KV still arriving? (then it is not
+                                      admissible this step; the others are: level 3's scheduler)
       get_num_new_matched_tokens(req, num_computed)  at admission, after the device pool's own
                                       prefix hit of num_computed tokens: how many more of the
                                       request's tokens the connector holds (whole blocks)
@@ -28,12 +30,14 @@ disk, in another engine) gets into a request's blocks, and how blocks get out:
                build_connector_meta ──> worker: bind, start_load_kv, forward, wait_for_save
 
 The layer-by-layer pair (`wait_for_layer_load`, `save_kv_layer`) is the seam a connector that
-overlaps transfers with compute needs (vLLM calls them from its attention layer); the
-offloading connector here moves every layer before the forward, synchronously, so nothing calls
-them yet: they are declared for the disaggregated connector, which is not built (docs/kv_connectors.md).
+overlaps transfers with compute needs (vLLM calls them from its attention layer); both
+connectors here move every layer at once, so nothing calls them: the offloading connector
+before the forward, the TCP connector's producer when a request finishes and its consumer on a
+thread while the request waits (docs/kv_connectors.md).
 
-What it is not: a transport or a tier (offloading.py and tiers.py), or asynchronous: a load
-completes within the step that scheduled it, so no request waits for KV to arrive.
+What it is not: a transport or a tier (tcp.py and wire.py; offloading.py and tiers.py). A
+request may wait for its KV to arrive (`is_receiving`), but once admitted its loads complete
+within the step that scheduled it.
 
 Reference: vLLM `vllm/distributed/kv_transfer/kv_connector/v1/base.py` (`KVConnectorBase_V1`).
 """
@@ -45,6 +49,12 @@ class KVConnectorBase:
     """A connector that holds nothing and moves nothing: every method's contract, and the defaults."""
 
     # --- scheduler side ---------------------------------------------------------------------
+    def is_receiving(self, req) -> bool:
+        """The request's KV is still on its way: the scheduler leaves it waiting, admitting others
+        (vLLM: get_num_new_matched_tokens answers load_async=True, the request turns
+        WAITING_FOR_REMOTE_KVS until the worker's get_finished reports it received)."""
+        return False
+
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
         """Tokens past the first `num_computed_tokens` (the device pool's hit, whole blocks) that the
         connector can put into the request's blocks this step; a multiple of the block size."""
