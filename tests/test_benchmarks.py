@@ -267,6 +267,20 @@ def test_parallel_benchmark_writes_well_formed_json(checkpoint_factory, tmp_path
     assert "model error" in capsys.readouterr().out
 
 
+def test_the_disaggregation_benchmark_moves_each_requests_kv(checkpoint_factory, tmp_path):
+    """The disaggregated layout, tiny: every request's blocks crossed (bytes per request > 0), every stream timed."""
+    from benchmarks import disagg
+
+    out = tmp_path / "disagg.json"
+    data = disagg.main(["--model", str(checkpoint_factory("llama", tokenizer=True)), "--layouts", "disagg",
+                        "--decoders", "2", "--decode-tokens", "8", "--long", "2", "--prompt-tokens", "64",
+                        "--gap", "0.05", "--out", str(out)])  # fmt: skip
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+    (row,) = data["rows"]
+    assert row["layout"] == "disagg" and 0 < row["gaps"] <= 2 * 7 and row["output_tok_s"] > 0  # (a chunk may carry 2)
+    assert row["kv_bytes_per_request"] > 0 and row["kv_fetch_ms_per_request"] > 0
+
+
 def test_profile_takes_a_decode_step_apart(checkpoint_factory, tmp_path):
     """`python -m benchmarks.profile`: every part of the step is timed, the parts and what lies
     between them add up to the step, the forward's parts are there, and the ceiling is beside it."""
