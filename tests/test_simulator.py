@@ -518,3 +518,50 @@ def test_the_gpu_check_measures_and_predicts_the_same_run(tmp_path):
     assert set(measured["workloads"]["uniform"]["results"]) >= set(gpu_check.MEASURED)
     assert measured["config"]["dtype"] == "bfloat16"
     assert json.loads((tmp_path / "gpu_check.json").read_text())["rows"] == result["rows"]
+
+
+# --- disaggregated prefill and decode (benchmarks/sim/disagg.py) ----------------------------------------
+
+
+def test_a_disaggregated_request_crosses_the_link_once_and_its_tokens_come_after():
+    """One request alone: its first token when the prefill engine's step ends, then the link's time
+    (prompt bytes / bandwidth + latency, nothing else differs between two links), then the decode
+    engine's steps: the slow link's request ends exactly that much later, its TTFT unchanged."""
+    from benchmarks.sim.disagg import LINKS, disaggregated
+
+    (r,) = trace("sharegpt", 1, 1.0, seed=3)
+    fast, slow = (disaggregated([r], "opt-13b", "a100-80gb", link)[0] for link in ("nvlink", "100gbps"))
+    assert fast.ttft == slow.ttft > 0 and fast.output_len == slow.output_len == r.output_len
+    per_token = model_shape("opt-13b").kv_bytes_per_token
+    crossing = {k: LINKS[k][1] + len(r.prompt) * per_token / LINKS[k][0] for k in ("nvlink", "100gbps")}
+    assert slow.finished - fast.finished == pytest.approx(crossing["100gbps"] - crossing["nvlink"], rel=1e-6)
+    assert fast.finished > fast.first_token + crossing["nvlink"]  # every later token is the decode engine's
+
+
+def test_goodput_is_a_rate_that_meets_the_slos_and_v0_stalls_decodes_for_prompts():
+    from benchmarks.sim.disagg import attainment, colocated, goodput
+
+    reqs = trace("sharegpt", 60, 4.0, seed=1)
+    rate, att = goodput(lambda r: colocated(r, "opt-13b", "a100-80gb"), 1, 0.25, 0.1, 60, seed=1, rounds=4)
+    assert att >= 0.9 and rate > 0
+    assert attainment(colocated(trace("sharegpt", 60, rate, seed=1), "opt-13b", "a100-80gb"), 0.25, 0.1) == att
+    v1, v0 = colocated(reqs, "opt-13b", "a100-80gb"), colocated(reqs, "opt-13b", "a100-80gb", v0=True)
+    assert [t.output_len for t in v1] == [t.output_len for t in v0] == [r.output_len for r in reqs]
+    assert max(t.tpot for t in v0) > max(t.tpot for t in v1)  # a decode waits for whole prompts in V0
+
+
+def test_a_host_tier_hands_a_chat_back_the_history_hbm_lost():
+    """The chat trace on a 40 GB A100 overflows the pool: with a host tier the later turns load their
+    history instead of computing it (fewer prompt tokens computed, by at least what the tier handed
+    back), and a tier of 8 blocks never holds more."""
+    from benchmarks.sim.offload import HostTier, run
+
+    plain, tiered = (run(2.0, "opt-13b", "a100-40gb", gib, 25.0, 120, seed=0) for gib in (0.0, 64.0))
+    assert plain["found_in_host"] == 0 < tiered["found_in_host"]
+    assert plain["prompt_tokens"] == tiered["prompt_tokens"]  # the same conversations, the same answers
+    assert tiered["computed"] <= plain["computed"] - tiered["found_in_host"] * tiered["prompt_tokens"] * 0.9
+    tier = HostTier(8, 16, 1, SimClock(), 1.0)
+    for i in range(50):
+        tier.block_evicted(type("Block", (), {"block_hash": bytes([i])})())
+        assert len(tier.names) <= 8
+    assert list(tier.names) == [bytes([i]) for i in range(42, 50)]

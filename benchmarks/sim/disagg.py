@@ -1,0 +1,242 @@
+"""Disaggregated prefill and decode on simulated GPUs: DistServe's comparison, in shape.
+
+What it is: `python -m benchmarks.sim.disagg`. Two ways to serve OPT-13B on A100s, each the
+ladder's real scheduler on the modelled clock (engines.py):
+
+    colocated       vLLM V1: one engine per GPU, prefill chunks and decodes in the same steps (a
+                    token budget of 2048: chunked prefill), the ladder's level 2
+    colocated, V0   vLLM as DistServe measured it (2023): a step with waiting prompts runs those
+                    prompts alone, whole, and every running request's decode waits for it
+                    (`PrefillFirst`)
+    disaggregated   a prefill engine (its own GPUs, `--prefill-tp`) and a decode engine (`--decode-tp`):
+                    a request is prefilled there (one token, which the client gets as its first),
+                    its KV crosses a link (`--link`: NVLink, PCIe, a 100 or 400 Gb/s network) in
+                    prompt bytes / bandwidth + latency, and the decode engine admits it with its
+                    prompt already computed (a connector that says so: `ArrivedKV`) and generates
+                    the rest
+
+and the figure DistServe is about, **goodput**: the highest request rate per GPU at which at least
+90 % of requests meet both a time-to-first-token SLO and a time-per-output-token SLO (TPOT: the
+mean gap between a request's tokens after its first). For OPT-13B on ShareGPT-like traffic
+DistServe's artifact uses TTFT <= 0.25 s, TPOT <= 0.1 s, and two prefill GPUs (TP=2) with one decode
+GPU against vLLM on one GPU (`evaluation/ae-scripts/e2e/_plot.py`, `2-start-api-server.py`); those
+are the defaults. The rate is searched by bisection on seeded Poisson traces (serve.py's
+`sharegpt`).
+
+The two engines run on two clocks, stepped in time order (always the one whose next step comes
+first), so a prefill that ends at t arrives at the decode engine at t + transfer, and a decode
+step never sees a request before it arrived.
+
+What it is not: DistServe's placement search (it picks the parallelism of each phase per
+workload; here they are given), its pipeline parallelism, or its batching of transfers. The
+link carries one request at a time at full bandwidth (no contention).
+
+Reference: Zhong et al., "DistServe" (OSDI 2024), section 6 and its artifact
+(github.com/LLMServe/DistServe); Patel et al., "Splitwise" (ISCA 2024).
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+from dataclasses import dataclass
+
+from features.kv_connectors.base import KVConnectorBase
+from level0_naive.sampling_params import RequestOutputKind, SamplingParams
+
+from level2_continuous.scheduler import Scheduler, SchedulerOutput
+
+from .clock import SimClock
+from .cost import gpu
+from .engines import SimulatedContinuous
+from .serve import SimRequest, make_engine, play, trace
+
+# bytes/s one way, seconds per transfer: NVLink 3 (A100 SXM), PCIe 4.0 x16 (what a copy reaches), Ethernet/IB
+LINKS = {"nvlink": (300e9, 5e-6), "pcie": (25e9, 10e-6), "100gbps": (12.5e9, 50e-6), "400gbps": (50e9, 50e-6)}
+
+
+class ArrivedKV(KVConnectorBase):
+    """The decode engine's connector on the modelled clock: each request's prompt arrived before the
+    request did (the link's time is in its arrival), so at admission every whole block of it but the
+    one with the prompt's last token counts as computed; nothing moves (there are no tensors)."""
+
+    def __init__(self, block_size: int):
+        self.block_size, self.loaded = block_size, set()
+
+    def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
+        if req.seq_id in self.loaded:  # preempted after its load: the KV is gone, it computes
+            return 0
+        usable = (len(req.prompt_token_ids) - 1) // self.block_size * self.block_size
+        return max(0, usable - num_computed_tokens)
+
+    def update_state_after_alloc(self, req, blocks: list, num_external_tokens: int) -> None:
+        if num_external_tokens:
+            self.loaded.add(req.seq_id)
+
+
+class PrefillFirst(Scheduler):
+    """vLLM V0's default schedule: while prompts wait and fit, a step admits them alone (whole
+    prompts, up to the token budget); decodes run only in steps no prompt wants."""
+
+    def schedule(self) -> SchedulerOutput:
+        self.num_admissible, out = 0, SchedulerOutput()
+        self._admit(out, self.max_num_batched_tokens, list(self.running))
+        return out if out.scheduled else super().schedule()
+
+
+class SimulatedV0(SimulatedContinuous):
+    scheduler_class = PrefillFirst
+
+
+@dataclass
+class Timing:
+    """One request as its client saw it (seconds on the modelled clock)."""
+
+    arrival: float
+    first_token: float
+    finished: float
+    output_len: int
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return 0.0 if self.output_len <= 1 else (self.finished - self.first_token) / (self.output_len - 1)
+
+
+def params_for(max_len: int):
+    return lambda r: SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+
+def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = False) -> list[Timing]:
+    engine = make_engine("vllm", model, gpu(gpu_name), SimClock())
+    if v0:  # the same engine's settings, its scheduler swapped
+        engine = SimulatedV0(model, hardware=gpu(gpu_name), clock=SimClock(), kv_cache_memory=engine.kv_budget,
+                             max_num_seqs=256, block_size=16, max_num_batched_tokens=2048)  # fmt: skip
+    seqs = play(engine, reqs, params_for(engine.max_model_len))
+    return [Timing(s.metrics.arrival_time, s.metrics.first_token_time, s.metrics.finished_time,
+                   len(s.output_token_ids)) for s in seqs]  # fmt: skip
+
+
+def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str = "nvlink", prefill_tp: int = 1,
+                  decode_tp: int = 1) -> list[Timing]:  # fmt: skip
+    hw = gpu(gpu_name)
+    bandwidth, latency = LINKS[link]
+    prefill = make_engine("vllm", model, hw, SimClock(), tp=prefill_tp)
+    decode = make_engine("vllm-prefix", model, hw, SimClock(), tp=decode_tp)
+    connector = ArrivedKV(decode.config.cache.block_size)
+    decode.kv.connector, decode.kv.pool.on_evict = connector, connector.block_evicted
+    params = params_for(prefill.max_model_len)
+    per_token = prefill.shape.kv_bytes_per_token
+    timings: dict[str, Timing] = {}
+    waiting = {"p": [(r.arrival, i, r) for i, r in enumerate(reqs)], "d": []}  # (time, index, request)
+    heapq.heapify(waiting["p"])
+    engines = {"p": prefill, "d": decode}
+
+    def next_time(side: str) -> float:
+        e = engines[side]
+        if e.has_unfinished_requests():
+            return e.clock.now
+        return waiting[side][0][0] if waiting[side] else math.inf
+
+    while (t := min(next_time("p"), next_time("d"))) < math.inf:
+        side = "p" if next_time("p") <= next_time("d") else "d"
+        e = engines[side]
+        e.clock.now = max(e.clock.now, t)
+        while waiting[side] and waiting[side][0][0] <= e.clock.now:
+            at, i, r = heapq.heappop(waiting[side])
+            rid = str(i)
+            if side == "p":
+                e.targets[rid] = 1  # the prefill engine's one token: the client's first
+                timings[rid] = Timing(r.arrival, 0.0, 0.0, r.output_len)
+            else:
+                e.targets[rid] = r.output_len - 1  # the rest, after the prompt's KV arrived
+            e.add_request(rid, r.prompt, params(r), arrival_time=at)
+        for out in e.step():
+            if not out.finished:
+                continue
+            rid, now = out.request_id, e.clock.now
+            r = reqs[int(rid)]
+            if side == "p":
+                timings[rid].first_token = timings[rid].finished = now
+                if r.output_len > 1:  # the KV crosses the link, one request at a time at full speed
+                    arrive = now + latency + len(r.prompt) * per_token / min(prefill_tp, decode_tp) / bandwidth
+                    heapq.heappush(waiting["d"], (arrive, int(rid), r))
+            else:
+                timings[rid].finished = now
+    return [timings[str(i)] for i in range(len(reqs))]
+
+
+def attainment(timings: list[Timing], ttft_slo: float, tpot_slo: float) -> float:
+    """The share of requests within both SLOs."""
+    return sum(t.ttft <= ttft_slo and t.tpot <= tpot_slo for t in timings) / len(timings)
+
+
+def goodput(serve, gpus: int, ttft_slo: float, tpot_slo: float, num: int, seed: int, target: float = 0.9,
+            lo: float = 0.05, hi: float = 200.0, rounds: int = 12) -> tuple[float, float]:  # fmt: skip
+    """The highest rate per GPU whose trace of `num` requests meets both SLOs for `target` of them
+    (bisection between lo and hi requests/s per GPU) -> (rate per GPU, its attainment)."""
+
+    def ok(rate: float) -> float:
+        return attainment(serve(trace("sharegpt", num, rate * gpus, seed)), ttft_slo, tpot_slo)
+
+    if ok(lo) < target:
+        return 0.0, ok(lo)
+    best = (lo, ok(lo))
+    for _ in range(rounds):
+        mid = math.sqrt(lo * hi)  # (rates span decades: bisect their logarithm)
+        a = ok(mid)
+        if a >= target:
+            lo, best = mid, (mid, a)
+        else:
+            hi = mid
+    return best
+
+
+def main(argv=None) -> dict:
+    from rich.console import Console
+    from rich.table import Table
+
+    from ladder.cli import LadderParser, positive_float, positive_int
+
+    p = LadderParser(prog="python -m benchmarks.sim.disagg", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="opt-13b", help="a shipped shape (benchmarks/sim/models)")
+    p.add_argument("--gpu", default="a100-80gb", help="a GPU of benchmarks/sim/gpus.json")
+    p.add_argument("--ttft-slo", type=positive_float, default=0.25, help="seconds to the first token")
+    p.add_argument("--tpot-slo", type=positive_float, default=0.1, help="seconds per output token after the first")
+    p.add_argument("--prefill-tp", type=positive_int, default=2, help="the prefill engine's GPUs (tensor parallel)")
+    p.add_argument("--decode-tp", type=positive_int, default=1, help="the decode engine's GPUs (tensor parallel)")
+    p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {', '.join(LINKS)}")
+    p.add_argument("--requests", type=positive_int, default=300, help="requests per trace")
+    p.add_argument("--seed", type=int, default=0, help="the traces' seed")
+    args = p.parse_args(argv)
+    links = [x.strip() for x in args.links.split(",")]
+    if bad := [x for x in links if x not in LINKS]:
+        p.error(f"argument --links: unknown {', '.join(bad)}; known: {', '.join(LINKS)}")
+    slo = (args.ttft_slo, args.tpot_slo)
+    rows = [(f"vLLM{' V0' * v0}, colocated", 1,
+             *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0), 1, *slo, args.requests, args.seed))
+            for v0 in (False, True)]  # fmt: skip
+    gpus = args.prefill_tp + args.decode_tp
+    for link in links:
+        serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, args.prefill_tp, args.decode_tp)  # noqa: E731
+        rows.append((f"disaggregated {args.prefill_tp}P+{args.decode_tp}D, {link}", gpus,
+                     *goodput(serve, gpus, *slo, args.requests, args.seed)))  # fmt: skip
+    table = Table("system", "GPUs", "goodput / GPU (req/s)", "attainment there", "/ vLLM V1", "/ vLLM V0",
+                  title=f"{args.model} on {args.gpu}, ShareGPT-like, TTFT <= {args.ttft_slo:g} s and TPOT <= "
+                        f"{args.tpot_slo:g} s for 90 % of requests")  # fmt: skip
+    for name, n, rate, att in rows:
+        ratio = lambda base: f"{rate / base:.2f}x" if base else ""  # noqa: E731
+        table.add_row(name, str(n), f"{rate:.2f}", f"{100 * att:.0f} %", ratio(rows[0][2]), ratio(rows[1][2]))
+    Console(width=130).print(table)
+    return {"args": vars(args), "rows": [{"system": n, "gpus": g, "goodput_per_gpu": r, "attainment": a}
+                                         for n, g, r, a in rows]}  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
