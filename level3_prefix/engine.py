@@ -22,7 +22,6 @@ Reference: vLLM V1 automatic prefix caching (`docs/design/prefix_caching.md`).
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 from ladder import rooms

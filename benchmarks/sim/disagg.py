@@ -44,7 +44,6 @@ from dataclasses import dataclass
 
 from features.kv_connectors.base import KVConnectorBase
 from level0_naive.sampling_params import RequestOutputKind, SamplingParams
-
 from level2_continuous.scheduler import Scheduler, SchedulerOutput
 
 from .clock import SimClock
@@ -231,8 +230,8 @@ def main(argv=None) -> dict:
                   title=f"{args.model} on {args.gpu}, ShareGPT-like, TTFT <= {args.ttft_slo:g} s and TPOT <= "
                         f"{args.tpot_slo:g} s for 90 % of requests")  # fmt: skip
     for name, n, rate, att in rows:
-        ratio = lambda base: f"{rate / base:.2f}x" if base else ""  # noqa: E731
-        table.add_row(name, str(n), f"{rate:.2f}", f"{100 * att:.0f} %", ratio(rows[0][2]), ratio(rows[1][2]))
+        ratios = [f"{rate / base:.2f}x" if base else "" for base in (rows[0][2], rows[1][2])]
+        table.add_row(name, str(n), f"{rate:.2f}", f"{100 * att:.0f} %", *ratios)
     Console(width=130).print(table)
     return {"args": vars(args), "rows": [{"system": n, "gpus": g, "goodput_per_gpu": r, "attainment": a}
                                          for n, g, r, a in rows]}  # fmt: skip

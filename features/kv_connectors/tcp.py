@@ -26,6 +26,10 @@ connectors instead save layer by layer from the forward (`save_kv_layer`) or kee
 allocated until the consumer has read them (`request_finished` returns delay_free_blocks), and
 read straight from GPU memory (NIXL, NCCL); here every byte goes through host memory and a socket.
 
+The consumer's scheduler side watches its fetch threads itself (`is_receiving`): in one process
+there is no worker to report finished receives, which vLLM's do through `get_finished` (here the
+base's, which reports nothing).
+
 What it is not: tensor-parallel on either side (level 5 refuses a kv_transfer_config over ranks),
 asynchronous in the consumer's worker (the fetched blocks are copied in at the start of the
 admission's step, like a tier's), or a proxy (level6_serving/disagg.py).
@@ -53,8 +57,15 @@ from ladder.metrics import Counter, Gauge
 
 from .base import KVConnectorBase
 from .config import KVTransferConfig
-from .wire import (TransferError, block_payload, layout_mismatch, recv_block, recv_json, send_block,
-                   send_json)  # fmt: skip
+from .wire import (
+    TransferError,
+    block_payload,
+    layout_mismatch,
+    recv_block,
+    recv_json,
+    send_block,
+    send_json,  # fmt: skip
+)
 
 log = logging.getLogger("ladder.kv_transfer")
 
