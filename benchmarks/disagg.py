@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import time
@@ -105,7 +106,9 @@ def measure(layout: str, args) -> dict:
         else:
             kinds = [None, None] if layout == "dp" else [{"kv_connector": "TCPConnector", "kv_role": role, "kv_port": 0}
                                                          for role in ("kv_producer", "kv_consumer")]  # fmt: skip
-            procs = [server(args, 1, {i}, kv).start() for i, kv in enumerate(kinds)]
+            cores = sorted(os.sched_getaffinity(0))
+            pins = [{cores[0]}, {cores[1]}] if len(cores) >= 2 else [None, None]
+            procs = [server(args, 1, pin, kv).start() for pin, kv in zip(pins, kinds)]
             urls = [p.url for p in procs]
             front = build_router_app(urls, "round-robin") if layout == "dp" else build_disagg_app(urls[:1], urls[1:])
         with ServerThread(front) if front is not None else _Nothing(procs[0].url) as url:

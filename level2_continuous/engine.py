@@ -206,7 +206,7 @@ class ContinuousEngine(EngineBase):
             with Timer() as t_sched:
                 sched = self.schedule()
                 if not sched.scheduled:
-                    if self.scheduler.running or self.scheduler.num_admissible:  # a lone request always fits
+                    if self.scheduler.running or self.scheduler.num_admissible or sched.preempted:  # a lone one fits
                         raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                     if self.scheduler.has_unfinished():  # each waits on something outside (its KV, arriving)
                         time.sleep(WAIT_FOR_OUTSIDE_S)  # rather than spin

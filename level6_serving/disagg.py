@@ -162,10 +162,14 @@ def build_disagg_app(prefill: list[str], decode: list[str], prefill_timeout: flo
         except httpx.HTTPError as e:  # too slow, or it broke off: the decode side computes the prompt
             log.warning("prefill instance %s failed a request (%r); the decode instance computes it", url, e)
             return None
-        if resp.status_code != 200:
-            log.warning("prefill instance %s answered %d; the decode instance computes the prompt", url, resp.status_code)
-            return None
-        return resp.json().get("kv_transfer_params")
+        try:
+            params = resp.json().get("kv_transfer_params") if resp.status_code == 200 else None
+        except ValueError:
+            params = None
+        if not params:
+            log.warning("prefill instance %s answered %d without kv_transfer_params (is it a kv_producer?); the "
+                        "decode instance computes the prompt", url, resp.status_code)  # fmt: skip
+        return params
 
     async def forward(raw: Request, path: str) -> Response:
         raw_body = await raw.body()
@@ -175,6 +179,9 @@ def build_disagg_app(prefill: list[str], decode: list[str], prefill_timeout: flo
             body = None
         headers = {k: v for k, v in raw.headers.items() if k.lower() in ("authorization", "content-type")}
         outcome = "whole"
+        if not pools["decode"].live():  # nothing could use a prefill's blocks
+            outcomes["no_decode"] += 1
+            return error(503, "no decode instance is alive", "no_decode_instance")
         if isinstance(body, dict) and splittable(body, path):
             params = await prefilled(path, body, headers)
             outcome = "disaggregated" if params else "prefill_failed"

@@ -57,9 +57,10 @@ class ServerProcess:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
                PARENT_ENV: str(os.getpid())}  # fmt: skip
         with open(self.log, "w") as out:  # its own session: a kill reaches the ranks it spawns (level 5) too
-            pin = None if self.cpus is None else (lambda: os.sched_setaffinity(0, self.cpus))
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
-                                         start_new_session=True, preexec_fn=pin)  # fmt: skip
+                                         start_new_session=True)  # fmt: skip
+        if self.cpus is not None:  # at once, while it is still one thread (later threads inherit the mask)
+            os.sched_setaffinity(self.proc.pid, self.cpus)
         self.url = self._wait_until_up()
         return self
 

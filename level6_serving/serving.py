@@ -309,7 +309,8 @@ class OpenAIServing:
             return {}
         if num_prompts != 1:
             return {}  # (one transfer id per request: only the first prompt's blocks would be kept under it)
-        return {"kv_transfer_params": connector.response_params(asked, "")}
+        params = connector.response_params(asked, "")
+        return {} if params is None else {"kv_transfer_params": params}
 
     # --- checks before anything is queued ------------------------------------------------------
     async def parse(self, model, raw: Request):

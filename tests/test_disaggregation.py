@@ -60,6 +60,10 @@ def decode_params(n: int, kv: dict | None) -> SamplingParams:
                           extra_args=None if kv is None else {"kv_transfer_params": kv})  # fmt: skip
 
 
+def hang_up(wire: bytes) -> bytes:
+    raise ConnectionAbortedError("the test's producer hangs up")
+
+
 def closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,7 +123,7 @@ def prompts():
 
 
 def test_each_fault_costs_a_recompute_and_is_counted(checkpoint_factory, prompts, caplog):
-    """A damaged block (its CRC), a producer that never answers (the consumer's timeout), one whose
+    """A damaged block (its CRC), a transfer cut off halfway, a producer that never answers (the consumer's timeout), one whose
     port is closed, a transfer nobody made, a prompt the producer computed for another request:
     each request's tokens are the plain engine's, each outcome counted once, the log says why."""
     path, bs = checkpoint_factory("llama"), 4
@@ -127,14 +131,16 @@ def test_each_fault_costs_a_recompute_and_is_counted(checkpoint_factory, prompts
                 [decode_params(5, None)] * len(prompts))  # fmt: skip
     producer = level3_prefix.LLMEngine(path, dtype="float64", block_size=bs, kv_transfer_config=tcp("kv_producer"))
     silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel does), never answers
-    cases = {"corrupt": None, "timeout": silent.getsockname()[1], "unreachable": closed_port(), "missing": None,
-             "refused": None}  # fmt: skip
+    cases = {"corrupt": None, "cut": None, "timeout": silent.getsockname()[1], "unreachable": closed_port(),
+             "missing": None, "refused": None}  # fmt: skip
     for outcome, port in cases.items():
         consumer = level3_prefix.LLMEngine(path, dtype="float64", block_size=bs,
                                            kv_transfer_config=tcp("kv_consumer", timeout_s=0.5))  # fmt: skip
         kv = prefill(producer, prompts, [f"{outcome}{i}" for i in range(len(prompts))])
         if outcome == "corrupt":
             producer.connector.server.on_the_way = lambda w: w[:-1] + bytes([w[-1] ^ 1])  # one bit flipped
+        if outcome == "cut":
+            producer.connector.server.on_the_way = hang_up  # after the tokens, before the first block
         if port is not None:
             kv = [{**k, "remote_port": port} for k in kv]
         if outcome == "missing":
@@ -200,13 +206,13 @@ def test_a_closed_producer_leaves_nothing_running(checkpoint_factory):
     path = checkpoint_factory("llama")
     producer = level3_prefix.LLMEngine(path, dtype="float64", kv_transfer_config=tcp("kv_producer"))
     host, port = producer.connector.address
-    serving = [t for t in threading.enumerate() if t.name == "kv-producer"]
+    serving = producer.connector.thread
+    assert serving.is_alive()
     producer.connector.close()
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, port), timeout=5).close()
-    for t in serving:
-        t.join(5)
-    assert not any(t.is_alive() for t in serving)
+    serving.join(5)
+    assert not serving.is_alive()
 
 
 @given(sizes=st.lists(st.integers(0, 50), min_size=1, max_size=30), bound=st.integers(1, 200))

@@ -95,8 +95,8 @@ def test_a_decode_side_that_is_gone_is_skipped_or_a_clear_error(pair):
         conn, _ = breaker.accept()
         conn.recv(1 << 16)
         conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{\"id\"")
+        broke.append(True)  # (before it hangs up: the proxy's 502 cannot come first)
         conn.close()
-        broke.append(True)
 
     threading.Thread(target=break_off, daemon=True).start()
     broken_url = f"http://127.0.0.1:{breaker.getsockname()[1]}"

@@ -28,8 +28,8 @@ first), so a prefill that ends at t arrives at the decode engine at t + transfer
 step never sees a request before it arrived.
 
 What it is not: DistServe's placement search (it picks the parallelism of each phase per
-workload; here they are given), its pipeline parallelism, or its batching of transfers. The
-link carries one request at a time at full bandwidth (no contention).
+workload; here they are given), its pipeline parallelism, or its batching of transfers. Each
+transfer has the link's full bandwidth, however many overlap (no contention).
 
 Reference: Zhong et al., "DistServe" (OSDI 2024), section 6 and its artifact
 (github.com/LLMServe/DistServe); Patel et al., "Splitwise" (ISCA 2024).
@@ -162,7 +162,7 @@ def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str =
             r = reqs[int(rid)]
             if side == "p":
                 timings[rid].first_token = timings[rid].finished = now
-                if r.output_len > 1:  # the KV crosses the link, one request at a time at full speed
+                if r.output_len > 1:  # the KV crosses the link at its full bandwidth
                     arrive = now + latency + len(r.prompt) * per_token / min(prefill_tp, decode_tp) / bandwidth
                     heapq.heappush(waiting["d"], (arrive, int(rid), r))
             else:
@@ -211,7 +211,7 @@ def main(argv=None) -> dict:
     p.add_argument("--prefill-tp", type=positive_int, default=2, help="the prefill engine's GPUs (tensor parallel)")
     p.add_argument("--decode-tp", type=positive_int, default=1, help="the decode engine's GPUs (tensor parallel)")
     p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {', '.join(LINKS)}")
-    p.add_argument("--requests", type=positive_int, default=300, help="requests per trace")
+    p.add_argument("--requests", type=positive_int, default=400, help="requests per trace")
     p.add_argument("--seed", type=int, default=0, help="the traces' seed")
     args = p.parse_args(argv)
     links = [x.strip() for x in args.links.split(",")]

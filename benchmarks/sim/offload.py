@@ -57,9 +57,10 @@ class HostTier(KVConnectorBase):
         return found * bs
 
     def update_state_after_alloc(self, req, blocks: list, num_external_tokens: int) -> None:
-        n = num_external_tokens // self.block_size
-        for b in blocks[:n]:
-            self.names.move_to_end(b.block_hash) if b.block_hash in self.names else None
+        n, start = num_external_tokens // self.block_size, (req.num_computed_tokens - num_external_tokens) // self.block_size
+        for name in block_hashes(req, start + n, self.block_size, hash_block)[start:]:
+            if name in self.names:  # (the allocation may have pushed it out since the lookup)
+                self.names.move_to_end(name)  # used: the last to go (the blocks are fresh, unnamed until their step)
         self.hits += num_external_tokens
         self.clock.advance(n * self.block_bytes / self.bytes_per_s)  # the copy in, before the step
 

@@ -127,7 +127,9 @@ class Outbox:
             self.dropped += 1
 
     def __len__(self) -> int:
-        return len(self.parcels)
+        with self.lock:
+            self._expire()
+            return len(self.parcels)
 
 
 class _Serve(socketserver.BaseRequestHandler):
@@ -152,8 +154,9 @@ class _Serve(socketserver.BaseRequestHandler):
                                      "block_bytes": server.block_bytes})  # fmt: skip
             for payload in parcel.payloads:
                 send_block(self.request, payload, server.on_the_way)
-            server.tally["sent"] += 1
-            server.tally["bytes_sent"] += parcel.nbytes
+            with server.outbox.lock:  # (several consumers' threads count at once)
+                server.tally["sent"] += 1
+                server.tally["bytes_sent"] += parcel.nbytes
         except (OSError, TransferError, ValueError) as e:
             log.warning("a KV transfer to %s failed: %s", self.client_address, e)
 
@@ -180,7 +183,7 @@ class Fetch:
     def __init__(self, params: dict, layout: dict, shape: tuple, dtype, block_bytes: int, timeout_s: float):
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tokens: list[int] = []
-        self.outcome, self.seconds, self.nbytes, self.error = "received", 0.0, 0, ""
+        self.outcome, self.seconds, self.nbytes, self.error = "", 0.0, 0, ""
         self.usable: int | None = None  # blocks of it this prompt can load, once it has arrived and been checked
         self.address = f"{params.get('remote_host')}:{params.get('remote_port')}"
         args = (params, layout, shape, dtype, block_bytes, timeout_s)
@@ -201,13 +204,18 @@ class Fetch:
                     raise TransferError("refused", f"blocks of {head['block_bytes']} bytes (producer {self.address}) "
                                                    f"against {block_bytes} (this consumer)")  # fmt: skip
                 blocks = [recv_block(stream, block_bytes, dtype, shape) for _ in range(head["num_blocks"])]
-            self.blocks, self.tokens, self.nbytes = blocks, head["tokens"], len(blocks) * block_bytes
+            self.blocks, self.tokens, self.nbytes = blocks, list(head["tokens"]), len(blocks) * block_bytes
+            self.outcome = "received"
         except TransferError as e:
             self.outcome, self.error = e.reason, str(e)
         except socket.timeout as e:
             self.outcome, self.error = "timeout", f"no answer within {timeout_s} s ({e})"
-        except (OSError, KeyError, ValueError) as e:
+        except (ConnectionResetError, BrokenPipeError) as e:  # it was there, and went away mid-transfer
+            self.outcome, self.error = "cut", f"{type(e).__name__}: {e}"
+        except OSError as e:
             self.outcome, self.error = "unreachable", f"{type(e).__name__}: {e}"
+        except Exception as e:  # noqa: BLE001 - malformed params or answer: never a dead thread counted as received
+            self.outcome, self.error = "refused", f"{type(e).__name__}: {e}"
         if self.outcome != "received":
             log.warning("KV transfer from producer %s failed (%s): %s; the prompt is computed here",
                         self.address, self.outcome, self.error)  # fmt: skip
@@ -248,7 +256,9 @@ class TCPConnector(KVConnectorBase):
             self.outbox = Outbox(self.config.kv_buffer_size, self.ttl_s)
             self.server = ProducerServer(self.config.kv_ip, self.config.kv_port, self.outbox, self.layout,
                                          self.block_bytes, self.timeout_s)  # fmt: skip
-            threading.Thread(target=self.server.serve_forever, args=(0.1,), daemon=True, name="kv-producer").start()
+            self.thread = threading.Thread(target=self.server.serve_forever, args=(0.1,), daemon=True,
+                                           name="kv-producer")  # fmt: skip
+            self.thread.start()
             self._finalizer = weakref.finalize(self, _stop, self.server)
             log.info("KV producer serving blocks on %s", self.server.address)
 
@@ -269,8 +279,8 @@ class TCPConnector(KVConnectorBase):
     def is_receiving(self, req) -> bool:
         """True while the request's KV is on its way (the scheduler leaves it waiting, admits
         others); the first call starts its fetch. vLLM: WAITING_FOR_REMOTE_KVS."""
-        if self.role != "kv_consumer" or not transfer_params(req).get("do_remote_prefill"):
-            return False
+        if self.role != "kv_consumer" or req.index > 0 or not transfer_params(req).get("do_remote_prefill"):
+            return False  # (samples 1.. of n fork from sample 0's blocks, or compute: one fetch per request)
         fetch = self.fetches.get(req.seq_id)
         if fetch is None:
             if req.seq_id in self.fetched:
