@@ -393,6 +393,9 @@ class SamplingFields(Strict):
             if getattr(self, field) is not None:
                 asked.append(({kind: getattr(self, field)}, field))
         if self.structured_outputs is not None:
+            flag = self.structured_outputs.get("disable_any_whitespace", False)
+            if not isinstance(flag, bool):  # (the schema's type; the params class would take any value)
+                raise APIError(400, "structured_outputs.disable_any_whitespace must be a boolean", "structured_outputs")
             asked.append((self.structured_outputs, "structured_outputs"))
         asked += self.tool_constraint()
         if len(asked) > 1:
@@ -630,6 +633,12 @@ class ChatCompletionRequest(SamplingFields):
                     and isinstance(t["function"].get("name"), str)):  # fmt: skip
                 raise APIError(400, f"tools.{i} must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}",
                                "tools")  # fmt: skip
+            f = t["function"]  # the schema's other fields of a function tool, each of its own type when present
+            for key, ok, what in (("description", lambda v: v is None or isinstance(v, str), "a string"),
+                                  ("parameters", lambda v: isinstance(v, dict), "an object (a JSON schema)"),
+                                  ("strict", lambda v: v is None or isinstance(v, bool), "a boolean")):  # fmt: skip
+                if key in f and not ok(f[key]):
+                    raise APIError(400, f"tools.{i}.function.{key} must be {what}", "tools")
         for i, m in enumerate(self.messages):
             for name in ("tool_calls", "function_call", "audio"):
                 if getattr(m, name):

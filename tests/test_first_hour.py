@@ -25,7 +25,7 @@ pytestmark = pytest.mark.docs
 @pytest.mark.parametrize(
     "args,usage",
     [
-        ([], "usage: ladder {serve,bench,labs,watch,trace,demo N}"),
+        ([], "usage: ladder {serve,bench,labs,watch,trace,disagg,demo N}"),
         (["trace"], "usage: ladder trace "),
         (["watch"], "usage: ladder watch "),
         (["serve"], "usage: ladder serve "),
