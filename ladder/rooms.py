@@ -18,6 +18,9 @@ since any request may carry a spec; the others only where a setting or a checkpo
     compilation_config=3 (or a dict)             features.compilation          the worker's model runner (level 1)
     kv_transfer_config={...}                     features.kv_connectors        level 3's block pool and KV cache
                                                                                manager, level 1's worker
+    enable_lora=True, lora_request=...           features.lora                 the model's projections, level 0's
+                                                                               preparers, level 2's admission and
+                                                                               step input, level 3's block names
 
 A level imports this file and never a room; a room imports the level files whose seams it
 plugs into and never this file; this file imports no level and no room (only their names,
@@ -43,9 +46,10 @@ ROOMS = {
     "moe": "features.moe",
     "compilation": "features.compilation",
     "kv_connectors": "features.kv_connectors",
+    "lora": "features.lora",
 }
 # Names a room lends a level's public API (`from level3_prefix import StructuredOutputsParams`).
-EXPORTS = {"StructuredOutputsParams": "structured_outputs"}
+EXPORTS = {"StructuredOutputsParams": "structured_outputs", "LoRARequest": "lora"}
 # Checkpoint model types a room adds to the loader's dense Llama family.
 ARCHITECTURES = {"mixtral": "moe", "qwen2_moe": "moe", "qwen3_moe": "moe"}
 
@@ -107,7 +111,7 @@ def architecture(model_type: str) -> ModuleType | None:
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
-           "kv_connector"]  # fmt: skip
+           "kv_connector", "lora_manager"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -122,6 +126,11 @@ def compilation_config(value, enforce_eager: bool):
 def kv_connector(value, block_size: int, hash_fn, model: str = ""):
     """`kv_transfer_config=` -> the room's connector (both sides of vLLM's seam), or None without one."""
     return None if value is None else load("kv_connectors").make_connector(value, block_size, hash_fn, model)
+
+
+def lora_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
+    """`enable_lora=True` -> the room's manager, installed in `model`'s projections."""
+    return load("lora").make_manager(model, max_loras, max_lora_rank, max_cpu_loras)
 
 
 def model_runner(runner, compilation):

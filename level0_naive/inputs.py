@@ -39,11 +39,12 @@ class InputProcessor:
         self.max_model_len, self.device = max_model_len, device
         self.sequence_class, self.check_fits, self.clock = sequence_class, check_fits, clock
         self.preparers = tuple(preparers)  # each may raise ValueError for a request it cannot serve
+        self.takes_lora = False  # an engine with the LoRA room says so (and adds its preparer)
         self._rng = torch.Generator().manual_seed(seed)  # seeds every unseeded sampling request
         self._request_ids = itertools.count()
         self._seq_ids = itertools.count()
 
-    def make_requests(self, prompts, sampling_params) -> list[list[Sequence]]:
+    def make_requests(self, prompts, sampling_params, lora_request=None) -> list[list[Sequence]]:
         """Prompts -> one group of `n` sequences per prompt. Every prompt is checked before any
         is numbered: a bad prompt 3 raises having used no request id and no random draw, so
         the next call numbers and seeds its requests as if the failed one never happened."""
@@ -58,16 +59,20 @@ class InputProcessor:
         )
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
-        groups = [self._checked_group(prompt, p, i) for i, (prompt, p) in enumerate(zip(prompts, params))]
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        groups = [self._checked_group(prompt, p, i, lora)
+                  for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras))]  # fmt: skip
         return [self._number(group) for group in groups]
 
     def make_group(
-        self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None
+        self, prompt: Prompt, params: SamplingParams, i: int = 0, request_id: str | None = None, lora_request=None
     ) -> list[Sequence]:
         """One validated prompt -> its `n` sequences (the samples of one request)."""
-        return self._number(self._checked_group(prompt, params, i), request_id)
+        return self._number(self._checked_group(prompt, params, i, lora_request), request_id)
 
-    def _checked_group(self, prompt: Prompt, params: SamplingParams, i: int) -> list[Sequence]:
+    def _checked_group(self, prompt: Prompt, params: SamplingParams, i: int, lora_request=None) -> list[Sequence]:
         """Every check of one request; its sequences come back without ids or generators."""
         if not isinstance(params, SamplingParams):
             raise ValueError(f"sampling_params for prompt {i} must be a SamplingParams, got {type(params).__name__}")
@@ -85,7 +90,10 @@ class InputProcessor:
         ids = self.tokenize(prompt, i)
         text = prompt if isinstance(prompt, str) else None
         rest = (text, ids, params, self.max_model_len, self.eos_token_ids, None, self.tokenizer)
-        group = [self.sequence_class(-1, "", j, *rest, clock=self.clock) for j in range(params.n)]
+        if lora_request is not None and not self.takes_lora:
+            raise ValueError(f"lora_request for prompt {i}: this engine has no LoRA (enable_lora=True, levels 2-5)")
+        group = [self.sequence_class(-1, "", j, *rest, clock=self.clock, lora_request=lora_request)
+                 for j in range(params.n)]  # fmt: skip
         self.check_fits(group[0], i)
         for prepare in self.preparers:
             prepare(group, i)

@@ -43,12 +43,14 @@ class LLM:
         return self.llm_engine.tokenizer
 
     def generate(self, prompts: Prompt | list[Prompt], sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 *, progress: bool = True, use_tqdm: bool | None = None) -> list[RequestOutput]:  # fmt: skip
+                 *, progress: bool = True, use_tqdm: bool | None = None, lora_request=None) -> list[RequestOutput]:  # fmt: skip
         """Generate for every prompt (a string or a list of token ids); outputs in prompt order.
-        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is."""
+        `use_tqdm` is vLLM's name for `progress` (the bar here is rich's), accepted as-is.
+        `lora_request`: a LoRARequest for every prompt, or a list of one per prompt (None: the base
+        model), at the levels built with `enable_lora=True` (2-5)."""
         progress = progress if use_tqdm is None else use_tqdm
         engine = self.llm_engine
-        groups = engine.inputs.make_requests(prompts, sampling_params)  # validates everything first
+        groups = engine.inputs.make_requests(prompts, sampling_params, lora_request)  # validates everything first
         seqs = [s for g in groups for s in g]
         with Timer() as t, GenerateProgress(len(seqs), enabled=progress) as bar:
             engine.run(seqs, bar)

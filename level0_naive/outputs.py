@@ -113,6 +113,7 @@ class Sequence:
     logprobs: list[dict[int, Logprob]] | None = None
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # filled as the prompt's logits come in
     constraint: Constraint | None = None  # accepts every appended token (a room's: ladder/rooms.py)
+    lora_request: object | None = None  # the adapter it runs with (a room's LoRARequest), or None: the base model
     cumulative_logprob: float = 0.0
     finish_reason: str | None = None
     stop_reason: int | str | None = None

@@ -81,6 +81,10 @@ def compilation_for(config, parallel: bool = False) -> object:
     part, compilation = config.compilation, config.compilation.config
     if compilation is None:
         return None
+    if getattr(getattr(config, "lora", None), "enable_lora", False):  # (the adapters' per-step mapping)
+        if part.asked:
+            raise ValueError("compilation_config with enable_lora=True is not built: use enforce_eager=True")
+        return None
     if not part.asked:  # the default: compiled on a CPU, alone, outside the batch-invariant mode
         cpu = resolve_device(config.model.device).type == "cpu"
         return compilation if cpu and not config.model.batch_invariant and not parallel else None

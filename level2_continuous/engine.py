@@ -36,9 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ladder import rooms
 from ladder.metrics import Gauge, Metric
 from ladder.progress import GenerateProgress
-from level0_naive.config import PARTS, SchedulerConfig
+from level0_naive.config import PARTS, Part, SchedulerConfig
 from level0_naive.core import EngineBase
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.outputs import RequestOutput
@@ -75,6 +76,18 @@ class ContinuousSchedulerConfig(SchedulerConfig):
 
 
 @dataclass
+class LoRASettings(Part):
+    """`enable_lora=True` (vLLM's names): adapters over the base model, mixed in one batch (the room
+    features/lora); at most `max_loras` distinct adapters in a step, each of rank <= `max_lora_rank`,
+    `max_cpu_loras` kept in host memory (None: max_loras)."""
+
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+
+@dataclass
 class StepRecord:
     """What one step did (the last `step_log_size` steps are kept): for step-level analysis, such as the
     demo's share of time spent scheduling."""
@@ -93,7 +106,7 @@ class StepRecord:
 
 class ContinuousEngine(EngineBase):
     config_parts = {**PARTS, "cache": PagedCacheConfig, "scheduler": ContinuousSchedulerConfig,
-                    "compilation": CompilationSettings}  # fmt: skip
+                    "compilation": CompilationSettings, "lora": LoRASettings}  # fmt: skip
     sequence_class = Request
     scheduler_class = Scheduler  # a subclass may swap in a subclass of it
 
@@ -104,6 +117,7 @@ class ContinuousEngine(EngineBase):
         self.num_blocks = self.worker.num_blocks
         self.kv: KVCacheManager = self.make_kv_manager()
         self.scheduler = self.make_scheduler()
+        self.lora = self.make_lora()
         self.requests: dict[str, list[Request]] = {}  # request_id -> its n samples (online API)
         self.step_log: deque[StepRecord] = deque(maxlen=self.config.scheduler.step_log_size)
         self._aborted: list[RequestOutput] = []  # final outputs of aborted requests, for the next step()
@@ -114,6 +128,18 @@ class ContinuousEngine(EngineBase):
         num_blocks = num_blocks_for_budget(self.kv_budget, c.block_size, self.bytes_per_token)
         return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant,
                       compilation_for(self.config))  # fmt: skip
+
+    def make_lora(self):
+        """`enable_lora=True`: the room's manager in the model's projections, its preparer checking each
+        request's adapter, its rule in the scheduler's admission (features/lora); None without."""
+        c = self.config.lora
+        if not c.enable_lora:
+            return None
+        lora = rooms.lora_manager(self.worker.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+        self.inputs.takes_lora = True
+        self.inputs.preparers += (lora.prepare,)
+        self.scheduler.admission_rule = lora.admits
+        return lora
 
     def make_kv_manager(self) -> KVCacheManager:
         """Level 1's block tables behind the `KVCacheManager` Protocol (kv_cache_manager.py)."""
@@ -129,13 +155,14 @@ class ContinuousEngine(EngineBase):
 
     # --- the online API ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt, params: SamplingParams | None = None, priority: int = 0,
-                    arrival_time: float | None = None) -> None:  # fmt: skip
+                    arrival_time: float | None = None, lora_request=None) -> None:  # fmt: skip
         """Queue a request; a bad one raises ValueError here and nothing else is affected.
         `arrival_time` (on the engine's clock: time.perf_counter() by default) is when it really
         arrived, if earlier than now (when the caller received it, say), so TTFT counts from there."""
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id)
+        group = self.inputs.make_group(prompt, params or SamplingParams(), request_id=request_id,
+                                       lora_request=lora_request)  # fmt: skip
         for req in group:
             req.priority = priority
             if arrival_time is not None:
@@ -206,7 +233,7 @@ class ContinuousEngine(EngineBase):
             with Timer() as t_sched:
                 sched = self.schedule()
                 if not sched.scheduled:
-                    if self.scheduler.running or self.scheduler.num_admissible or sched.preempted:  # a lone one fits
+                    if self.scheduler.running or sched.preempted or self.scheduler.admissible():  # a lone one fits
                         raise RuntimeError("the scheduler made no progress with requests pending (a bug)")
                     if self.scheduler.has_unfinished():  # each waits on something outside (its KV, arriving)
                         time.sleep(WAIT_FOR_OUTSIDE_S)  # rather than spin
@@ -234,6 +261,8 @@ class ContinuousEngine(EngineBase):
             chunks.append((req.token_slice(req.num_computed_tokens, n), req.num_computed_tokens))
             tables.append(self.kv.block_table(req))
             num_logits.append(req.prompt_logprob_rows(req.num_computed_tokens, n) + req.num_logits(n))
+        if self.lora is not None:  # each row's adapter slot, where the model's projections read it
+            self.lora.prepare_step(sched.scheduled)
         return ModelInput.build(chunks, tables, self.config.cache.block_size, num_logits)
 
     @staticmethod

@@ -95,7 +95,9 @@ class Scheduler:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_admissible = 0  # set by each schedule(): see there
+        # a room's rule (request, this step's running requests) -> may it join now? (LoRA: its adapter must
+        # fit the slots beside the running ones' adapters); None: any that fits the budget and the pool
+        self.admission_rule = None
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -106,7 +108,6 @@ class Scheduler:
     # --- one step's decision -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out, budget = SchedulerOutput(), self.max_num_batched_tokens
-        self.num_admissible = 0  # the waiting requests this step could have admitted (_admit counts them)
         running = self.schedulable()  # the running requests this step may schedule or preempt
         i = 0
         while i < len(running) and budget > 0:
@@ -141,9 +142,10 @@ class Scheduler:
         """Admit from `admissible()` while budget and seats last; `running` are this step's running requests
         (the seats and the headroom count them), and each admitted request joins them."""
         waiting = self.admissible()
-        self.num_admissible = len(waiting)
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._next_waiting(waiting)
+            if self.admission_rule is not None and not self.admission_rule(req, running):
+                break  # head-of-line, as when the pool is full: it waits until running requests leave
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             req.set_computed(num_computed)
             n = min(req.num_uncomputed_tokens, budget)

@@ -8,7 +8,8 @@ including the block, not for one block's tokens alone:
     block names:       h1 = H(-, t0..15)   h2 = H(h1, t16..31)    (partial: no name)
 
     "ROMEO: But soft" ... and "JULIET: But soft" ...: the same second block's tokens, different
-    names, because their first blocks differ
+    names, because their first blocks differ; and the same prompt on two LoRA adapters: different
+    names from the first block on (its extra key is the adapter: `adapter_key`)
 
 `block_hashes(req, n)` gives a request's first n names, each computed once and kept on the
 request (`PrefixRequest.block_hashes`, as vLLM keeps them on its Request): a preempted request
@@ -53,13 +54,22 @@ class PrefixRequest(Request):
     block_hashes: list[bytes] = field(default_factory=list)
 
 
+def adapter_key(req) -> tuple:
+    """The first block's extra key: the request's LoRA adapter, if it has one. Its KV was computed
+    through the adapter's projections, so it must never serve a request on another adapter (or on
+    none); the chain carries the difference to every later block (vLLM adds the LoRA id the same way)."""
+    lora = getattr(req, "lora_request", None)
+    return () if lora is None else (("lora", lora.lora_int_id),)
+
+
 def block_hashes(req, num_blocks: int, block_size: int, hash_fn=hash_block) -> list[bytes]:
     """The chained names of `req`'s first `num_blocks` full blocks, memoised on `req.block_hashes`."""
     hashes = req.block_hashes
     while len(hashes) < num_blocks:
         i = len(hashes)
-        hashes.append(hash_fn(hashes[-1] if hashes else None, tuple(req.token_slice(i * block_size, block_size))))
+        tokens = tuple(req.token_slice(i * block_size, block_size))
+        hashes.append(hash_fn(hashes[-1] if hashes else None, tokens, adapter_key(req) if i == 0 else ()))
     return hashes[:num_blocks]
 
 
-__all__ = ["hash_block", "block_hashes", "PrefixRequest"]
+__all__ = ["hash_block", "block_hashes", "adapter_key", "PrefixRequest"]

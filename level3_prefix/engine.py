@@ -78,6 +78,14 @@ class PrefixCachingEngine(ContinuousEngine):
         scheduler.fork_samples = self.fork_samples
         return scheduler
 
+    def schedule(self) -> SchedulerOutput:
+        """Level 2's, after the connector's worker side says which transfers finished since the last
+        step (vLLM's `get_finished`): a request's KV counts as arrived from one step boundary to the
+        next, never in the middle of one, so what the scheduler saw is what the step's checks see."""
+        if self.connector is not None:
+            self.connector.get_finished()
+        return super().schedule()
+
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
         """Level 2's input, plus the copies a forked sequence's first write needs (copy-on-write), and
         the connector's moves for this step handed to the worker's side of it (one process: directly;

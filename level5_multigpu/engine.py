@@ -116,6 +116,9 @@ class ParallelEngine(SpeculativeEngine):
         if not self.parallel:
             return super().make_worker()
         compilation_for(self.config, parallel=True)  # refuses one that was asked for; the default is eager here
+        if self.config.lora.enable_lora:
+            raise ValueError("enable_lora at tensor_parallel_size x pipeline_parallel_size > 1 is not built (the "
+                             "adapters' A and B would have to be sharded as their layers are)")  # fmt: skip
         if self.config.cache.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
                              "(each rank would need its own side of the connector)")  # fmt: skip

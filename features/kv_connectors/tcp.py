@@ -26,9 +26,9 @@ connectors instead save layer by layer from the forward (`save_kv_layer`) or kee
 allocated until the consumer has read them (`request_finished` returns delay_free_blocks), and
 read straight from GPU memory (NIXL, NCCL); here every byte goes through host memory and a socket.
 
-The consumer's scheduler side watches its fetch threads itself (`is_receiving`): in one process
-there is no worker to report finished receives, which vLLM's do through `get_finished` (here the
-base's, which reports nothing).
+A fetch that has ended counts as arrived only once `get_finished` has said so, which level 3's
+engine asks once per step before it schedules (vLLM's worker reports finished receives the same
+way): within a step, a request is waiting for its KV or not, whatever the thread does meanwhile.
 
 What it is not: tensor-parallel on either side (level 5 refuses a kv_transfer_config over ranks),
 asynchronous in the consumer's worker (the fetched blocks are copied in at the start of the
@@ -180,7 +180,8 @@ class Fetch:
     """One request's blocks, being fetched on a thread: then `blocks` ([(k, v)], each [L, bs, Hkv, D])
     or `outcome` says why not."""
 
-    def __init__(self, params: dict, layout: dict, shape: tuple, dtype, block_bytes: int, timeout_s: float):
+    def __init__(self, req, params: dict, layout: dict, shape: tuple, dtype, block_bytes: int, timeout_s: float):
+        self.req = req  # (read by the engine's thread only)
         self.blocks: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.tokens: list[int] = []
         self.outcome, self.seconds, self.nbytes, self.error = "", 0.0, 0, ""
@@ -286,21 +287,29 @@ class TCPConnector(KVConnectorBase):
             if req.seq_id in self.fetched:
                 return False  # one fetch per request: a preempted one computes what it lost
             self.fetched.add(req.seq_id)
-            self.fetches[req.seq_id] = Fetch(transfer_params(req), self.layout, self.shape, self.dtype,
+            self.fetches[req.seq_id] = Fetch(req, transfer_params(req), self.layout, self.shape, self.dtype,
                                              self.block_bytes, self.timeout_s)  # fmt: skip
             return True
-        if not fetch.done:
-            return True
-        if fetch.usable is None:  # arrived: check it is this prompt's, and count it, once
-            bs, usable = self.block_size, (req.num_tokens - 1) // self.block_size
-            fetch.usable = min(len(fetch.blocks), usable)
+        return fetch.usable is None  # (set by get_finished, at a step boundary)
+
+    def get_finished(self) -> tuple[set[str], set[str]]:
+        """Once per step, before scheduling: the fetches whose threads ended since the last call are
+        checked (the tokens are this prompt's), counted, and from now on arrived -> (set(), their
+        request ids). Between two calls nothing changes, whatever the threads do."""
+        done = set()
+        for fetch in self.fetches.values():
+            if fetch.usable is not None or not fetch.done:
+                continue
+            req, bs = fetch.req, self.block_size
+            fetch.usable = min(len(fetch.blocks), (req.num_tokens - 1) // bs)
             if fetch.outcome == "received" and fetch.tokens[: fetch.usable * bs] != req.token_slice(0, fetch.usable * bs):
                 fetch.outcome, fetch.usable = "refused", 0
                 log.warning("KV transfer from producer %s holds another prompt's tokens; computed here", fetch.address)
             self.tally[fetch.outcome] += 1
             self.tally["bytes_received"] += fetch.nbytes
             self.tally["receive_seconds"] += fetch.seconds
-        return False
+            done.add(req.request_id)
+        return set(), done
 
     def get_num_new_matched_tokens(self, req, num_computed_tokens: int) -> int:
         """The fetched blocks past the device pool's hit (whole blocks; the prompt's last token is

@@ -1,0 +1,143 @@
+"""The LoRA manager: adapters in device slots and in host memory, the layers that read them, each step's mapping.
+
+What it is: `LoRAManager`, what `enable_lora=True` gives an engine (through ladder/rooms.py):
+
+    install        every q, k, v, o, gate, up and down projection of every layer becomes a
+                   LoRALinear (layers.py) reading this manager's slots
+    slots          max_loras device slots per projection: A [S, R, in] and B [S, out, R] (R =
+                   max_lora_rank, a smaller rank zero-padded; a projection an adapter does not
+                   target stays zero) and each slot's scale
+    host cache     up to max_cpu_loras adapters read from disk (adapter.py), least recently used
+                   dropped first; a request's adapter is read and checked when it is added, so a
+                   bad one is refused then, in one line
+    admission      `admits(req, running)`: a request joins the running batch only if the distinct
+                   adapters of the running requests and its own are at most max_loras (so every
+                   step's adapters fit the slots, and no running request's adapter is ever evicted)
+    prepare_step   before each forward: the step's adapters put in slots (a slot whose adapter the
+                   step does not need, least recently used, is overwritten), and the mapping [T],
+                   each row's slot (-1: the base model), set where the layers read it
+
+    step with rows  A A A | B | - | A      (requests on adapters 7, 9, none, 7)
+    slots           0: adapter 7   1: adapter 9
+    mapping         [0 0 0 1 -1 0]  -> every projection: y = x W^T + delta(x, slots, mapping)
+
+What it is not: tensor-parallel, used by a draft model, or asynchronous (an adapter is copied into
+its slot inside the step that first needs it).
+
+Reference: vLLM `vllm/lora/worker_manager.py` (`LRUCacheWorkerLoRAManager`), `vllm/lora/models.py`
+(`LoRAModelManager.activate_adapter`, `set_adapter_mapping`); S-LoRA's unified paging (not built:
+here a slot holds the largest rank).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .adapter import TARGETS, Adapter, load_adapter, shapes
+from .layers import LoRALinear
+from .punica import delta_gathered, delta_loop
+from .request import LoRAConfig
+
+
+class LoRAManager:
+    def __init__(self, model, config: LoRAConfig, path: str = "gathered"):
+        cfg = model.config
+        if cfg.moe is not None:
+            raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
+        self.config, self.model_config = config, cfg
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        S, R = config.max_loras, config.max_lora_rank
+        self.A, self.B = {}, {}  # (layer, module) -> [S, R, in], [S, out, R]
+        for layer in range(cfg.num_layers):
+            for module, (n_in, n_out) in shapes(cfg).items():
+                self.A[layer, module] = torch.zeros(S, R, n_in, dtype=self.dtype, device=self.device)
+                self.B[layer, module] = torch.zeros(S, n_out, R, dtype=self.dtype, device=self.device)
+        self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
+        self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
+        self.delta = {"gathered": delta_gathered, "loop": delta_loop}[path]
+        self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
+        self.active = False  # does this step run any adapter?
+        self.loads = 0  # adapters copied into a slot
+        self._install(model)
+
+    def _install(self, model) -> None:
+        for i, layer in enumerate(model.model.layers):
+            for module, parent in TARGETS.items():
+                owner = getattr(layer, parent)
+                setattr(owner, module, LoRALinear(getattr(owner, module), (i, module), self))
+
+    def weights(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.A[key], self.B[key]
+
+    # --- requests ---------------------------------------------------------------------------------
+    def adapter(self, request) -> Adapter:
+        """The request's adapter from host memory, read from disk (and checked) if it is not there."""
+        hit = self.host.get(request.lora_int_id)
+        if hit is not None:
+            self.host.move_to_end(request.lora_int_id)
+            return hit
+        adapter = load_adapter(request, self.model_config, self.config.max_lora_rank, self.dtype)
+        self.host[request.lora_int_id] = adapter
+        while len(self.host) > self.config.max_cpu_loras:
+            self.host.popitem(last=False)
+        return adapter
+
+    def prepare(self, group: list, i: int) -> None:
+        """A request's preparer (level 0's InputProcessor): its adapter read and checked now, so a bad one
+        is refused when it is added, never in a step."""
+        if group[0].lora_request is not None:
+            self.adapter(group[0].lora_request)
+
+    def admits(self, req, running: list) -> bool:
+        """Would the running requests and `req` use at most max_loras distinct adapters?"""
+        if req.lora_request is None:
+            return True
+        ids = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        return len(ids | {req.lora_request.lora_int_id}) <= self.config.max_loras
+
+    # --- each step ------------------------------------------------------------------------------
+    def prepare_step(self, scheduled: list) -> None:
+        """(request, new tokens) per scheduled chunk, in the step's row order -> the mapping, every
+        adapter of the step in a slot first."""
+        wanted = {r.lora_request.lora_int_id: r.lora_request for r, _ in scheduled if r.lora_request is not None}
+        if len(wanted) > self.config.max_loras:  # the admission rule makes this impossible
+            raise RuntimeError(f"a step with {len(wanted)} adapters and max_loras={self.config.max_loras} (a bug)")
+        for lora_id, request in wanted.items():
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+            else:
+                self._load(request, self._free_slot(set(wanted)))
+        rows = [self.slot_of[r.lora_request.lora_int_id] if r.lora_request is not None else -1
+                for r, n in scheduled for _ in range(n)]  # fmt: skip
+        self.active = bool(wanted)
+        self.mapping = torch.tensor(rows, dtype=torch.long, device=self.device)
+
+    def _free_slot(self, keep: set[int]) -> int:
+        used = set(self.slot_of.values())
+        for slot in range(self.config.max_loras):
+            if slot not in used:
+                return slot
+        victim = next(i for i in self.slot_of if i not in keep)  # least recently used that this step does not need
+        return self.slot_of.pop(victim)
+
+    @torch.inference_mode()
+    def _load(self, request, slot: int) -> None:
+        adapter = self.adapter(request)
+        r = adapter.rank
+        for key in self.A:
+            self.A[key][slot].zero_()
+            self.B[key][slot].zero_()
+            if key in adapter.weights:
+                a, b = adapter.weights[key]
+                self.A[key][slot, :r].copy_(a)  # [r, in] into [R, in]
+                self.B[key][slot, :, :r].copy_(b)  # [out, r] into [out, R]
+        self.scale[slot] = adapter.scale
+        self.slot_of[request.lora_int_id] = slot
+        self.loads += 1
+
+
+__all__ = ["LoRAManager"]

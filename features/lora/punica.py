@@ -1,0 +1,54 @@
+"""A batch where every row may run a different adapter: `x W^T + scale_i (x A_i^T) B_i^T`, two ways.
+
+What it is: the one computation LoRA serving adds to a linear layer, for T rows whose adapters are
+`idx` [T] (a device slot, or -1 for the base model alone), with every slot's A and B stacked:
+
+    A [S, R, in]   B [S, out, R]   scale [S]   (S slots; R = max_lora_rank: a smaller rank is
+                                                zero-padded, and zero rows add nothing)
+
+    delta_loop      the readable one: for each slot present in the batch, its rows x_s, then
+                    (x_s A_s^T) B_s^T * scale_s, written back into those rows: one shrink and one
+                    expand per adapter in the batch
+    delta_gathered  Punica's: each row gathers its own A and B, and two batched matmuls do every row
+                    at once (BGMV: "batched gather matrix-vector"; for a decode step, one row per
+                    request, exactly Punica's kernel); rows of the base model gather slot 0 and are
+                    multiplied by a zero scale
+
+    shrink   [T, in] x [T, in, R] -> [T, R]      expand   [T, R] x [T, R, out] -> [T, out]
+
+Both give the same numbers (the same products, summed in the same order per row); the gathered
+one moves T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
+avoids by reading each slot's A and B once per block of rows.
+
+What it is not: a GPU kernel (the issue's Triton shrink and expand are not built), or SGMV's
+segments (a prefill's rows of one adapter handled as one matrix product: the loop does that).
+
+Reference: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), BGMV and SGMV; Sheng et
+al., "S-LoRA" (MLSys 2024); vLLM `vllm/lora/ops/torch_ops/lora_ops.py` (bgmv_shrink, bgmv_expand).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def delta_loop(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor):
+    """x [T, in], A [S, R, in], B [S, out, R], scale [S], idx [T] (-1: none) -> delta [T, out]."""
+    out = x.new_zeros(x.shape[0], B.shape[1])
+    for s in torch.unique(idx).tolist():
+        if s < 0:
+            continue
+        rows = idx == s  # [T] bool: this adapter's rows
+        out[rows] = (x[rows] @ A[s].T) @ B[s].T * scale[s]  # [n, in] -> [n, R] -> [n, out]
+    return out
+
+
+def delta_gathered(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor):
+    """The same delta, every row at once: each row's own A and B gathered, two batched matmuls."""
+    slot = idx.clamp(min=0)  # [T]: the base model's rows read slot 0 ...
+    s = torch.where(idx >= 0, scale[slot], torch.zeros_like(scale[slot]))  # [T] ... and scale it by 0
+    shrunk = torch.bmm(A[slot], x.unsqueeze(-1)).squeeze(-1)  # [T, R, in] x [T, in, 1] -> [T, R]
+    return torch.bmm(B[slot], shrunk.unsqueeze(-1)).squeeze(-1) * s[:, None]  # [T, out, R] x [T, R, 1] -> [T, out]
+
+
+__all__ = ["delta_loop", "delta_gathered"]

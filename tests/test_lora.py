@@ -1,0 +1,198 @@
+"""Multi-LoRA (features/lora): requests on different adapters and on the base model, mixed in one
+batch, give HF PEFT's greedy tokens; the gathered path equals the loop; two adapters never share a
+KV block; a step never holds more adapters than slots, and no running request's adapter leaves its
+slot; a bad adapter is refused in one line.
+
+The oracle is PEFT's own model (`PeftModel.from_pretrained` over the HF checkpoint), greedy with no
+KV cache, in float64, on random adapters of different ranks and targets saved with `save_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import VOCAB
+from hypothesis import given
+from hypothesis import strategies as st
+from test_equivalence import Staggered, draft_checkpoint, kv_bytes, workloads
+
+import level1_paged
+import level2_continuous
+import level3_prefix
+import level4_speculative
+from features.lora import delta_gathered, delta_loop
+from level0_naive import SamplingParams
+from level3_prefix import LoRARequest  # (the room lends it to every level)
+
+pytestmark = pytest.mark.level3
+
+# (seed, rank, alpha, targets, rslora) per adapter: every projection targeted by some adapter
+SPECS = [(1, 4, 8, ["q_proj", "v_proj", "down_proj"], False), (2, 8, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], False),
+         (3, 2, 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], True)]  # fmt: skip
+
+
+def save_adapter(base: Path, out: Path, seed: int, rank: int, alpha: int, targets: list[str], rslora: bool) -> Path:
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+    peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora,
+                                            init_lora_weights=False))  # fmt: skip
+    for name, w in peft.named_parameters():
+        if "lora_" in name:
+            w.data.normal_(0, 0.3)  # large enough that every adapter changes the greedy tokens
+    peft.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def adapters(checkpoint_factory, tmp_path_factory):
+    """{arch: [LoRARequest, ...]}, built on first use per architecture."""
+    made = {}
+
+    def get(arch: str) -> list[LoRARequest]:
+        if arch not in made:
+            base = checkpoint_factory(arch)
+            made[arch] = [LoRARequest(f"a{i}", i + 1, str(save_adapter(base, tmp_path_factory.mktemp(f"lora-{arch}"), *spec)))
+                          for i, spec in enumerate(SPECS)]  # fmt: skip
+        return made[arch]
+
+    return get
+
+
+class PeftOracle:
+    """PEFT's greedy tokens, no KV cache, memoised per (adapter, prompt)."""
+
+    def __init__(self):
+        self.models, self.memo = {}, {}
+
+    def model(self, base: Path, adapter: str | None):
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        if (base, adapter) not in self.models:
+            m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
+            self.models[base, adapter] = (m if adapter is None else PeftModel.from_pretrained(m, adapter)).eval()
+        return self.models[base, adapter]
+
+    @torch.inference_mode()
+    def greedy(self, base: Path, adapter: str | None, prompt: list[int], n: int) -> list[int]:
+        key = (base, adapter, tuple(prompt))
+        tokens = self.memo.get(key, [])
+        while len(tokens) < n:
+            logits = self.model(base, adapter)(torch.tensor([prompt + tokens]), use_cache=False).logits[0, -1]
+            tokens = tokens + [int(logits.argmax())]
+        self.memo[key] = tokens
+        return tokens[:n]
+
+
+@pytest.fixture(scope="module")
+def peft_oracle():
+    return PeftOracle()
+
+
+class WithAdapters:
+    """Staggered's add_request with each request's adapter; after every step: at most max_loras adapters
+    in the slots' use, and every running request's adapter in a slot."""
+
+    def __init__(self, engine, loras):
+        self.engine, self.loras = engine, loras
+        add, step = engine.add_request, engine.step
+        engine.add_request = lambda rid, *a, **kw: add(rid, *a, lora_request=self.loras[int(rid)], **kw)
+        engine.step = lambda: self._checked(step())
+
+    def _checked(self, outputs):
+        lora, running = self.engine.lora, self.engine.scheduler.running
+        ids = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
+        assert len(ids) <= lora.config.max_loras, "more adapters running than slots"
+        stepped = {r.lora_request.lora_int_id for r in running if r.lora_request is not None and r.num_computed_tokens}
+        assert stepped <= set(lora.slot_of), "a running request's adapter left its slot"
+        return outputs
+
+
+@given(workload=workloads(), arch=st.sampled_from(["llama", "qwen3", "qwen2"]), data=st.data())
+def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint_factory, adapters, peft_oracle):
+    """Levels 2, 3 and 4 (n-gram or a draft model, which runs without adapters: the target verifies
+    with them); requests on each adapter and on none; slots from 1 (every step one adapter) to
+    all; a pool from the largest request alone (preemption), a drawn token budget (chunked prefill),
+    prefix hits (level 3, twice the same workload), arrivals at drawn steps; both delta paths."""
+    path, pool = checkpoint_factory(arch), adapters(arch)
+    loras = data.draw(st.lists(st.sampled_from([None, *pool]), min_size=len(workload), max_size=len(workload)),
+                      label="adapters")  # fmt: skip
+    level = data.draw(st.sampled_from([level2_continuous, level3_prefix, level4_speculative]), label="level")
+    spec = {} if level is not level4_speculative else {"speculative_config": data.draw(st.sampled_from([
+        {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
+        {"model": str(draft_checkpoint()), "num_speculative_tokens": 2}]), label="speculation")}  # fmt: skip
+    need, bs = max(len(p) + n for p, n in workload), data.draw(st.sampled_from([1, 4, 16]), label="block_size")
+    blocks = -(-need // bs) * data.draw(st.sampled_from([1, 2, 100]), label="kv budget (x largest request)")
+    engine = level.LLMEngine(path, dtype="float64", block_size=bs, kv_cache_memory=kv_bytes(path, blocks * bs),
+                             max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
+                             max_num_batched_tokens=data.draw(st.sampled_from([1, 5, 2048]), label="token budget"),
+                             enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
+                             max_lora_rank=8, **spec)  # fmt: skip
+    engine.lora.delta = data.draw(st.sampled_from([delta_gathered, delta_loop]), label="delta path")
+    runner = Staggered(WithAdapters(engine, loras).engine, data)
+    prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                 for _, n in workload]  # fmt: skip
+    for _ in range(1 if level is level2_continuous else 2):  # levels 3-4's second round hits their own prefixes
+        for (prompt, n), lora, out in zip(workload, loras, runner.generate(prompts, params)):
+            assert out.outputs[0].token_ids == peft_oracle.greedy(path, lora and lora.lora_path, prompt, n)
+
+
+@given(T=st.integers(1, 9), S=st.integers(1, 4), R=st.integers(1, 5), data=st.data())
+def test_the_gathered_delta_equals_the_loop(T, S, R, data):
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    x, A, B = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((T, 6), (S, R, 6), (S, 5, R)))
+    scale = torch.rand(S, generator=g, dtype=torch.float64)
+    idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
+    loop, gathered = delta_loop(x, A, B, scale, idx), delta_gathered(x, A, B, scale, idx)
+    torch.testing.assert_close(gathered, loop, rtol=1e-12, atol=1e-12)
+    assert not loop[idx < 0].any()  # the base model's rows get nothing
+
+
+def test_two_adapters_never_share_a_kv_block(checkpoint_factory, adapters):
+    """One prompt on adapter 1, then on adapter 2, then on none, then on adapter 1 again: only the last
+    finds its prefix in the pool."""
+    path, (a1, a2, _) = checkpoint_factory("llama"), adapters("llama")
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8)
+    prompt, params = [random.Random(0).randrange(VOCAB) for _ in range(17)], SamplingParams(max_tokens=2, temperature=0)
+    hits = []
+    for lora in (a1, a2, None, a1):
+        before = llm.llm_engine.prefix_stats()["prefix_cache_hits"]
+        llm.generate([prompt], params, lora_request=lora, progress=False)
+        hits.append(llm.llm_engine.prefix_stats()["prefix_cache_hits"] - before)
+    assert hits == [0, 0, 0, 16], hits
+
+
+def test_a_bad_adapter_or_a_wrong_engine_is_refused_in_one_line(checkpoint_factory, adapters, tmp_path):
+    path, (a1, a2, _) = checkpoint_factory("llama"), adapters("llama")
+    llm = level3_prefix.LLM(path, dtype="float64", enable_lora=True, max_loras=1, max_lora_rank=4)
+    bad_config = tmp_path / "lm_head"
+    bad_config.mkdir()
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        (bad_config / f).write_bytes((Path(a1.lora_path) / f).read_bytes())
+    conf = json.loads((bad_config / "adapter_config.json").read_text())
+    (bad_config / "adapter_config.json").write_text(json.dumps({**conf, "use_dora": True}))
+    for lora, words in [
+        (LoRARequest("gone", 9, str(tmp_path / "nothing")), "no adapter_config.json there"),
+        (a2, "rank r=8 is above max_lora_rank=4"),
+        (LoRARequest("dora", 7, str(bad_config)), "use_dora=True is not supported"),
+    ]:
+        with pytest.raises(ValueError) as e:
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=1), lora_request=lora, progress=False)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    wrong_base = level3_prefix.LLM(checkpoint_factory("llama", hidden_size=48), dtype="float64", enable_lora=True,
+                                   max_lora_rank=8)  # fmt: skip
+    with pytest.raises(ValueError, match=r"is \(64, 4\), the base model needs \(48, 4\)"):
+        wrong_base.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=a1, progress=False)
+    with pytest.raises(ValueError, match="this engine has no LoRA"):
+        level3_prefix.LLM(path, dtype="float64").generate([[1]], lora_request=a1, progress=False)
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) enable_lora"):  # level 1 does not batch: no LoRA
+        level1_paged.LLM(path, dtype="float64", enable_lora=True)
+    with pytest.raises(ValueError, match="lora_int_id=0 must be an integer >= 1"):
+        LoRARequest("zero", 0, a1.lora_path)
