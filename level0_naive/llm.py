@@ -63,10 +63,12 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         *,
         progress: bool = False,
+        lora_request=None,
     ) -> list[RequestOutput]:
-        """Render conversation(s) with the checkpoint's chat template, then generate."""
+        """Render conversation(s) with the checkpoint's chat template, then generate (`lora_request`: as generate's)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress=progress)
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, progress=progress,
+                             lora_request=lora_request)  # fmt: skip
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         return self.llm_engine.inputs.apply_chat_template(messages)

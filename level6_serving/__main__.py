@@ -117,6 +117,12 @@ def parser() -> argparse.ArgumentParser:
       help="turn automatic prefix caching off (on by default)")  # fmt: skip
     a("--speculative-config", type=json_object, default=None,
       help='as JSON, e.g. \'{"model": "tiny-shakespeare-draft", "num_speculative_tokens": 4}\'')  # fmt: skip
+    a("--enable-lora", action="store_true", help="serve LoRA adapters over the model (docs/lora.md)")
+    a("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+      help="adapters served from the start, each a PEFT folder under the name clients put in 'model'")  # fmt: skip
+    a("--max-loras", type=positive_int, default=1, help="adapters one step may run, each in a device slot (default 1)")
+    a("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served (default 16)")
+    a("--max-cpu-loras", type=positive_int, default=None, help="adapters kept in host memory (default: --max-loras)")
     a("--kv-transfer-config", type=json_object, default=None,
       help='a KV connector, as JSON, e.g. \'{"kv_connector": "OffloadingConnector", '
            '"kv_connector_extra_config": {"cpu_bytes_to_use": 268435456}}\' (docs/kv_connectors.md)')  # fmt: skip
@@ -184,6 +190,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                 check_device_and_models(p, argparse.Namespace(device=args.device, model=spec.model))
         except ValueError as e:
             p.error(f"argument --speculative-config: {e}")
+    if args.lora_modules is not None:
+        if not args.enable_lora:
+            p.error("argument --lora-modules: needs --enable-lora")
+        bad = [m for m in args.lora_modules if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
+        if bad:
+            p.error(f"argument --lora-modules: {bad[0]!r} is not NAME=PATH")
     if args.kv_transfer_config is not None:
         from ladder import rooms
 
@@ -211,7 +223,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               kv_cache_memory=args.kv_cache_memory, enable_prefix_caching=args.enable_prefix_caching,
               speculative_config=args.speculative_config, seed=args.seed, revision=args.revision,
               download_dir=args.download_dir, compilation_config=args.compilation_config,
-              enforce_eager=args.enforce_eager, kv_transfer_config=args.kv_transfer_config)  # fmt: skip
+              enforce_eager=args.enforce_eager, kv_transfer_config=args.kv_transfer_config,
+              enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
+              max_cpu_loras=args.max_cpu_loras)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip
@@ -318,8 +332,13 @@ def main(argv=None) -> None:
         m = re.match(r"(\w+)=", str(e))
         flag = f"argument --{m[1].replace('_', '-')}: " if m else ""
         parser().error(f"{flag}{e}")
-    app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting,
-                    max_request_body_bytes=args.max_request_body_bytes, dashboard_on=args.dashboard)  # fmt: skip
+    try:
+        app = build_app(engine, names, api_key=args.api_key, max_num_waiting=args.max_num_waiting,
+                        max_request_body_bytes=args.max_request_body_bytes, dashboard_on=args.dashboard,
+                        lora_modules=dict(m.split("=", 1) for m in args.lora_modules or ()))  # fmt: skip
+    except ValueError as e:  # a --lora-modules adapter that does not fit: one line
+        sock.close()
+        parser().error(f"argument --lora-modules: {e}")
     host, real_port = sock.getsockname()[:2]
     # Printed whatever the log level: the one line a user (and ServerProcess) needs.
     print(f"serving {model} as {names} on http://{host}:{real_port} (engine: {engine.engine_name})",

@@ -54,6 +54,8 @@ import asyncio
 import atexit
 import contextlib
 import gc
+import itertools
+import json
 import logging
 import secrets
 import signal
@@ -67,6 +69,8 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from ladder import rooms
 
 from . import dashboard, metrics, openapi
 from .async_engine import AsyncLLMEngine, EngineDeadError
@@ -204,10 +208,19 @@ class APIKeyMiddleware:
 
 def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key: str | None = None,
               max_num_waiting: int = 1024, max_n: int | None = None,
-              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, dashboard_on: bool = True) -> FastAPI:  # fmt: skip
+              max_request_body_bytes: int = MAX_REQUEST_BODY_BYTES, dashboard_on: bool = True,
+              lora_modules: dict[str, str] | None = None) -> FastAPI:  # fmt: skip
     """The ASGI app over a (not yet started) AsyncLLMEngine; the app's lifespan starts and stops it.
-    `dashboard_on`: serve the live dashboard at /dashboard (dashboard.py)."""
+    `dashboard_on`: serve the live dashboard at /dashboard (dashboard.py). `lora_modules`: {name: PEFT
+    folder} of the LoRA adapters served from the start (an engine with enable_lora=True); a request's
+    `model` picks one by name; /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time."""
     serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.max_num_seqs)
+    lora_ids = itertools.count(1)
+    for name, path in (lora_modules or {}).items():  # read and checked now (the engine thread has not started)
+        if getattr(engine.engine, "lora", None) is None:
+            raise ValueError("lora_modules needs an engine with enable_lora=True")
+        serving.loras[name] = rooms.export("LoRARequest")(name, next(lora_ids), path)
+        engine.engine.lora.adapter(serving.loras[name])
     hub = None
     if dashboard_on:  # the feed joins the engine's observers before the engine thread starts
         feed = dashboard.DashboardFeed().attach(engine.engine)
@@ -269,7 +282,44 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "inference-ladder",
                  "root": str(engine.model_path), "max_model_len": engine.max_model_len}
                 for name in served_model_names]  # fmt: skip
+        data += [{"id": name, "object": "model", "created": 0, "owned_by": "inference-ladder", "root": lora.lora_path,
+                  "parent": served_model_names[0], "max_model_len": engine.max_model_len}
+                 for name, lora in serving.loras.items()]  # fmt: skip
         return {"object": "list", "data": data}
+
+    async def lora_body(raw: Request, *keys: str) -> dict:
+        if getattr(engine.engine, "lora", None) is None:
+            raise APIError(400, "this server has no LoRA (start it with --enable-lora)", None)
+        try:
+            body = json.loads(await raw.body())
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or not all(isinstance(body.get(k), str) and body.get(k) for k in keys):
+            raise APIError(400, f"the body must be a JSON object with {' and '.join(keys)} (strings)", keys[0])
+        return body
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    async def load_lora_adapter(raw: Request):
+        """vLLM's: {"lora_name", "lora_path"} -> the adapter, read and checked now, served under its name."""
+        body = await lora_body(raw, "lora_name", "lora_path")
+        name = body["lora_name"]
+        if name in serving.loras or name in served_model_names:
+            raise APIError(400, f"a model named {name!r} is already served", "lora_name")
+        lora = rooms.export("LoRARequest")(name, next(lora_ids), body["lora_path"])
+        try:
+            await engine.call(lambda e: e.lora.adapter(lora))  # read and checked on the engine's thread
+        except ValueError as e:
+            raise APIError(400, str(e), "lora_path") from None
+        serving.loras[name] = lora
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    async def unload_lora_adapter(raw: Request):
+        """vLLM's: {"lora_name"} -> no longer served (requests already running on it finish)."""
+        name = (await lora_body(raw, "lora_name"))["lora_name"]
+        if serving.loras.pop(name, None) is None:
+            raise APIError(404, f"no LoRA adapter named {name!r} is served", "lora_name", "model_not_found")
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", media_type="text/plain")
 
     @app.get("/health", response_class=Response, responses={200: {"description": "serving", "content": None},
              503: {"description": "shutting down, or the engine is dead", "content": None}})  # fmt: skip

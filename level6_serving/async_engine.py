@@ -290,9 +290,11 @@ class AsyncLLMEngine:
     def num_unfinished(self) -> int:
         return len(self._streams)
 
-    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                          lora_request=None) -> RequestStream:  # fmt: skip
         """Validate, queue, and wait until the engine has the request (a ValueError from the
-        engine, e.g. a request that could never fit the KV cache, is raised here)."""
+        engine, e.g. a request that could never fit the KV cache, is raised here). `lora_request`:
+        its LoRA adapter (an engine with enable_lora=True), or None."""
         if self.dead is not None:
             raise EngineDeadError(f"the engine is dead: {self.dead}")
         if self._thread is None:
@@ -306,7 +308,7 @@ class AsyncLLMEngine:
         self._streams[request_id] = stream
         done: concurrent.futures.Future = concurrent.futures.Future()
         self._num_adding += params.n
-        self._submit(("add", request_id, ids, params, arrival, done))
+        self._submit(("add", request_id, ids, params, arrival, lora_request, done))
         try:
             await asyncio.wrap_future(done)
         except asyncio.CancelledError:
@@ -477,10 +479,10 @@ class AsyncLLMEngine:
             if cmd[-1].set_running_or_notify_cancel():
                 cmd[-1].set_exception(EngineDeadError(f"the engine is dead: {self.dead}"))
         elif kind == "add":
-            _, rid, ids, params, arrival, done = cmd
+            _, rid, ids, params, arrival, lora, done = cmd
             if done.set_running_or_notify_cancel():  # False: the caller went away before we got here
                 try:
-                    self.engine.add_request(rid, ids, params, arrival_time=arrival)
+                    self.engine.add_request(rid, ids, params, arrival_time=arrival, lora_request=lora)
                     done.set_result(None)
                 except Exception as e:  # noqa: BLE001 - the caller gets it (ValueError: 400; else: 500)
                     done.set_exception(e)

@@ -100,6 +100,7 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     max_model_len: int
+    parent: str | None = None  # a LoRA adapter's base model
 
 
 class ModelList(BaseModel):

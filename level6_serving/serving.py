@@ -299,6 +299,7 @@ class OpenAIServing:
         self.engine, self.names = engine, served_model_names
         self.max_num_waiting, self.max_n = max_num_waiting, max_n
         self.draining = False
+        self.loras: dict = {}  # served LoRA adapters: the `model` name a client sends -> its LoRARequest
 
     def kv_transfer(self, req: CompletionRequest | ChatCompletionRequest, num_prompts: int) -> dict:
         """vLLM's `kv_transfer_params` in a prefill instance's answer: where its consumer fetches the
@@ -320,8 +321,9 @@ class OpenAIServing:
         return await self.engine.run_on_frontend(parse_body, model, body)
 
     def check_model(self, name: str | None) -> str:
-        if name is not None and name not in self.names:
-            raise APIError(404, f"The model `{name}` does not exist (served: {', '.join(self.names)})", "model",
+        if name is not None and name not in self.names and name not in self.loras:
+            served = ", ".join([*self.names, *self.loras])
+            raise APIError(404, f"The model `{name}` does not exist (served: {served})", "model",
                            "model_not_found")  # fmt: skip
         return name or self.names[0]
 
@@ -364,14 +366,14 @@ class OpenAIServing:
                            "context_length_exceeded")  # fmt: skip
 
     async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      structured_field: str | None = None) -> list[RequestStream]:  # fmt: skip
+                      structured_field: str | None = None, model: str | None = None) -> list[RequestStream]:  # fmt: skip
         """One engine request per prompt; if one is refused, the others are aborted. A structured output the
         engine cannot compile is a 400 that names the API field it came from (`structured_field`)."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, ids, params))
+                streams.append(await self.engine.add_request(rid, ids, params, self.loras.get(model)))
         except BaseException as e:
             for s in streams:
                 s.abandon()
@@ -444,6 +446,8 @@ class OpenAIServing:
     async def beam_response(self, ctx: dict, prompts: list[list[int]], params: BeamSearchParams, choice) -> Response:
         """`use_beam_search`: a search per prompt (beam_search.py), all at once; prompt i's hypotheses, best
         first, are choices i * n ... i * n + n - 1, each shaped by the endpoint's `choice(index, seq)`."""
+        if ctx["model"] in self.loras:
+            raise APIError(400, "use_beam_search with a LoRA adapter is not supported", "use_beam_search")
         try:
             outs = await gather_or_cancel(beam_search(self.engine, f"{ctx['id']}-{i}", ids, params)
                                           for i, ids in enumerate(prompts))  # fmt: skip
@@ -488,7 +492,7 @@ class OpenAIServing:
         # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
-        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1])
+        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1], model)
         ctx |= self.kv_transfer(req, len(ids))
         if prompt_only:
             streams = [PromptOnly(s) for s in streams]
@@ -565,7 +569,7 @@ class OpenAIServing:
                 "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}  # fmt: skip
             return await unless_disconnected(raw, self.beam_response({**ctx, "object": "chat.completion"}, [ids],
                                                                      beams, choice), [])  # fmt: skip
-        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1])
+        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1], model)
         ctx |= self.kv_transfer(req, 1)
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)

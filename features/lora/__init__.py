@@ -14,9 +14,10 @@ added), level 2's scheduler asks `admits` before it admits a request, its engine
 rows to `prepare_step` before the forward, and level 3 puts the adapter's id into a prompt's first
 block name, so two adapters never share KV blocks. A level never imports this room (ladder/rooms.py).
 
-What it is not (yet; issue 54): the server's `--enable-lora` and adapters by model name, levels 4
-(speculative decoding) and 5 (tensor parallelism: refused in one line), a GPU kernel, the built-in
-adapters, the demo, the lab step, the chapter, the simulator's cost and the benchmark.
+What it is not (yet; issue 54): level 5 over ranks (refused in one line), a GPU kernel, the
+built-in adapters, the demo, the lab step, the simulator's cost and the benchmarks. The server's
+side (`--enable-lora`, `--lora-modules`, adapters by model name, load and unload at run time) is
+level 6's (api_server.py, serving.py).
 
 Reference: vLLM `vllm/lora/`; Punica (MLSys 2024); S-LoRA (MLSys 2024).
 """
