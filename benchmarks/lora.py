@@ -1,0 +1,112 @@
+"""`python -m benchmarks.lora`: what mixing adapters in one batch buys, and what an adapter costs.
+
+What it is: the issue's two ratios, side by side in one run on one engine (level 3, one torch
+thread, the built-in model unless `--model`), with `--adapters` random PEFT adapters of rank
+`--rank` on every projection (built once with `peft` into the cache folder; random weights: the
+cost of an adapter does not depend on what it learned):
+
+    mixed          every request at once, requests spread evenly over the adapters: one batch,
+                   each row on its own adapter (`max_loras` = the number of adapters)
+    one at a time  the same requests, each adapter's as a batch of its own, one after another:
+                   what serving without multi-LoRA does (one fine-tune at a time)
+    base           the same requests on the base model alone (an engine without LoRA)
+
+Output tokens/s, best of `--repeats`, each request exactly `--max-tokens` tokens.
+
+What it is not: a GPU figure (the gathered path moves each row's A and B: on a CPU, the cost of LoRA
+is that gather and two batched matmuls per projection; a GPU kernel reads each slot once per block).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+
+from ladder.cli import LadderParser, cache_dir, positive_int, save_json, torch_threads
+from ladder.models import resolve_path
+
+
+def make_adapters(base: str, n: int, rank: int) -> list[str]:
+    """n random rank-`rank` adapters on every projection of `base` (built once, kept in the cache folder)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    paths = []
+    for i in range(n):
+        out = cache_dir() / "lora-bench" / f"{abs(hash(base)) % 10**8}-r{rank}-{i}"
+        if not (out / "adapter_model.safetensors").is_file():
+            torch.manual_seed(i)
+            model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+            targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+            peft = get_peft_model(model, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                                                    init_lora_weights=False))  # fmt: skip
+            peft.save_pretrained(out)
+        paths.append(str(out))
+    return paths
+
+
+def tokens_per_s(llm, prompts, params, loras, one_at_a_time: bool) -> float:
+    t0 = time.perf_counter()
+    if one_at_a_time:
+        done = 0
+        for lora in dict.fromkeys(loras):  # each adapter's requests as a batch of their own
+            mine = [p for p, q in zip(prompts, loras) if q == lora]
+            done += sum(len(o.outputs[0].token_ids) for o in llm.generate(mine, params, lora_request=lora, progress=False))
+    else:
+        done = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, lora_request=loras, progress=False))
+    return done / (time.perf_counter() - t0)
+
+
+def main(argv=None) -> dict:
+    from rich.console import Console
+
+    import level3_prefix
+    from level0_naive import SamplingParams
+    from level3_prefix import LoRARequest
+
+    p = LadderParser(prog="python -m benchmarks.lora", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--model", default="tiny-shakespeare", help="the base model")
+    p.add_argument("--adapters", type=positive_int, default=8, help="how many adapters (default 8)")
+    p.add_argument("--rank", type=positive_int, default=8, help="each adapter's rank (default 8)")
+    p.add_argument("--requests", type=positive_int, default=64, help="requests, spread evenly (default 64)")
+    p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (default 64)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs of each, the best kept (default 2)")
+    p.add_argument("--out", default=None, help="where the JSON goes (default: the output folder)")
+    args = p.parse_args(argv)
+    base = str(resolve_path(args.model))
+    adapters = [LoRARequest(f"a{i}", i + 1, path) for i, path in enumerate(make_adapters(base, args.adapters, args.rank))]
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 250) for _ in range(32)] for _ in range(args.requests)]
+    loras = [adapters[i % len(adapters)] for i in range(args.requests)]
+    params = SamplingParams(max_tokens=args.max_tokens, min_tokens=args.max_tokens, temperature=0, ignore_eos=True)
+    settings = dict(dtype="float32", enforce_eager=True, max_num_seqs=args.requests, enable_prefix_caching=False)
+    with torch_threads(1):
+        lora_llm = level3_prefix.LLM(base, enable_lora=True, max_loras=len(adapters), max_lora_rank=args.rank, **settings)
+        base_llm = level3_prefix.LLM(base, **settings)
+        best = {"mixed": 0.0, "one_at_a_time": 0.0, "base": 0.0}
+        for _ in range(args.repeats):  # alternating, so a busy moment hurts each layout alike
+            best["mixed"] = max(best["mixed"], tokens_per_s(lora_llm, prompts, params, loras, False))
+            best["one_at_a_time"] = max(best["one_at_a_time"], tokens_per_s(lora_llm, prompts, params, loras, True))
+            best["base"] = max(best["base"], tokens_per_s(base_llm, prompts, params, [None] * len(prompts), False))
+    result = {"args": vars(args), "tokens_per_s": best, "mixed_over_one_at_a_time": best["mixed"] / best["one_at_a_time"],
+              "lora_over_base": best["mixed"] / best["base"]}  # fmt: skip
+    Console().print(f"{args.requests} requests x {args.max_tokens} tokens over {len(adapters)} adapters of rank "
+                    f"{args.rank} ({args.model}, one thread): mixed {best['mixed']:.0f} tok/s, one adapter at a time "
+                    f"{best['one_at_a_time']:.0f} ({result['mixed_over_one_at_a_time']:.2f}x), base model "
+                    f"{best['base']:.0f} (LoRA costs: {result['lora_over_base']:.2f}x)")  # fmt: skip
+    if args.out:
+        import json
+
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    else:
+        save_json(result, "lora.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
