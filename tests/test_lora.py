@@ -24,7 +24,7 @@ import level1_paged
 import level2_continuous
 import level3_prefix
 import level4_speculative
-from features.lora import delta_gathered, delta_loop
+from features.lora import delta_gathered, delta_loop, delta_stacked
 from level0_naive import SamplingParams
 from level3_prefix import LoRARequest  # (the room lends it to every level)
 
@@ -128,14 +128,17 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
     spec = {} if level is not level4_speculative else {"speculative_config": data.draw(st.sampled_from([
         {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2},
         {"model": str(draft_checkpoint()), "num_speculative_tokens": 2}]), label="speculation")}  # fmt: skip
-    need, bs = max(len(p) + n for p, n in workload), data.draw(st.sampled_from([1, 4, 16]), label="block_size")
+    need, bs = max(len(p) + n for p, n in workload) + 2, data.draw(st.sampled_from([1, 4, 16]), label="block_size")
     blocks = -(-need // bs) * data.draw(st.sampled_from([1, 2, 100]), label="kv budget (x largest request)")
-    engine = level.LLMEngine(path, dtype="float64", block_size=bs, kv_cache_memory=kv_bytes(path, blocks * bs),
+    draft = spec.get("speculative_config", {}).get("model")  # its KV shares the budget (+2: k guesses)
+    budget = sum(kv_bytes(p, blocks * bs) for p in (path, *([draft] if draft else [])))
+    engine = level.LLMEngine(path, dtype="float64", block_size=bs, kv_cache_memory=budget,
                              max_num_seqs=data.draw(st.integers(1, 6), label="max_num_seqs"),
                              max_num_batched_tokens=data.draw(st.sampled_from([1, 5, 2048]), label="token budget"),
                              enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
                              max_lora_rank=8, **spec)  # fmt: skip
-    engine.lora.delta = data.draw(st.sampled_from([delta_gathered, delta_loop]), label="delta path")
+    engine.lora.path = data.draw(st.sampled_from(["stacked", "gathered", "loop"]), label="delta path")
+    engine.lora.delta = {"gathered": delta_gathered, "loop": delta_loop, "stacked": delta_stacked}[engine.lora.path]
     runner = Staggered(WithAdapters(engine, loras).engine, data)
     prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                  for _, n in workload]  # fmt: skip
@@ -145,13 +148,14 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
 
 
 @given(T=st.integers(1, 9), S=st.integers(1, 4), R=st.integers(1, 5), data=st.data())
-def test_the_gathered_delta_equals_the_loop(T, S, R, data):
+def test_the_gathered_and_stacked_deltas_equal_the_loop(T, S, R, data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x, A, B = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((T, 6), (S, R, 6), (S, 5, R)))
     scale = torch.rand(S, generator=g, dtype=torch.float64)
     idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
-    loop, gathered = delta_loop(x, A, B, scale, idx), delta_gathered(x, A, B, scale, idx)
+    loop, gathered, stacked = (f(x, A, B, scale, idx) for f in (delta_loop, delta_gathered, delta_stacked))
     torch.testing.assert_close(gathered, loop, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(stacked, loop, rtol=1e-12, atol=1e-12)
     assert not loop[idx < 0].any()  # the base model's rows get nothing
 
 

@@ -23,13 +23,13 @@ Reference: vLLM `vllm/lora/`; Punica (MLSys 2024); S-LoRA (MLSys 2024).
 """
 
 from .manager import LoRAManager
-from .punica import delta_gathered, delta_loop
+from .punica import delta_gathered, delta_loop, delta_stacked
 from .request import LoRAConfig, LoRARequest
 
 
-def make_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, path: str = "gathered"):
+def make_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, path: str = "stacked"):
     """The engine's LoRA settings -> a manager installed in `model` (every projection of every layer)."""
     return LoRAManager(model, LoRAConfig(max_loras, max_lora_rank, max_cpu_loras), path)
 
 
-__all__ = ["LoRAConfig", "LoRARequest", "LoRAManager", "make_manager", "delta_gathered", "delta_loop"]
+__all__ = ["LoRAConfig", "LoRARequest", "LoRAManager", "make_manager", "delta_gathered", "delta_loop", "delta_stacked"]

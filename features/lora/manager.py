@@ -37,12 +37,12 @@ import torch
 
 from .adapter import TARGETS, Adapter, load_adapter, shapes
 from .layers import LoRALinear
-from .punica import delta_gathered, delta_loop
+from .punica import delta_gathered, delta_loop, delta_stacked
 from .request import LoRAConfig
 
 
 class LoRAManager:
-    def __init__(self, model, config: LoRAConfig, path: str = "gathered"):
+    def __init__(self, model, config: LoRAConfig, path: str = "stacked"):
         cfg = model.config
         if cfg.moe is not None:
             raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
@@ -51,15 +51,21 @@ class LoRAManager:
         self.dtype, self.device = p.dtype, p.device
         S, R = config.max_loras, config.max_lora_rank
         self.A, self.B = {}, {}  # (layer, module) -> [S, R, in], [S, out, R]
+        self.A_flat, self.B_flat = {}, {}  # the same memory as [S*R, in] and [out, S*R] (the stacked path's)
         for layer in range(cfg.num_layers):
             for module, (n_in, n_out) in shapes(cfg).items():
-                self.A[layer, module] = torch.zeros(S, R, n_in, dtype=self.dtype, device=self.device)
-                self.B[layer, module] = torch.zeros(S, n_out, R, dtype=self.dtype, device=self.device)
+                key = (layer, module)
+                self.A[key] = torch.zeros(S, R, n_in, dtype=self.dtype, device=self.device)
+                self.B_flat[key] = torch.zeros(n_out, S * R, dtype=self.dtype, device=self.device)
+                self.A_flat[key] = self.A[key].view(S * R, n_in)
+                self.B[key] = self.B_flat[key].view(n_out, S, R).permute(1, 0, 2)  # a view: [S, out, R]
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
-        self.delta = {"gathered": delta_gathered, "loop": delta_loop}[path]
+        self.path = path
+        self.delta = {"gathered": delta_gathered, "loop": delta_loop, "stacked": delta_stacked}[path]
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
+        self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
         self.active = False  # does this step run any adapter?
         self.loads = 0  # adapters copied into a slot
         self._install(model)
@@ -70,8 +76,12 @@ class LoRAManager:
                 owner = getattr(layer, parent)
                 setattr(owner, module, LoRALinear(getattr(owner, module), (i, module), self))
 
-    def weights(self, key: tuple[int, str]) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.A[key], self.B[key]
+    def apply(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
+        """This step's delta for one projection: x [T, in] -> [T, out], by the manager's path (the
+        stacked one with this step's row mask, computed once for every projection)."""
+        if self.path == "stacked":
+            return (x @ self.A_flat[key].T * self.keep) @ self.B_flat[key].T  # [T, S*R] -> [T, out]
+        return self.delta(x, self.A[key], self.B[key], self.scale, self.mapping)
 
     # --- requests ---------------------------------------------------------------------------------
     def adapter(self, request) -> Adapter:
@@ -115,6 +125,11 @@ class LoRAManager:
                 for r, n in scheduled for _ in range(n)]  # fmt: skip
         self.active = bool(wanted)
         self.mapping = torch.tensor(rows, dtype=torch.long, device=self.device)
+        if self.path == "stacked" and self.active:
+            S, R, on = self.config.max_loras, self.config.max_lora_rank, torch.nonzero(self.mapping >= 0).squeeze(-1)
+            keep = torch.zeros(len(rows), S, dtype=self.dtype, device=self.device)
+            keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
+            self.keep = keep.repeat_interleave(R, dim=1)  # [T, S*R]
 
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())

@@ -16,8 +16,10 @@ What it is: the one computation LoRA serving adds to a linear layer, for T rows 
 
     shrink   [T, in] x [T, in, R] -> [T, R]      expand   [T, R] x [T, R, out] -> [T, out]
 
-Both give the same numbers (the same products, summed in the same order per row); the gathered
-one moves T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
+`delta_stacked` is a third way, what a CPU does best at small ranks: every slot's shrink for every
+row in one dense matmul, the other slots' columns zeroed, one dense expand (S times the
+multiplications, no gather). The three agree to rounding (tested); the gathered one moves
+T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
 avoids by reading each slot's A and B once per block of rows.
 
 What it is not: a GPU kernel (the issue's Triton shrink and expand are not built), or SGMV's
@@ -51,4 +53,17 @@ def delta_gathered(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: tor
     return torch.bmm(B[slot], shrunk.unsqueeze(-1)).squeeze(-1) * s[:, None]  # [T, out, R] x [T, R, 1] -> [T, out]
 
 
-__all__ = ["delta_loop", "delta_gathered"]
+def delta_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor):
+    """The same delta as two dense matmuls over every slot at once, each row keeping only its own slot's
+    R columns in between: wasted multiplications (S x R columns where R are used), no gather, no loop.
+    What a CPU does best at a small rank and few slots; a GPU kernel gathers instead (BGMV)."""
+    S, R, n_in = A.shape
+    shrunk = x @ A.reshape(S * R, n_in).T  # [T, in] x [in, S*R] -> [T, S*R]: every slot's shrink
+    keep = torch.zeros(x.shape[0], S, dtype=x.dtype, device=x.device)  # [T, S]: the row's slot, times its scale
+    rows = torch.nonzero(idx >= 0).squeeze(-1)
+    keep[rows, idx[rows]] = scale[idx[rows]]
+    shrunk = (shrunk.view(-1, S, R) * keep[:, :, None]).view(-1, S * R)  # other slots' columns zeroed
+    return shrunk @ B.permute(1, 0, 2).reshape(B.shape[1], S * R).T  # [T, S*R] x [S*R, out] -> [T, out]
+
+
+__all__ = ["delta_loop", "delta_gathered", "delta_stacked"]
