@@ -15,7 +15,7 @@ rows to `prepare_step` before the forward, and level 3 puts the adapter's id int
 block name, so two adapters never share KV blocks. A level never imports this room (ladder/rooms.py).
 
 What it is not (yet; issue 54): level 5 over ranks (refused in one line), a GPU kernel, the
-built-in adapters, the demo, the lab step, the simulator's cost and the benchmarks. The server's
+built-in adapters, the demo, the lab step and the simulator's cost. The server's
 side (`--enable-lora`, `--lora-modules`, adapters by model name, load and unload at run time) is
 level 6's (api_server.py, serving.py).
 
