@@ -135,6 +135,9 @@ class ContinuousEngine(EngineBase):
         c = self.config.lora
         if not c.enable_lora:
             return None
+        if self.config.model.batch_invariant:
+            raise ValueError("enable_lora with batch_invariant=True is not built (the adapters' matmuls are not "
+                             "fixed-order)")  # fmt: skip
         lora = rooms.lora_manager(self.worker.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
         self.inputs.takes_lora = True
         self.inputs.preparers += (lora.prepare,)

@@ -230,6 +230,8 @@ def beam_search(engine, prompts: list, params: BeamSearchParams, on_step=None) -
             tables = [kv.block_table(b) for b in beams]
             mi = CopyOnWriteInput.with_copies(ModelInput.build(chunks, tables, bs, [1] * len(beams)), kv.take_block_copies())
             engine.bind_connector()  # a KV connector's loads (a prefix from its tier) and saves, first
+            if engine.lora is not None:
+                engine.lora.clear()  # the search runs the base model: no adapter row (not the last step's mapping)
             logits = engine.worker.execute(mi)  # [B, V]
             for b in beams:
                 b.num_computed_tokens = b.num_tokens

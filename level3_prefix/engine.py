@@ -69,6 +69,9 @@ class PrefixCachingEngine(ContinuousEngine):
             if not c.enable_prefix_caching:
                 raise ValueError("kv_transfer_config needs enable_prefix_caching=True (the connector finds blocks "
                                  "by their prefix-cache names)")  # fmt: skip
+            if self.config.lora.enable_lora and getattr(self.connector, "role", "kv_both") != "kv_both":
+                raise ValueError("a TCPConnector with enable_lora=True is not built (a transfer does not say which "
+                                 "adapter computed its blocks)")  # fmt: skip
             self.connector.register_kv_caches(self.worker.cache)
             self.worker.kv_connector = self.connector
         return self.connector

@@ -196,6 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         bad = [m for m in args.lora_modules if "=" not in m or not m.split("=", 1)[0] or not m.split("=", 1)[1]]
         if bad:
             p.error(f"argument --lora-modules: {bad[0]!r} is not NAME=PATH")
+        names = [m.split("=", 1)[0] for m in args.lora_modules]
+        if twice := sorted({n for n in names if names.count(n) > 1}):
+            p.error(f"argument --lora-modules: the name {twice[0]!r} is given twice")
     if args.kv_transfer_config is not None:
         from ladder import rooms
 

@@ -215,10 +215,12 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
     folder} of the LoRA adapters served from the start (an engine with enable_lora=True); a request's
     `model` picks one by name; /v1/load_lora_adapter and /v1/unload_lora_adapter change them at run time."""
     serving = OpenAIServing(engine, served_model_names, max_num_waiting, max_n or engine.max_num_seqs)
-    lora_ids = itertools.count(1)
+    lora_ids, loading = itertools.count(1), set()  # adapter ids never reused; names being loaded
     for name, path in (lora_modules or {}).items():  # read and checked now (the engine thread has not started)
         if getattr(engine.engine, "lora", None) is None:
             raise ValueError("lora_modules needs an engine with enable_lora=True")
+        if name in served_model_names:
+            raise ValueError(f"{name!r} is the served model's own name")
         serving.loras[name] = rooms.export("LoRARequest")(name, next(lora_ids), path)
         engine.engine.lora.adapter(serving.loras[name])
     hub = None
@@ -303,13 +305,16 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         """vLLM's: {"lora_name", "lora_path"} -> the adapter, read and checked now, served under its name."""
         body = await lora_body(raw, "lora_name", "lora_path")
         name = body["lora_name"]
-        if name in serving.loras or name in served_model_names:
+        if name in serving.loras or name in served_model_names or name in loading:
             raise APIError(400, f"a model named {name!r} is already served", "lora_name")
         lora = rooms.export("LoRARequest")(name, next(lora_ids), body["lora_path"])
+        loading.add(name)  # claimed before the wait: a second load of the name meanwhile is refused
         try:
             await engine.call(lambda e: e.lora.adapter(lora))  # read and checked on the engine's thread
         except ValueError as e:
             raise APIError(400, str(e), "lora_path") from None
+        finally:
+            loading.discard(name)
         serving.loras[name] = lora
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 

@@ -321,10 +321,10 @@ class AsyncLLMEngine:
             self._num_adding -= params.n
         return stream
 
-    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str
-                       ) -> AsyncIterator[RequestOutput]:  # fmt: skip
+    async def generate(self, prompt: str | list[int], params: SamplingParams, request_id: str,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:  # fmt: skip
         """Yield the request's DELTA outputs; closing or cancelling the iteration aborts it."""
-        stream = await self.add_request(request_id, prompt, params)
+        stream = await self.add_request(request_id, prompt, params, lora_request)
         # The stream's own iteration, which abandons the request if left early; `aclosing`, because
         # closing this generator at its `yield` would not close that one (the garbage collector would, later).
         async with contextlib.aclosing(aiter(stream)) as outputs:

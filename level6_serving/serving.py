@@ -366,14 +366,14 @@ class OpenAIServing:
                            "context_length_exceeded")  # fmt: skip
 
     async def add_all(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      structured_field: str | None = None, model: str | None = None) -> list[RequestStream]:  # fmt: skip
+                      structured_field: str | None = None, lora=None) -> list[RequestStream]:  # fmt: skip
         """One engine request per prompt; if one is refused, the others are aborted. A structured output the
         engine cannot compile is a 400 that names the API field it came from (`structured_field`)."""
         streams = []
         try:
             for i, ids in enumerate(prompts):
                 rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
-                streams.append(await self.engine.add_request(rid, ids, params, self.loras.get(model)))
+                streams.append(await self.engine.add_request(rid, ids, params, lora))
         except BaseException as e:
             for s in streams:
                 s.abandon()
@@ -466,6 +466,7 @@ class OpenAIServing:
         req: CompletionRequest = await self.parse(CompletionRequest, raw)
         req.validate_request()
         model = self.check_model(req.model)
+        lora = self.loras.get(model)  # resolved once: an unload meanwhile cannot turn it into the base model
         self.check_n(req.num_samples)
         prompts = req.prompts()
         self.check_size(req.num_samples, len(prompts))
@@ -492,7 +493,7 @@ class OpenAIServing:
         # Before add_all: a decode that fails here leaves no request running without a reader.
         echo = [p if isinstance(p, str) else await self.engine.decode(x) for p, x in zip(prompts, ids)] if req.echo \
             else ["" for _ in prompts]  # fmt: skip
-        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1], model)
+        streams = await self.add_all(ctx["id"], ids, params, req.structured()[1], lora)
         ctx |= self.kv_transfer(req, len(ids))
         if prompt_only:
             streams = [PromptOnly(s) for s in streams]
@@ -545,6 +546,7 @@ class OpenAIServing:
         req: ChatCompletionRequest = await self.parse(ChatCompletionRequest, raw)
         req.validate_request()
         model = self.check_model(req.model)
+        lora = self.loras.get(model)  # resolved once (see completions)
         self.check_n(req.num_samples)
         self.check_size(req.num_samples, 1)
         try:
@@ -569,7 +571,7 @@ class OpenAIServing:
                 "logprobs": None, "finish_reason": seq.finish_reason, "stop_reason": None}  # fmt: skip
             return await unless_disconnected(raw, self.beam_response({**ctx, "object": "chat.completion"}, [ids],
                                                                      beams, choice), [])  # fmt: skip
-        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1], model)
+        streams = await self.add_all(ctx["id"], [ids], params, req.structured()[1], lora)
         ctx |= self.kv_transfer(req, 1)
         if req.stream:
             return EventStream(self.chat_events(ctx, req, streams), streams)

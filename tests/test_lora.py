@@ -200,3 +200,31 @@ def test_a_bad_adapter_or_a_wrong_engine_is_refused_in_one_line(checkpoint_facto
         level1_paged.LLM(path, dtype="float64", enable_lora=True)
     with pytest.raises(ValueError, match="lora_int_id=0 must be an integer >= 1"):
         LoRARequest("zero", 0, a1.lora_path)
+    llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=a1, progress=False)  # id 1 is a1 now
+    with pytest.raises(ValueError, match="lora_int_id=1 is already"):  # one id, one adapter
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=LoRARequest("b", 1, a2.lora_path),
+                     progress=False)  # fmt: skip
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "adapter_config.json").write_text("[1, 2]")
+    (garbage / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(ValueError, match="unreadable"):
+        llm.generate([[1]], SamplingParams(max_tokens=1), lora_request=LoRARequest("g", 5, str(garbage)), progress=False)
+    for refused, words in [({"batch_invariant": True}, "batch_invariant=True is not built"),
+                           ({"kv_transfer_config": {"kv_connector": "TCPConnector", "kv_role": "kv_consumer"}},
+                            "TCPConnector with enable_lora=True is not built")]:  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            level3_prefix.LLM(path, dtype="float64", enable_lora=True, **refused)
+
+
+def test_beam_search_on_a_lora_engine_runs_the_base_model(checkpoint_factory, adapters):
+    """After a step on an adapter, beam search (which runs its own forwards) gets the base model's beams."""
+    from level3_prefix import BeamSearchParams
+
+    path, (a1, *_) = checkpoint_factory("llama"), adapters("llama")
+    prompt, params = [5, 9, 2, 7], BeamSearchParams(beam_width=3, max_tokens=4)
+    plain = level3_prefix.LLM(path, dtype="float64").beam_search([prompt], params)
+    lora = level3_prefix.LLM(path, dtype="float64", enable_lora=True, max_lora_rank=8)
+    lora.generate([prompt], SamplingParams(max_tokens=2), lora_request=a1, progress=False)  # leaves a mapping
+    got = lora.beam_search([prompt], params)
+    assert [s.tokens for s in got[0].sequences] == [s.tokens for s in plain[0].sequences]

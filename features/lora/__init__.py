@@ -5,7 +5,8 @@ small files:
 
     request.py   `LoRARequest` (a request's adapter), `LoRAConfig` (max_loras, max_lora_rank, max_cpu_loras)
     adapter.py   a PEFT checkpoint read and checked against the base model
-    punica.py    the batch's delta, x A_i^T B_i^T per row i: a loop over the adapters, and Punica's gathered way
+    punica.py    the batch's delta, x A_i^T B_i^T per row i: a loop over the adapters, Punica's gathered
+                 way, and a stacked dense one (the CPU's default)
     layers.py    `LoRALinear`: a projection plus the delta of the step's adapters
     manager.py   `LoRAManager`: device slots, the host cache, the admission rule, each step's mapping
 

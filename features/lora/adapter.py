@@ -36,6 +36,7 @@ NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp
 @dataclass
 class Adapter:
     lora_int_id: int
+    path: str
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A [r, in], B [out, r])
@@ -63,7 +64,13 @@ def load_adapter(request, cfg, max_rank: int, dtype: torch.dtype) -> Adapter:
         if not f.is_file():
             raise ValueError(f"{where}: no {f.name} there (a PEFT checkpoint has adapter_config.json and "
                              "adapter_model.safetensors)")  # fmt: skip
-    conf = json.loads(config_file.read_text())
+    try:
+        conf = json.loads(config_file.read_text())
+        tensors = load_file(str(weights_file))
+    except Exception as e:  # noqa: BLE001 - whatever the parsers raise, one line naming the folder
+        raise ValueError(f"{where}: unreadable ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from None
+    if not isinstance(conf, dict):
+        raise ValueError(f"{where}: adapter_config.json is not a JSON object")
     rank, alpha = int(conf.get("r", 0)), float(conf.get("lora_alpha", conf.get("r", 0)))
     if not 1 <= rank <= max_rank:
         raise ValueError(f"{where}: rank r={rank} is above max_lora_rank={max_rank}" if rank > max_rank
@@ -73,7 +80,7 @@ def load_adapter(request, cfg, max_rank: int, dtype: torch.dtype) -> Adapter:
         if conf.get(feature, off) not in (off, None, {}, [], False):
             raise ValueError(f"{where}: {feature}={conf[feature]!r} is not supported")
     dims, weights = shapes(cfg), {}
-    for name, tensor in load_file(str(weights_file)).items():
+    for name, tensor in tensors.items():
         m = NAME.search(name)
         if m is None:
             raise ValueError(f"{where}: tensor {name!r} adapts no layer this engine adapts ({', '.join(TARGETS)})")
@@ -90,7 +97,7 @@ def load_adapter(request, cfg, max_rank: int, dtype: torch.dtype) -> Adapter:
     if missing := [f"{m} of layer {i}" for (i, m), (a, b) in weights.items() if a is None or b is None]:
         raise ValueError(f"{where}: lora_A or lora_B missing for {missing[0]}")
     scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-    return Adapter(request.lora_int_id, rank, scale, {k: (a, b) for k, (a, b) in weights.items()})
+    return Adapter(request.lora_int_id, request.lora_path, rank, scale, {k: (a, b) for k, (a, b) in weights.items()})
 
 
 __all__ = ["Adapter", "load_adapter", "TARGETS", "shapes"]

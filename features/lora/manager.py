@@ -88,6 +88,9 @@ class LoRAManager:
         """The request's adapter from host memory, read from disk (and checked) if it is not there."""
         hit = self.host.get(request.lora_int_id)
         if hit is not None:
+            if hit.path != request.lora_path:
+                raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id={request.lora_int_id} is already "
+                                 f"{hit.path}, not {request.lora_path} (one id, one adapter)")  # fmt: skip
             self.host.move_to_end(request.lora_int_id)
             return hit
         adapter = load_adapter(request, self.model_config, self.config.max_lora_rank, self.dtype)
@@ -100,7 +103,9 @@ class LoRAManager:
         """A request's preparer (level 0's InputProcessor): its adapter read and checked now, so a bad one
         is refused when it is added, never in a step."""
         if group[0].lora_request is not None:
-            self.adapter(group[0].lora_request)
+            adapter = self.adapter(group[0].lora_request)
+            for seq in group:  # kept with the request: a step never reads a file (the host cache may drop it)
+                seq.lora_adapter = adapter
 
     def admits(self, req, running: list) -> bool:
         """Would the running requests and `req` use at most max_loras distinct adapters?"""
@@ -110,17 +115,21 @@ class LoRAManager:
         return len(ids | {req.lora_request.lora_int_id}) <= self.config.max_loras
 
     # --- each step ------------------------------------------------------------------------------
+    def clear(self) -> None:
+        """The next forward runs no adapter (a forward that is not a scheduled step: level 3's beam search)."""
+        self.mapping, self.keep, self.active = None, None, False
+
     def prepare_step(self, scheduled: list) -> None:
         """(request, new tokens) per scheduled chunk, in the step's row order -> the mapping, every
         adapter of the step in a slot first."""
-        wanted = {r.lora_request.lora_int_id: r.lora_request for r, _ in scheduled if r.lora_request is not None}
+        wanted = {r.lora_request.lora_int_id: r for r, _ in scheduled if r.lora_request is not None}
         if len(wanted) > self.config.max_loras:  # the admission rule makes this impossible
             raise RuntimeError(f"a step with {len(wanted)} adapters and max_loras={self.config.max_loras} (a bug)")
-        for lora_id, request in wanted.items():
+        for lora_id, req in wanted.items():
             if lora_id in self.slot_of:
                 self.slot_of.move_to_end(lora_id)
             else:
-                self._load(request, self._free_slot(set(wanted)))
+                self._load(req.lora_adapter, self._free_slot(set(wanted)))
         rows = [self.slot_of[r.lora_request.lora_int_id] if r.lora_request is not None else -1
                 for r, n in scheduled for _ in range(n)]  # fmt: skip
         self.active = bool(wanted)
@@ -140,8 +149,7 @@ class LoRAManager:
         return self.slot_of.pop(victim)
 
     @torch.inference_mode()
-    def _load(self, request, slot: int) -> None:
-        adapter = self.adapter(request)
+    def _load(self, adapter: Adapter, slot: int) -> None:
         r = adapter.rank
         for key in self.A:
             self.A[key][slot].zero_()
@@ -151,7 +159,7 @@ class LoRAManager:
                 self.A[key][slot, :r].copy_(a)  # [r, in] into [R, in]
                 self.B[key][slot, :, :r].copy_(b)  # [out, r] into [out, R]
         self.scale[slot] = adapter.scale
-        self.slot_of[request.lora_int_id] = slot
+        self.slot_of[adapter.lora_int_id] = slot
         self.loads += 1
 
 
