@@ -138,7 +138,6 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
                              enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
                              max_lora_rank=8, **spec)  # fmt: skip
     engine.lora.path = data.draw(st.sampled_from(["stacked", "gathered", "loop"]), label="delta path")
-    engine.lora.delta = {"gathered": delta_gathered, "loop": delta_loop, "stacked": delta_stacked}[engine.lora.path]
     runner = Staggered(WithAdapters(engine, loras).engine, data)
     prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                  for _, n in workload]  # fmt: skip

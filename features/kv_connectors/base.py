@@ -44,6 +44,8 @@ Reference: vLLM `vllm/distributed/kv_transfer/kv_connector/v1/base.py` (`KVConne
 
 from __future__ import annotations
 
+import torch
+
 
 class KVConnectorBase:
     """A connector that holds nothing and moves nothing: every method's contract, and the defaults."""
@@ -107,4 +109,17 @@ class KVConnectorBase:
         """Release what the connector holds outside the process's memory (files, sockets)."""
 
 
-__all__ = ["KVConnectorBase"]
+def block_bytes(cache) -> int:
+    """Bytes of one block of every layer's K and V in `cache` (level 1's PagedKVCache: cache.k[layer]
+    is [num_blocks, bs, Hkv, D])."""
+    return 2 * len(cache.k) * cache.k[0][0].numel() * cache.k[0].element_size()
+
+
+def read_block(cache, b: int) -> tuple:
+    """Block b of every layer, copied to host memory -> (k, v), each [L, bs, Hkv, D]: what a connector
+    keeps or sends of a block before the pool may overwrite it."""
+    return (torch.stack([k[b] for k in cache.k]).to("cpu", copy=True),
+            torch.stack([v[b] for v in cache.v]).to("cpu", copy=True))  # fmt: skip
+
+
+__all__ = ["KVConnectorBase", "block_bytes", "read_block"]

@@ -40,7 +40,7 @@ import torch
 from ladder.metrics import Counter, Gauge
 from level3_prefix.block_hash import block_hashes
 
-from .base import KVConnectorBase
+from .base import KVConnectorBase, block_bytes, read_block
 from .config import KVTransferConfig
 from .tiers import DiskTier, HostTier, TierEntry
 
@@ -71,8 +71,7 @@ class OffloadingConnector(KVConnectorBase):
     def register_kv_caches(self, cache) -> None:
         """The worker's paged cache (level 1's PagedKVCache): a block's bytes size the tiers."""
         self.num_layers = len(cache.k)
-        _, bs, hkv, d = cache.k[0].shape
-        self.block_bytes = 2 * self.num_layers * bs * hkv * d * cache.k[0].element_size()  # K and V, every layer
+        self.block_bytes = block_bytes(cache)  # K and V, every layer
         capacity = self.cpu_bytes // self.block_bytes
         if capacity < 1:
             raise ValueError(f"kv_transfer_config cpu_bytes_to_use={self.cpu_bytes} holds no block (one block of "
@@ -148,8 +147,7 @@ class OffloadingConnector(KVConnectorBase):
             return
         t0 = time.perf_counter()
         for entry, b in meta.saves:  # [L, bs, Hkv, D] each: every layer's copy of block b, in host memory
-            entry.k = torch.stack([k[b] for k in cache.k]).to("cpu", copy=True)
-            entry.v = torch.stack([v[b] for v in cache.v]).to("cpu", copy=True)
+            entry.k, entry.v = read_block(cache, b)
             entry.pins -= 1
         t1 = time.perf_counter()
         self.load_blocks(cache, meta.loads)

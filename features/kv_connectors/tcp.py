@@ -55,7 +55,7 @@ import torch
 
 from ladder.metrics import Counter, Gauge
 
-from .base import KVConnectorBase
+from .base import KVConnectorBase, block_bytes, read_block
 from .config import KVTransferConfig
 from .wire import (
     TransferError,
@@ -250,7 +250,7 @@ class TCPConnector(KVConnectorBase):
         self.cache = cache
         _, bs, hkv, d = cache.k[0].shape
         self.shape, self.dtype = (len(cache.k), bs, hkv, d), cache.k[0].dtype
-        self.block_bytes = 2 * len(cache.k) * bs * hkv * d * cache.k[0].element_size()
+        self.block_bytes = block_bytes(cache)
         self.layout = {"model": self.model, "block_size": bs, "num_layers": len(cache.k), "num_kv_heads": hkv,
                        "head_dim": d, "dtype": str(self.dtype).removeprefix("torch.")}  # fmt: skip
         if self.role == "kv_producer":
@@ -345,8 +345,7 @@ class TCPConnector(KVConnectorBase):
         if self.role != "kv_producer" or not params.get("do_remote_decode") or not req.output_token_ids:
             return  # (no token sampled: an abort before the prompt was computed)
         n = min((len(req.prompt_token_ids) - 1) // self.block_size, len(block_ids))
-        payloads = [block_payload(torch.stack([k[b] for k in self.cache.k]).cpu(),
-                                  torch.stack([v[b] for v in self.cache.v]).cpu()) for b in block_ids[:n]]  # fmt: skip
+        payloads = [block_payload(*read_block(self.cache, b)) for b in block_ids[:n]]
         tokens = list(req.prompt_token_ids[: n * self.block_size])
         self.outbox.put(str(params.get("transfer_id", req.request_id)), Parcel(tokens, payloads))
 

@@ -40,6 +40,8 @@ from .layers import LoRALinear
 from .punica import delta_gathered, delta_loop, delta_stacked
 from .request import LoRAConfig
 
+DELTAS = {"stacked": delta_stacked, "gathered": delta_gathered, "loop": delta_loop}  # the manager's paths
+
 
 class LoRAManager:
     def __init__(self, model, config: LoRAConfig, path: str = "stacked"):
@@ -51,19 +53,19 @@ class LoRAManager:
         self.dtype, self.device = p.dtype, p.device
         S, R = config.max_loras, config.max_lora_rank
         self.A, self.B = {}, {}  # (layer, module) -> [S, R, in], [S, out, R]
-        self.A_flat, self.B_flat = {}, {}  # the same memory as [S*R, in] and [out, S*R] (the stacked path's)
+        self.B_flat = {}  # B's storage, [out, S*R] (the stacked path's layout; B[key] is a view of it)
         for layer in range(cfg.num_layers):
             for module, (n_in, n_out) in shapes(cfg).items():
                 key = (layer, module)
                 self.A[key] = torch.zeros(S, R, n_in, dtype=self.dtype, device=self.device)
                 self.B_flat[key] = torch.zeros(n_out, S * R, dtype=self.dtype, device=self.device)
-                self.A_flat[key] = self.A[key].view(S * R, n_in)
                 self.B[key] = self.B_flat[key].view(n_out, S, R).permute(1, 0, 2)  # a view: [S, out, R]
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
-        self.path = path
-        self.delta = {"gathered": delta_gathered, "loop": delta_loop, "stacked": delta_stacked}[path]
+        if path not in DELTAS:
+            raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
+        self.path = path  # which delta (punica.py) the projections use
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
         self.active = False  # does this step run any adapter?
@@ -80,8 +82,8 @@ class LoRAManager:
         """This step's delta for one projection: x [T, in] -> [T, out], by the manager's path (the
         stacked one with this step's row mask, computed once for every projection)."""
         if self.path == "stacked":
-            return (x @ self.A_flat[key].T * self.keep) @ self.B_flat[key].T  # [T, S*R] -> [T, out]
-        return self.delta(x, self.A[key], self.B[key], self.scale, self.mapping)
+            return (x @ self.A[key].flatten(0, 1).T * self.keep) @ self.B_flat[key].T  # [T, S*R] -> [T, out]
+        return DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping)
 
     # --- requests ---------------------------------------------------------------------------------
     def adapter(self, request) -> Adapter:
