@@ -8,7 +8,8 @@ What it is
     reports the shared memory a program asks for, against the target's per-block limit, and
     the registers per thread and spilled bytes that ptxas reports. ``python -m
     benchmarks.kernel_compile`` prints the markdown table in docs/level1_kernel.md;
-    tests/test_kernel_compile.py compiles the sm_80/sm_90 part of the grid.
+    tests/test_kernel_compile.py compiles the sm_80/sm_90 part of the grid, and the LoRA room's
+    shrink and expand (``features/lora/triton_ops.py``: kernels "lora_shrink", "lora_expand").
 
 How
     Each compile runs in a worker subprocess with ``TRITON_INTERPRET=0``: a process that
@@ -68,6 +69,7 @@ class Config:
     head_dim: int
     block_size: int = 16  # the attention kernel's only: write_kv copies a token's row whatever the block
     tile: int = 32
+    rank: int = 16  # the LoRA kernels' only (lora_shrink, lora_expand): max_lora_rank
 
 
 @dataclass
@@ -155,6 +157,20 @@ def _compile_one(c: Config) -> Result:
         strides = (*q.stride()[:2], *q.stride()[:2], *cache.stride()[:3], *cache.stride()[:3], tables.stride(0))
         args = (q, q, cache, cache, tables, lens, torch.zeros(4, dtype=torch.int32), scale, 3, *strides)
         constexprs = ta._kernel_constexprs(c.hq // c.hkv, c.block_size, c.head_dim, dtype, c.tile)
+    elif c.kernel in ("lora_shrink", "lora_expand"):  # features/lora/triton_ops.py on q_proj: in = out = Hq x D
+        from features.lora import triton_ops as lo
+
+        acc = torch.float64 if dtype == torch.float64 else torch.float32
+        x = torch.empty(8, c.hq * c.head_dim, dtype=dtype)  # [T, in]
+        A, B = torch.empty(4, c.rank, x.shape[1], dtype=dtype), torch.empty(4, x.shape[1], c.rank, dtype=dtype)
+        shrunk, scale, idx = torch.empty(8, c.rank, dtype=acc), torch.empty(4, dtype=dtype), torch.zeros(8).long()
+        block_r = min(lo.BLOCK_R, triton.next_power_of_2(c.rank))  # as delta_triton chooses
+        if c.kernel == "lora_shrink":
+            kernel, constexprs = lo._shrink_kernel, dict(BLOCK_R=block_r, BLOCK_IN=lo.BLOCK_IN)
+            args = (shrunk, x, A, scale, idx, c.rank, x.shape[1], *x.stride(), *A.stride())
+        else:
+            kernel, constexprs = lo._expand_kernel, dict(BLOCK_R=block_r, BLOCK_OUT=lo.BLOCK_OUT)
+            args = (x, shrunk, B, idx, c.rank, x.shape[1], x.stride(0), *B.stride())
     else:
         kernel = ta._write_kv_kernel
         k = torch.empty(8, c.hkv, c.head_dim, dtype=dtype)  # [T, Hkv, D]

@@ -228,7 +228,7 @@ class ContinuousEngine(EngineBase):
             Gauge("vllm:num_requests_running", value=len(self.scheduler.running)),
             Gauge("vllm:num_requests_waiting", value=len(self.scheduler.waiting)),
             Gauge("vllm:kv_cache_usage_perc", value=used_blocks / self.num_blocks),
-        ]
+        ] + (self.lora.metrics(self.scheduler.running, self.scheduler.waiting) if self.lora is not None else [])
 
     # --- one iteration: its stages ----------------------------------------------------------
     def _step(self) -> list[Request]:

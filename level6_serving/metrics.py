@@ -50,6 +50,7 @@ HELP = {
     "vllm:e2e_request_latency_seconds": "Histogram of e2e request latency in seconds.",
     "vllm:request_prompt_tokens": "Number of prefill tokens processed per request.",
     "vllm:request_generation_tokens": "Number of generation tokens processed per request.",
+    "vllm:lora_requests_info": "Running stats on LoRA requests: the adapters running and waiting, max_loras.",
     "ladder:kv_offload_hits": "Prompt tokens a KV connector's tier handed back instead of their compute, per tier.",
     "ladder:kv_offload_bytes": "Bytes a KV connector moved, per tier and direction (save: into it, load: out).",
     "ladder:kv_offload_seconds": "Seconds spent moving blocks out of a KV connector's tier, per tier.",

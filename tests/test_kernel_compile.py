@@ -9,6 +9,7 @@ What this is
     and where it does not, fp64 must fail to compile (so the engine's refusal,
     ``_check_fp64_supported``, names the right version). Two planted configs show the checks
     can fail: a 512-key tile that no target can hold, and a 24-key tile tl.arange refuses.
+    The LoRA room's shrink and expand (features/lora/triton_ops.py) compile too, every dtype.
 
 What this deliberately is not
     Not a run on a GPU (tests/test_level1_kernel.py runs the kernels, interpreted on a CPU),
@@ -34,6 +35,9 @@ DTYPES = ("float16", "bfloat16", "float32", "float64")
 SHAPES = [s for s in kc.SHAPES if s[0] != "tiny-shakespeare-draft"]
 # The cache write at its narrowest row (2 x 64 values) and its widest (32 x 80, padded to 4096).
 WRITE_KV_SHAPES = [s for s in SHAPES if s[0] in ("tiny-shakespeare", "Phi-2 (head dim 80)")]
+# features/lora/triton_ops.py on the 1B Llama's q_proj (in = out = 2048): rank 8 (an 8-wide tile) and 16.
+LORA = [kc.Config(kernel, arch, dtype, "Llama-3.2-1B", 32, 8, 64, rank=8 if arch == 80 else 16)
+        for kernel in ("lora_shrink", "lora_expand") for arch in TARGETS for dtype in DTYPES]  # fmt: skip
 OVERSIZED = kc.Config("attention", 90, "float16", "planted: 512-key tile", 16, 1, 128, 16, tile=512)
 UNCOMPILABLE = kc.Config("attention", 80, "float16", "planted: 24-key tile", 4, 2, 64, 16, tile=24)  # not a power of 2
 
@@ -73,6 +77,13 @@ def test_every_kernel_compiles_within_shared_memory(results):
             assert r.shared > 0  # tl.dot stages its operands in shared memory: 0 would mean a misread
         if fp64:  # Triton >= 3.5 exposes ptxas's log: the parse must find its figures
             assert r.registers is not None and 0 < r.registers <= 255 and r.spills is not None, config
+
+
+def test_the_lora_kernels_compile_within_shared_memory():
+    """Every dtype, fp64 too: no tl.dot in them (a row's matrix-vector product is a tl.sum), so the
+    attention kernel's fp64 limit (_check_fp64_supported) is not theirs."""
+    for r in kc.compile_all(LORA):
+        assert r.error is None and r.shared is not None and not r.over_limit, (r.config, r.error, r.shared)
 
 
 def test_fp64_compiles_exactly_where_the_engine_allows_it(results):

@@ -54,6 +54,9 @@ def test_the_model_field_picks_the_adapter(lora_server, offline, adapters):
     assert texts["a0"] != texts[NAME] and texts["a1"] != texts[NAME]  # the adapters change the answers
     cards = {m.id: m for m in client.models.list().data}
     assert set(cards) == {NAME, "a0", "a1"} and cards["a1"].parent == NAME and cards["a1"].root == adapters["a1"]
+    info = [line for line in httpx.get(lora_server.url + "/metrics").text.splitlines()
+            if line.startswith("vllm:lora_requests_info{")]  # fmt: skip
+    assert len(info) == 1 and 'max_lora="2"' in info[0] and 'running_lora_adapters=""' in info[0], info
 
 
 def test_adapters_load_and_unload_at_run_time_and_a_bad_one_is_a_400(lora_server, adapters, tmp_path):

@@ -146,6 +146,23 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
             assert out.outputs[0].token_ids == peft_oracle.greedy(path, lora and lora.lora_path, prompt, n)
 
 
+@pytest.mark.parametrize("path", ["loop", "gathered", "stacked", "triton"])
+def test_each_path_gives_peft_greedy_tokens_in_one_mixed_batch(path, checkpoint_factory, adapters, peft_oracle):
+    """No draw: one batch of rows on every adapter and on none, neighbours on different adapters,
+    two slots for three adapters (so slots are reused), on each delta path (lab 2c's check; the Triton
+    kernels under the interpreter on a CPU)."""
+    base, pool = checkpoint_factory("llama"), adapters("llama")
+    loras = [pool[0], pool[1], None, pool[2], pool[0], None, pool[1]]
+    rng = random.Random(1)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))] for _ in loras]
+    llm = level2_continuous.LLM(base, dtype="float64", enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm.llm_engine.lora.path = path
+    outs = llm.generate(prompts, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True), lora_request=loras,
+                        progress=False)  # fmt: skip
+    for prompt, lora, out in zip(prompts, loras, outs):
+        assert out.outputs[0].token_ids == peft_oracle.greedy(base, lora and lora.lora_path, prompt, 5), (path, lora)
+
+
 @given(T=st.integers(1, 9), S=st.integers(1, 4), R=st.integers(1, 5), data=st.data())
 def test_the_gathered_and_stacked_deltas_equal_the_loop(T, S, R, data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
@@ -227,3 +244,27 @@ def test_beam_search_on_a_lora_engine_runs_the_base_model(checkpoint_factory, ad
     lora.generate([prompt], SamplingParams(max_tokens=2), lora_request=a1, progress=False)  # leaves a mapping
     got = lora.beam_search([prompt], params)
     assert [s.tokens for s in got[0].sequences] == [s.tokens for s in plain[0].sequences]
+
+
+def test_the_adapters_running_and_waiting_are_a_gauge(checkpoint_factory, adapters):
+    """vLLM's `vllm:lora_requests_info`: with one slot, a request on a0 runs and one on a1 waits; the
+    gauge's labels name them (and max_loras), and change as the batch does."""
+    path, (a0, a1, _) = checkpoint_factory("llama"), adapters("llama")
+    llm = level2_continuous.LLM(path, dtype="float64", enable_lora=True, max_loras=1, max_lora_rank=8)
+    engine, params = llm.llm_engine, SamplingParams(max_tokens=3, temperature=0)
+
+    def info():
+        (g,) = [m for m in engine.get_metrics() if m.name == "vllm:lora_requests_info"]
+        return g.labels
+
+    assert info() == {"max_lora": "1", "running_lora_adapters": "", "waiting_lora_adapters": ""}
+    engine.add_request("r0", [5, 6, 7], params, lora_request=a0)
+    engine.add_request("r1", [5, 6, 8], params, lora_request=a1)
+    engine.add_request("r2", [5, 6, 9], params)
+    engine.step()
+    assert info() == {"max_lora": "1", "running_lora_adapters": "a0", "waiting_lora_adapters": "a1"}
+    while engine.has_unfinished_requests():
+        engine.step()
+        labels = info()
+        assert "," not in labels["running_lora_adapters"]  # one slot: never two adapters at once
+    assert info()["running_lora_adapters"] == ""

@@ -31,20 +31,34 @@ here a slot holds the largest rank).
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 
 import torch
+
+from ladder.metrics import Gauge
 
 from .adapter import TARGETS, Adapter, load_adapter, shapes
 from .layers import LoRALinear
 from .punica import delta_gathered, delta_loop, delta_stacked
 from .request import LoRAConfig
 
-DELTAS = {"stacked": delta_stacked, "gathered": delta_gathered, "loop": delta_loop}  # the manager's paths
+
+
+def delta_triton(x, A, B, scale, idx):
+    """Punica's BGMV as two Triton kernels (triton_ops.py), imported on first use: triton is Linux-only,
+    and its import chooses the interpreter on a machine without CUDA (slow: a test's, not a CPU's path)."""
+    from .triton_ops import delta_triton as kernels
+
+    return kernels(x, A, B, scale, idx)
+
+
+# the manager's paths; a GPU's default is the kernels, a CPU's the stacked matmuls (punica.py says why)
+DELTAS = {"stacked": delta_stacked, "gathered": delta_gathered, "loop": delta_loop, "triton": delta_triton}
 
 
 class LoRAManager:
-    def __init__(self, model, config: LoRAConfig, path: str = "stacked"):
+    def __init__(self, model, config: LoRAConfig, path: str | None = None):
         cfg = model.config
         if cfg.moe is not None:
             raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
@@ -63,6 +77,7 @@ class LoRAManager:
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
+        path = path or ("triton" if self.device.type == "cuda" else "stacked")
         if path not in DELTAS:
             raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
         self.path = path  # which delta (punica.py) the projections use
@@ -115,6 +130,15 @@ class LoRAManager:
             return True
         ids = {r.lora_request.lora_int_id for r in running if r.lora_request is not None}
         return len(ids | {req.lora_request.lora_int_id}) <= self.config.max_loras
+
+    def metrics(self, running: list, waiting: list) -> list:
+        """vLLM's `vllm:lora_requests_info`: one gauge whose labels name the adapters of the running and the
+        waiting requests (comma-separated) and max_loras; its value is when it was read (a Unix time)."""
+        names = [",".join(sorted({r.lora_request.lora_name for r in reqs if r.lora_request is not None}))
+                 for reqs in (running, waiting)]  # fmt: skip
+        labels = {"max_lora": str(self.config.max_loras), "running_lora_adapters": names[0],
+                  "waiting_lora_adapters": names[1]}  # fmt: skip
+        return [Gauge("vllm:lora_requests_info", labels, value=time.time())]
 
     # --- each step ------------------------------------------------------------------------------
     def clear(self) -> None:

@@ -22,8 +22,9 @@ multiplications, no gather). The three agree to rounding (tested); the gathered 
 T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
 avoids by reading each slot's A and B once per block of rows.
 
-What it is not: a GPU kernel (the issue's Triton shrink and expand are not built), or SGMV's
-segments (a prefill's rows of one adapter handled as one matrix product: the loop does that).
+What it is not: a GPU kernel (triton_ops.py is one: BGMV's shrink and expand, reading each row's
+slot in place instead of gathering copies), or SGMV's segments (a prefill's rows of one adapter
+handled as one matrix product: the loop does that).
 
 Reference: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), BGMV and SGMV; Sheng et
 al., "S-LoRA" (MLSys 2024); vLLM `vllm/lora/ops/torch_ops/lora_ops.py` (bgmv_shrink, bgmv_expand).
