@@ -550,6 +550,34 @@ def test_goodput_is_a_rate_that_meets_the_slos_and_v0_stalls_decodes_for_prompts
     assert max(t.tpot for t in v0) > max(t.tpot for t in v1)  # a decode waits for whole prompts in V0
 
 
+def test_the_summarization_workload_is_longbench_cut_as_distserve_cut_it():
+    """Prompts mean 1,738 tokens and answers 91 (DistServe's figure 7), each prompt within the artifact's cut
+    (a random 1,900-2,048, and 2,040 - the answer); the default workload is serve.py's sharegpt trace."""
+    from benchmarks.sim.disagg import LONGBENCH, requests
+
+    reqs = requests("summarization", 2000, 2.0, seed=5)
+    prompts, answers = [len(r.prompt) for r in reqs], [r.output_len for r in reqs]
+    assert sum(prompts) / len(reqs) == pytest.approx(LONGBENCH[0], rel=0.01)
+    assert sum(answers) / len(reqs) == pytest.approx(LONGBENCH[1], rel=0.02)
+    assert max(p + a for p, a in zip(prompts, answers)) <= 2040 and max(prompts) <= 2048 and min(answers) >= 1
+    assert sum(p >= 1900 for p in prompts) > len(reqs) / 2  # most documents are longer than the cut
+    assert [(r.arrival, r.prompt, r.output_len) for r in requests("sharegpt", 30, 2.0, seed=5)] == \
+        [(r.arrival, r.prompt, r.output_len) for r in trace("sharegpt", 30, 2.0, seed=5)]  # fmt: skip
+
+
+def test_the_summarization_comparison_runs_with_distserves_placements():
+    """A quick run of `--workload summarization`: OPT-66B, vLLM on 4 GPUs, 4 prefill GPUs and a decode engine
+    of TP=2 x PP=2, each system's goodput a rate that meets its SLOs."""
+    from benchmarks.sim.disagg import main
+
+    out = main(["--workload", "summarization", "--links", "nvlink", "--requests", "16"])
+    a = out["args"]
+    assert (a["model"], a["ttft_slo"], a["tpot_slo"], a["colocated_tp"], a["prefill_tp"], a["decode_tp"],
+            a["decode_pp"]) == ("opt-66b", 15.0, 0.15, 4, 4, 2, 2)  # fmt: skip
+    assert [r["gpus"] for r in out["rows"]] == [4, 4, 8]
+    assert all(r["goodput_per_gpu"] > 0 and r["attainment"] >= 0.9 for r in out["rows"])
+
+
 def test_a_host_tier_hands_a_chat_back_the_history_hbm_lost():
     """The chat trace on a 40 GB A100 overflows the pool: with a host tier the later turns load their
     history instead of computing it (fewer prompt tokens computed, by at least what the tier handed

@@ -23,13 +23,28 @@ GPU against vLLM on one GPU (`evaluation/ae-scripts/e2e/_plot.py`, `2-start-api-
 are the defaults. The rate is searched by bisection on seeded Poisson traces (serve.py's
 `sharegpt`).
 
+`--workload` picks DistServe's workload (its Table 1; the artifact's placements, `2-start-api-server.py`):
+
+    sharegpt        chatbot: OPT-13B, TTFT <= 0.25 s, TPOT <= 0.1 s; vLLM on 1 GPU, 2P (TP=2) + 1D
+    summarization   LongBench: OPT-66B, TTFT <= 15 s, TPOT <= 0.15 s; vLLM on 4 GPUs (TP=4) against a
+                    prefill engine of TP=4 and a decode engine of TP=2 x PP=2 (8 GPUs). Prompts are
+                    documents truncated as the artifact's `0-prepare-dataset.py` does (to a random
+                    1,900-2,048 tokens, and to 2,040 - the answer): log-normal document lengths
+                    (sigma 0.9) cut there, scaled so the prompts' mean is 1,738 tokens; answers
+                    log-normal (sigma 0.8), mean 91 tokens (DistServe's figure 7)
+
+The flags name the other settings; each left out takes the workload's.
+
 The two engines run on two clocks, stepped in time order (always the one whose next step comes
 first), so a prefill that ends at t arrives at the decode engine at t + transfer, and a decode
 step never sees a request before it arrived.
 
 What it is not: DistServe's placement search (it picks the parallelism of each phase per
-workload; here they are given), its pipeline parallelism, or its batching of transfers. Each
-transfer has the link's full bandwidth, however many overlap (no contention).
+workload; here they are given), pipeline parallelism on the prefill side (the decode engine's is
+level 5's batch queue), or its batching of transfers. Each transfer has the link's full
+bandwidth, however many overlap (no contention). With a loose TTFT SLO (summarization's 15 s) a
+system can run above its prefill capacity for as long as a trace lasts, so that goodput grows as
+`--requests` shrinks.
 
 Reference: Zhong et al., "DistServe" (OSDI 2024), section 6 and its artifact
 (github.com/LLMServe/DistServe); Patel et al., "Splitwise" (ISCA 2024).
@@ -40,6 +55,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import math
+import random
 from dataclasses import dataclass
 
 from features.kv_connectors.base import KVConnectorBase
@@ -49,10 +65,56 @@ from level2_continuous.scheduler import Scheduler, SchedulerOutput
 from .clock import SimClock
 from .cost import gpu
 from .engines import SimulatedContinuous
-from .serve import SimRequest, make_engine, play, trace
+from .serve import SimRequest, lengths, make_engine, play, trace
 
 # bytes/s one way, seconds per transfer: NVLink 3 (A100 SXM), PCIe 4.0 x16 (what a copy reaches), Ethernet/IB
 LINKS = {"nvlink": (300e9, 5e-6), "pcie": (25e9, 10e-6), "100gbps": (12.5e9, 50e-6), "400gbps": (50e9, 50e-6)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One of DistServe's workloads: the model, the SLOs, vLLM's GPUs and the disaggregated placement."""
+
+    model: str
+    ttft_slo: float
+    tpot_slo: float
+    colocated_tp: int
+    prefill_tp: int
+    decode_tp: int
+    decode_pp: int = 1
+    lo: float = 0.05  # the bisection's lowest rate per GPU
+
+
+WORKLOADS = {"sharegpt": Workload("opt-13b", 0.25, 0.1, 1, 2, 1),
+             "summarization": Workload("opt-66b", 15.0, 0.15, 4, 4, 2, 2, lo=0.005)}  # fmt: skip
+LONGBENCH = (1738.0, 91.0)  # mean prompt and answer tokens (DistServe's figure 7)
+
+
+def cut_lengths(rng: random.Random, caps: list[int], mean: float, sigma: float) -> list[int]:
+    """Log-normal lengths, each cut at its cap, scaled (a few rounds) so that their mean is `mean`."""
+    raw = [rng.lognormvariate(0.0, sigma) for _ in caps]
+    scale = mean / (sum(raw) / len(raw))
+    for _ in range(40):
+        out = [min(cap, max(1, round(x * scale))) for x, cap in zip(raw, caps)]
+        scale *= mean / (sum(out) / len(out))
+    return out
+
+
+def requests(workload: str, num: int, rate: float, seed: int = 0, vocab: int = 50272) -> list[SimRequest]:
+    """`num` requests of the workload arriving as a Poisson process at `rate` per second."""
+    if workload == "sharegpt":
+        return trace("sharegpt", num, rate, seed)
+    if workload != "summarization":
+        raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
+    rng = random.Random(seed)
+    answers = lengths(rng, num, LONGBENCH[1], 0.8, 1024)
+    caps = [min(rng.randint(1900, 2048), 2040 - a) for a in answers]  # the artifact's truncation
+    prompts = cut_lengths(rng, caps, LONGBENCH[0], 0.9)
+    t, reqs = 0.0, []
+    for p, a in zip(prompts, answers):
+        t += rng.expovariate(rate)
+        reqs.append(SimRequest(t, [rng.randrange(3, vocab) for _ in range(p)], a))
+    return reqs
 
 
 class ArrivedKV(KVConnectorBase):
@@ -111,22 +173,24 @@ def params_for(max_len: int):
                                     output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
 
 
-def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = False) -> list[Timing]:
-    engine = make_engine("vllm", model, gpu(gpu_name), SimClock())
+def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = False, tp: int = 1,
+              v0_tokens: int = 2048) -> list[Timing]:  # fmt: skip
+    """vLLM on `tp` GPUs; `v0`: its 2023 schedule, whole prompts up to `v0_tokens` a step."""
+    engine = make_engine("vllm", model, gpu(gpu_name), SimClock(), tp=tp)
     if v0:  # the same engine's settings, its scheduler swapped
-        engine = SimulatedV0(model, hardware=gpu(gpu_name), clock=SimClock(), kv_cache_memory=engine.kv_budget,
-                             max_num_seqs=256, block_size=16, max_num_batched_tokens=2048)  # fmt: skip
+        engine = SimulatedV0(model, hardware=gpu(gpu_name), clock=SimClock(), tp=tp, kv_cache_memory=engine.kv_budget,
+                             max_num_seqs=256, block_size=16, max_num_batched_tokens=v0_tokens)  # fmt: skip
     seqs = play(engine, reqs, params_for(engine.max_model_len))
     return [Timing(s.metrics.arrival_time, s.metrics.first_token_time, s.metrics.finished_time,
                    len(s.output_token_ids)) for s in seqs]  # fmt: skip
 
 
 def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str = "nvlink", prefill_tp: int = 1,
-                  decode_tp: int = 1) -> list[Timing]:  # fmt: skip
+                  decode_tp: int = 1, decode_pp: int = 1) -> list[Timing]:  # fmt: skip
     hw = gpu(gpu_name)
     bandwidth, latency = LINKS[link]
     prefill = make_engine("vllm", model, hw, SimClock(), tp=prefill_tp)
-    decode = make_engine("vllm-prefix", model, hw, SimClock(), tp=decode_tp)
+    decode = make_engine("vllm-prefix", model, hw, SimClock(), tp=decode_tp, pp=decode_pp)
     connector = ArrivedKV(decode.config.cache.block_size)
     decode.kv.connector, decode.kv.pool.on_evict = connector, connector.block_evicted
     params = params_for(prefill.max_model_len)
@@ -163,7 +227,9 @@ def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str =
             if side == "p":
                 timings[rid].first_token = timings[rid].finished = now
                 if r.output_len > 1:  # the KV crosses the link at its full bandwidth
-                    arrive = now + latency + len(r.prompt) * per_token / min(prefill_tp, decode_tp) / bandwidth
+                    # (each pair of GPUs moves its share: as many links as the smaller side has GPUs)
+                    pairs = min(prefill_tp, decode_tp * decode_pp)
+                    arrive = now + latency + len(r.prompt) * per_token / pairs / bandwidth
                     heapq.heappush(waiting["d"], (arrive, int(rid), r))
             else:
                 timings[rid].finished = now
@@ -176,12 +242,13 @@ def attainment(timings: list[Timing], ttft_slo: float, tpot_slo: float) -> float
 
 
 def goodput(serve, gpus: int, ttft_slo: float, tpot_slo: float, num: int, seed: int, target: float = 0.9,
-            lo: float = 0.05, hi: float = 200.0, rounds: int = 12) -> tuple[float, float]:  # fmt: skip
+            lo: float = 0.05, hi: float = 200.0, rounds: int = 12,
+            workload: str = "sharegpt") -> tuple[float, float]:  # fmt: skip
     """The highest rate per GPU whose trace of `num` requests meets both SLOs for `target` of them
     (bisection between lo and hi requests/s per GPU) -> (rate per GPU, its attainment)."""
 
     def ok(rate: float) -> float:
-        return attainment(serve(trace("sharegpt", num, rate * gpus, seed)), ttft_slo, tpot_slo)
+        return attainment(serve(requests(workload, num, rate * gpus, seed)), ttft_slo, tpot_slo)
 
     if ok(lo) < target:
         return 0.0, ok(lo)
@@ -204,30 +271,46 @@ def main(argv=None) -> dict:
 
     p = LadderParser(prog="python -m benchmarks.sim.disagg", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--model", default="opt-13b", help="a shipped shape (benchmarks/sim/models)")
+    p.add_argument("--workload", default="sharegpt", choices=list(WORKLOADS),
+                   help="DistServe's workload: its model, SLOs and placements unless flags say otherwise")  # fmt: skip
+    p.add_argument("--model", help="a shipped shape (benchmarks/sim/models)")
     p.add_argument("--gpu", default="a100-80gb", help="a GPU of benchmarks/sim/gpus.json")
-    p.add_argument("--ttft-slo", type=positive_float, default=0.25, help="seconds to the first token")
-    p.add_argument("--tpot-slo", type=positive_float, default=0.1, help="seconds per output token after the first")
-    p.add_argument("--prefill-tp", type=positive_int, default=2, help="the prefill engine's GPUs (tensor parallel)")
-    p.add_argument("--decode-tp", type=positive_int, default=1, help="the decode engine's GPUs (tensor parallel)")
+    p.add_argument("--ttft-slo", type=positive_float, help="seconds to the first token")
+    p.add_argument("--tpot-slo", type=positive_float, help="seconds per output token after the first")
+    p.add_argument("--colocated-tp", type=positive_int, help="vLLM's GPUs (tensor parallel)")
+    p.add_argument("--prefill-tp", type=positive_int, help="the prefill engine's GPUs (tensor parallel)")
+    p.add_argument("--decode-tp", type=positive_int, help="the decode engine's tensor parallel size")
+    p.add_argument("--decode-pp", type=positive_int, help="the decode engine's pipeline stages (its GPUs: tp x pp)")
+    p.add_argument("--v0-tokens", type=positive_int, default=2048,
+                   help="vLLM V0's prompt tokens a step (DistServe's artifact ran vLLM with 16384)")  # fmt: skip
     p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {', '.join(LINKS)}")
     p.add_argument("--requests", type=positive_int, default=400, help="requests per trace")
     p.add_argument("--seed", type=int, default=0, help="the traces' seed")
     args = p.parse_args(argv)
+    w = WORKLOADS[args.workload]
+    for name in ("model", "ttft_slo", "tpot_slo", "colocated_tp", "prefill_tp", "decode_tp", "decode_pp"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(w, name))
     links = [x.strip() for x in args.links.split(",")]
     if bad := [x for x in links if x not in LINKS]:
         p.error(f"argument --links: unknown {', '.join(bad)}; known: {', '.join(LINKS)}")
-    slo = (args.ttft_slo, args.tpot_slo)
-    rows = [(f"vLLM{' V0' * v0}, colocated", 1,
-             *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0), 1, *slo, args.requests, args.seed))
+    search = dict(ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, num=args.requests, seed=args.seed, lo=w.lo,
+                  workload=args.workload)  # fmt: skip
+    ctp = args.colocated_tp
+    rows = [(f"vLLM{' V0' * v0}, colocated", ctp,
+             *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0, ctp, args.v0_tokens), ctp, **search))
             for v0 in (False, True)]  # fmt: skip
-    gpus = args.prefill_tp + args.decode_tp
+    decode_gpus = args.decode_tp * args.decode_pp
+    gpus = args.prefill_tp + decode_gpus
+    layout = f"{args.prefill_tp}P+{decode_gpus}D" + (f" (decode TP={args.decode_tp} x PP={args.decode_pp})"
+                                                     if args.decode_pp > 1 else "")  # fmt: skip
+    placement = (args.prefill_tp, args.decode_tp, args.decode_pp)
     for link in links:
-        serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, args.prefill_tp, args.decode_tp)  # noqa: E731
-        rows.append((f"disaggregated {args.prefill_tp}P+{args.decode_tp}D, {link}", gpus,
-                     *goodput(serve, gpus, *slo, args.requests, args.seed)))  # fmt: skip
+        serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, *placement)  # noqa: E731
+        rows.append((f"disaggregated {layout}, {link}", gpus, *goodput(serve, gpus, **search)))
+    label = {"sharegpt": "ShareGPT-like", "summarization": "LongBench-like"}[args.workload]
     table = Table("system", "GPUs", "goodput / GPU (req/s)", "attainment there", "/ vLLM V1", "/ vLLM V0",
-                  title=f"{args.model} on {args.gpu}, ShareGPT-like, TTFT <= {args.ttft_slo:g} s and TPOT <= "
+                  title=f"{args.model} on {args.gpu}, {label}, TTFT <= {args.ttft_slo:g} s and TPOT <= "
                         f"{args.tpot_slo:g} s for 90 % of requests")  # fmt: skip
     for name, n, rate, att in rows:
         ratios = [f"{rate / base:.2f}x" if base else "" for base in (rows[0][2], rows[1][2])]
