@@ -24,7 +24,7 @@ import level1_paged
 import level2_continuous
 import level3_prefix
 import level4_speculative
-from features.lora import delta_gathered, delta_loop, delta_stacked
+from features.lora import delta_gathered, delta_loop, delta_segmented, delta_stacked
 from level0_naive import SamplingParams
 from level3_prefix import LoRARequest  # (the room lends it to every level)
 
@@ -137,7 +137,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
                              max_num_batched_tokens=data.draw(st.sampled_from([1, 5, 2048]), label="token budget"),
                              enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
                              max_lora_rank=8, **spec)  # fmt: skip
-    engine.lora.path = data.draw(st.sampled_from(["stacked", "gathered", "loop"]), label="delta path")
+    engine.lora.path = data.draw(st.sampled_from(["stacked", "segmented", "gathered", "loop"]), label="delta path")
     runner = Staggered(WithAdapters(engine, loras).engine, data)
     prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                  for _, n in workload]  # fmt: skip
@@ -146,7 +146,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
             assert out.outputs[0].token_ids == peft_oracle.greedy(path, lora and lora.lora_path, prompt, n)
 
 
-@pytest.mark.parametrize("path", ["loop", "gathered", "stacked", "triton"])
+@pytest.mark.parametrize("path", ["loop", "gathered", "segmented", "stacked", "triton"])
 def test_each_path_gives_peft_greedy_tokens_in_one_mixed_batch(path, checkpoint_factory, adapters, peft_oracle):
     """No draw: one batch of rows on every adapter and on none, neighbours on different adapters,
     two slots for three adapters (so slots are reused), on each delta path (lab 2c's check; the Triton
@@ -164,29 +164,61 @@ def test_each_path_gives_peft_greedy_tokens_in_one_mixed_batch(path, checkpoint_
 
 
 @given(T=st.integers(1, 9), S=st.integers(1, 4), R=st.integers(1, 5), data=st.data())
-def test_the_gathered_and_stacked_deltas_equal_the_loop(T, S, R, data):
+def test_every_delta_equals_the_loop(T, S, R, data):
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
     x, A, B = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((T, 6), (S, R, 6), (S, 5, R)))
     scale = torch.rand(S, generator=g, dtype=torch.float64)
     idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
-    loop, gathered, stacked = (f(x, A, B, scale, idx) for f in (delta_loop, delta_gathered, delta_stacked))
-    torch.testing.assert_close(gathered, loop, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(stacked, loop, rtol=1e-12, atol=1e-12)
+    loop, *others = (f(x, A, B, scale, idx) for f in (delta_loop, delta_gathered, delta_segmented, delta_stacked))
+    for other in others:
+        torch.testing.assert_close(other, loop, rtol=1e-12, atol=1e-12)
     assert not loop[idx < 0].any()  # the base model's rows get nothing
 
 
-def test_two_adapters_never_share_a_kv_block(checkpoint_factory, adapters):
-    """One prompt on adapter 1, then on adapter 2, then on none, then on adapter 1 again: only the last
-    finds its prefix in the pool."""
-    path, (a1, a2, _) = checkpoint_factory("llama"), adapters("llama")
-    llm = level3_prefix.LLM(path, dtype="float64", block_size=4, enable_lora=True, max_loras=2, max_lora_rank=8)
-    prompt, params = [random.Random(0).randrange(VOCAB) for _ in range(17)], SamplingParams(max_tokens=2, temperature=0)
-    hits = []
-    for lora in (a1, a2, None, a1):
+STEMS = [[random.Random(i).randrange(VOCAB) for _ in range(12)] for i in range(2)]
+
+
+@given(runs=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 12), st.lists(st.integers(1, 2), max_size=5),
+                               st.integers(0, 3)), min_size=1, max_size=8))  # fmt: skip
+def test_two_adapters_never_share_a_kv_block(runs, checkpoint_factory, adapters):
+    """Prompts that share prefixes, each on an adapter or on none (3), one after another on level 3 with a
+    pool that never evicts: a prompt's prefix hits are exactly the longest run of whole blocks it shares
+    with an earlier prompt *on the same adapter* (never the last token): no block crosses adapters."""
+    path, pool = checkpoint_factory("llama"), adapters("llama")
+    bs, params = 4, SamplingParams(max_tokens=1, temperature=0)
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=bs, enable_lora=True, max_loras=3, max_lora_rank=8)
+    seen: dict[int, list[list[int]]] = {}
+    for stem, cut, tail, which in runs:
+        prompt, lora = STEMS[stem][:cut] + tail or [1], (pool + [None])[which]
+        want = 0
+        for earlier in seen.get(which, []):  # whole blocks of computed prompt tokens in common, within the usable ones
+            blocks = 0
+            while (blocks + 1) * bs <= min(len(earlier), len(prompt) - 1) and \
+                    earlier[:(blocks + 1) * bs] == prompt[:(blocks + 1) * bs]:  # fmt: skip
+                blocks += 1
+            want = max(want, blocks * bs)
         before = llm.llm_engine.prefix_stats()["prefix_cache_hits"]
         llm.generate([prompt], params, lora_request=lora, progress=False)
-        hits.append(llm.llm_engine.prefix_stats()["prefix_cache_hits"] - before)
-    assert hits == [0, 0, 0, 16], hits
+        assert llm.llm_engine.prefix_stats()["prefix_cache_hits"] - before == want, (prompt, which, seen)
+        seen.setdefault(which, []).append(prompt)
+
+
+def test_a_merged_adapter_gives_the_same_tokens(checkpoint_factory, adapters, peft_oracle):
+    """PEFT's `merge_and_unload()` (W + scale B A folded into the weights, a plain model) gives the tokens the
+    engine gives with the adapter in a slot, and PeftModel's."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base, pool = checkpoint_factory("llama"), adapters("llama")
+    llm = level2_continuous.LLM(base, dtype="float64", enable_lora=True, max_loras=3, max_lora_rank=8)
+    prompt = [random.Random(5).randrange(VOCAB) for _ in range(7)]
+    outs = llm.generate([prompt] * 3, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True), lora_request=pool,
+                        progress=False)  # fmt: skip
+    for lora, out in zip(pool, outs):
+        merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64),
+                                           lora.lora_path).merge_and_unload().eval()  # fmt: skip
+        ids = merged.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, use_cache=False)[0, 7:]
+        assert out.outputs[0].token_ids == ids.tolist() == peft_oracle.greedy(base, lora.lora_path, prompt, 6)
 
 
 def test_a_bad_adapter_or_a_wrong_engine_is_refused_in_one_line(checkpoint_factory, adapters, tmp_path):

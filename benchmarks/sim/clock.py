@@ -49,6 +49,7 @@ class SimStep:
     chunks: list[tuple[int, int]]
     num_sampled: int
     shared: int = 0  # context tokens in blocks another request of the step read first (a shared prefix)
+    adapters: list | None = None  # each chunk's SimAdapter (lora_cost.py) or None; None: no LoRA in the step
 
 
 @dataclass
@@ -89,7 +90,8 @@ class SimulatedExecutor:
         return self.collect()
 
     def submit(self, step: SimStep) -> int:
-        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp, step.shared)
+        cost = step_cost(self.hardware, self.shape, step.chunks, step.num_sampled, self.tp, self.pp, step.shared,
+                         step.adapters)  # fmt: skip
         if self.trace is not None:
             tokens = sum(n for _, n in step.chunks)
             self.trace.append(StepTrace(self.clock.now, cost, len(step.chunks), tokens, *self.probe()))
@@ -103,7 +105,8 @@ class SimulatedExecutor:
         """When the last of pp stages is done with a step that costs `cost` (engine seconds), each stage taking
         its share as soon as it is free (`self.stage_free`, updated here) and the step has reached it; the
         driver's overhead is paid on the engine's clock first."""
-        per_stage = (cost.linear + cost.attention + cost.comm - (self.pp - 1) * cost.send) / self.pp  # layers, TP's
+        layers = cost.linear + cost.attention + cost.lora + cost.comm - (self.pp - 1) * cost.send  # with TP's
+        per_stage = layers / self.pp
         self.clock.advance(cost.overhead)  # the driver schedules and launches, then hands it to stage 0
         t = self.clock.now
         for s in range(self.pp):

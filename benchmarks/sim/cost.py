@@ -24,6 +24,8 @@ memory traffic, plus a fixed per-step overhead:
     PP         pp - 1 sends of the activations, T * H * b bytes each: alpha + bytes / link; this sum
                is one step alone, its stages one after another (the simulated executor,
                clock.py, gives each stage a clock of its own: level 5's micro-batches overlap)
+    LoRA       the adapters' shrink and expand, each distinct adapter's A and B read once (lora_cost.py);
+               0 without adapters
     overhead   seconds per step (the CPU's scheduling and kernel launches), per request, per new
                token and per context token in it, a context token whose block was already read in
                the step (a shared prefix) at its own rate (only the first on a GPU unless calibrated),
@@ -48,6 +50,8 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+
+from .lora_cost import SimAdapter, lora_cost
 
 HERE = Path(__file__).parent
 # features.cpu_kernels.attention.LONG_QUERY (a test holds them equal; this file stays free of torch): a query of
@@ -199,17 +203,19 @@ class StepCost:
     comm: float
     overhead: float
     send: float = 0.0  # one of PP's sends between stages (comm holds pp - 1 of them): what a pipeline's executor needs
+    lora: float = 0.0  # the adapters' matmuls and weights (lora_cost.py)
 
     @property
     def total(self) -> float:
-        return self.linear + self.attention + self.lm_head + self.comm + self.overhead
+        return self.linear + self.attention + self.lm_head + self.comm + self.overhead + self.lora
 
 
 def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], num_sampled: int,
-              tp: int = 1, pp: int = 1, shared: int = 0) -> StepCost:  # fmt: skip
+              tp: int = 1, pp: int = 1, shared: int = 0,
+              adapters: list[SimAdapter | None] | None = None) -> StepCost:  # fmt: skip
     """chunks: (tokens already cached, new tokens) per scheduled request; num_sampled: logits rows;
     shared: of the context tokens, those in blocks another request of the step read first
-    (`repeated_context`)."""
+    (`repeated_context`); adapters: each chunk's adapter (None: the base model), or None: no LoRA."""
     b, L, h = shape.dtype_bytes, shape.num_layers, shape.hidden
     T = sum(n for _, n in chunks)
     flops, bw = hw.flops_at(T) * hw.compute_efficiency, hw.bytes_per_s * hw.memory_efficiency
@@ -239,7 +245,8 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     overhead += hw.context_overhead_s * (context - shared) + again * shared
     if hw.cached_chunk_overhead_s:
         overhead += hw.cached_chunk_overhead_s * cached_chunks(chunks)
-    return StepCost(linear, attention, lm_head, comm, overhead, send)
+    lora = lora_cost(hw, shape, [(n, a) for (_, n), a in zip(chunks, adapters)], tp) if adapters else 0.0
+    return StepCost(linear, attention, lm_head, comm, overhead, send, lora)
 
 
 def cached_chunks(chunks: list[tuple[int, int]]) -> int:

@@ -4,7 +4,7 @@ What it is: the module the LoRA manager puts in place of each of the seven proje
 layer (the base `Linear` stays inside it, its weights and ops untouched):
 
     y = base(x)                                     [T, out], the base model's own
-      + slots.apply(key, x)        this step's delta (punica.py: the loop, gathered or stacked way)
+      + slots.add_delta(key, x, y) this step's delta (punica.py: the loop, gathered or stacked way)
 
 `slots.mapping` [T] is this step's adapter slot per row (-1: the base model), which the engine
 sets before the forward (manager.py); with no adapter in the batch the layer is the base layer.
@@ -30,7 +30,7 @@ class LoRALinear(nn.Module):
         mapping = self.slots.mapping
         if mapping is None or not self.slots.active:
             return y
-        return y + self.slots.apply(self.key, x).to(y.dtype)  # punica.py, by the manager's path
+        return self.slots.add_delta(self.key, x, y)  # y + the delta (punica.py), by the manager's path
 
 
 __all__ = ["LoRALinear"]

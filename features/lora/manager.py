@@ -40,9 +40,8 @@ from ladder.metrics import Gauge
 
 from .adapter import TARGETS, Adapter, load_adapter, shapes
 from .layers import LoRALinear
-from .punica import delta_gathered, delta_loop, delta_stacked
+from .punica import delta_gathered, delta_loop, delta_segmented, delta_stacked, segments
 from .request import LoRAConfig
-
 
 
 def delta_triton(x, A, B, scale, idx):
@@ -54,7 +53,8 @@ def delta_triton(x, A, B, scale, idx):
 
 
 # the manager's paths; a GPU's default is the kernels, a CPU's the stacked matmuls (punica.py says why)
-DELTAS = {"stacked": delta_stacked, "gathered": delta_gathered, "loop": delta_loop, "triton": delta_triton}
+DELTAS = {"stacked": delta_stacked, "segmented": delta_segmented, "gathered": delta_gathered, "loop": delta_loop,
+          "triton": delta_triton}  # fmt: skip
 
 
 class LoRAManager:
@@ -67,13 +67,14 @@ class LoRAManager:
         self.dtype, self.device = p.dtype, p.device
         S, R = config.max_loras, config.max_lora_rank
         self.A, self.B = {}, {}  # (layer, module) -> [S, R, in], [S, out, R]
-        self.B_flat = {}  # B's storage, [out, S*R] (the stacked path's layout; B[key] is a view of it)
+        self.flat = {}  # (layer, module) -> views [in, S*R] of A and [S*R, out] of B: the stacked path's operands
         for layer in range(cfg.num_layers):
             for module, (n_in, n_out) in shapes(cfg).items():
                 key = (layer, module)
                 self.A[key] = torch.zeros(S, R, n_in, dtype=self.dtype, device=self.device)
-                self.B_flat[key] = torch.zeros(n_out, S * R, dtype=self.dtype, device=self.device)
-                self.B[key] = self.B_flat[key].view(n_out, S, R).permute(1, 0, 2)  # a view: [S, out, R]
+                B_flat = torch.zeros(n_out, S * R, dtype=self.dtype, device=self.device)  # B's storage
+                self.B[key] = B_flat.view(n_out, S, R).permute(1, 0, 2)  # a view of it: [S, out, R]
+                self.flat[key] = (self.A[key].view(S * R, n_in).T, B_flat.T)  # views: a slot's load shows in them
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
@@ -83,6 +84,7 @@ class LoRAManager:
         self.path = path  # which delta (punica.py) the projections use
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
+        self.segs = None  # the segmented path's: punica.segments(mapping), and each segment's scale [U, 1, 1]
         self.active = False  # does this step run any adapter?
         self.loads = 0  # adapters copied into a slot
         self._install(model)
@@ -93,12 +95,20 @@ class LoRAManager:
                 owner = getattr(layer, parent)
                 setattr(owner, module, LoRALinear(getattr(owner, module), (i, module), self))
 
-    def apply(self, key: tuple[int, str], x: torch.Tensor) -> torch.Tensor:
-        """This step's delta for one projection: x [T, in] -> [T, out], by the manager's path (the
-        stacked one with this step's row mask, computed once for every projection)."""
+    def add_delta(self, key: tuple[int, str], x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y [T, out] (the base projection's output) plus this step's delta for x [T, in], by the manager's
+        path. The stacked one is three ops (a projection's whole LoRA cost on a CPU, where each op's
+        dispatch counts): the shrink, this step's row mask in place (computed once for every
+        projection), and the expand added to y in the same call (addmm)."""
         if self.path == "stacked":
-            return (x @ self.A[key].flatten(0, 1).T * self.keep) @ self.B_flat[key].T  # [T, S*R] -> [T, out]
-        return DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping)
+            A_flat, B_flat = self.flat[key]  # [in, S*R], [S*R, out]
+            return torch.addmm(y, (x @ A_flat).mul_(self.keep), B_flat)  # [T, S*R] -> y + [T, out]
+        if self.path == "segmented":  # punica.delta_segmented, its segments made once for the step
+            (slots, rows, real, dest), scale = self.segs
+            A, B = self.A[key][slots], self.B[key][slots]  # [U, R, in], [U, out, R]: the step's slots
+            shrunk = torch.bmm(x[rows], A.transpose(1, 2)).mul_(scale)  # [U, G, in] -> [U, G, R]
+            return y.index_add_(0, dest, torch.bmm(shrunk, B.transpose(1, 2)).flatten(0, 1)[real])  # y + [T, out]
+        return y + DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping).to(y.dtype)
 
     # --- requests ---------------------------------------------------------------------------------
     def adapter(self, request) -> Adapter:
@@ -143,7 +153,7 @@ class LoRAManager:
     # --- each step ------------------------------------------------------------------------------
     def clear(self) -> None:
         """The next forward runs no adapter (a forward that is not a scheduled step: level 3's beam search)."""
-        self.mapping, self.keep, self.active = None, None, False
+        self.mapping, self.keep, self.segs, self.active = None, None, None, False
 
     def prepare_step(self, scheduled: list) -> None:
         """(request, new tokens) per scheduled chunk, in the step's row order -> the mapping, every
@@ -165,7 +175,9 @@ class LoRAManager:
             keep = torch.zeros(len(rows), S, dtype=self.dtype, device=self.device)
             keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
             self.keep = keep.repeat_interleave(R, dim=1)  # [T, S*R]
-
+        if self.path == "segmented" and self.active:
+            segs = segments(self.mapping)
+            self.segs = segs, self.scale[segs[0]][:, None, None]
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())
         for slot in range(self.config.max_loras):

@@ -1,4 +1,4 @@
-"""A batch where every row may run a different adapter: `x W^T + scale_i (x A_i^T) B_i^T`, two ways.
+"""A batch where every row may run a different adapter: `x W^T + scale_i (x A_i^T) B_i^T`, four ways.
 
 What it is: the one computation LoRA serving adds to a linear layer, for T rows whose adapters are
 `idx` [T] (a device slot, or -1 for the base model alone), with every slot's A and B stacked:
@@ -16,15 +16,19 @@ What it is: the one computation LoRA serving adds to a linear layer, for T rows 
 
     shrink   [T, in] x [T, in, R] -> [T, R]      expand   [T, R] x [T, R, out] -> [T, out]
 
-`delta_stacked` is a third way, what a CPU does best at small ranks: every slot's shrink for every
+`delta_segmented` is SGMV's idea ("segmented gather matrix-vector", Punica's prefill kernel): the
+rows grouped by slot, each group one segment (a prefill's rows of one adapter are one), the segments
+padded to one length and multiplied in two batched matmuls over the slots present, so each slot's A
+and B are read once and every row meets only its own.
+
+`delta_stacked` is a fourth way, what a CPU does best at small ranks: every slot's shrink for every
 row in one dense matmul, the other slots' columns zeroed, one dense expand (S times the
-multiplications, no gather). The three agree to rounding (tested); the gathered one moves
+multiplications, no gather). The four agree to rounding (tested); the gathered one moves
 T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
 avoids by reading each slot's A and B once per block of rows.
 
 What it is not: a GPU kernel (triton_ops.py is one: BGMV's shrink and expand, reading each row's
-slot in place instead of gathering copies), or SGMV's segments (a prefill's rows of one adapter
-handled as one matrix product: the loop does that).
+slot in place instead of gathering copies; SGMV as a kernel tiles each segment with tl.dot, not built).
 
 Reference: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), BGMV and SGMV; Sheng et
 al., "S-LoRA" (MLSys 2024); vLLM `vllm/lora/ops/torch_ops/lora_ops.py` (bgmv_shrink, bgmv_expand).
@@ -67,4 +71,35 @@ def delta_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torc
     return shrunk @ B.permute(1, 0, 2).reshape(B.shape[1], S * R).T  # [T, S*R] x [S*R, out] -> [T, out]
 
 
-__all__ = ["delta_loop", "delta_gathered", "delta_stacked"]
+def segments(idx: torch.Tensor):
+    """idx [T] -> the rows grouped by slot, each group padded to the largest (G rows): (slots [U], the slots
+    present; rows [U, G], each group's row numbers, a pad repeating the group's first; real [U*G] bool, which
+    of them are not pads; dest [n], the real ones' row numbers, in the same order). Once per step."""
+    on = torch.nonzero(idx >= 0).squeeze(-1)  # [n] rows on some adapter
+    slots, counts = torch.unique(idx[on], return_counts=True)  # [U], [U]
+    order = on[torch.argsort(idx[on], stable=True)]  # [n] the rows, slot by slot
+    G = int(counts.max()) if len(slots) else 0
+    start = torch.cumsum(counts, 0) - counts  # [U] where each slot's rows begin in `order`
+    pos = torch.arange(G, device=idx.device)  # [G]
+    real = pos[None, :] < counts[:, None]  # [U, G]
+    rows = order[start[:, None] + torch.where(real, pos[None, :], 0)]  # [U, G]: a pad repeats the first row
+    return slots, rows, real.flatten(), order
+
+
+def delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,
+                    segs=None):  # fmt: skip
+    """The same delta with each slot's rows as one segment (SGMV's idea): the segments padded to one length
+    and multiplied in two batched matmuls over the slots present, so each row meets only its own slot's
+    A and B (no S-fold waste, as stacked has) and each slot's weights are read once (no per-row copy, as
+    gathered makes); the results added back into their rows. `segs`: segments(idx), if already made."""
+    slots, rows, real, dest = segments(idx) if segs is None else segs
+    out = x.new_zeros(x.shape[0], B.shape[1])
+    if len(slots) == 0:
+        return out
+    shrunk = torch.bmm(x[rows], A[slots].transpose(1, 2))  # [U, G, in] x [U, in, R] -> [U, G, R]
+    shrunk = shrunk * scale[slots][:, None, None]
+    full = torch.bmm(shrunk, B[slots].transpose(1, 2))  # [U, G, R] x [U, R, out] -> [U, G, out]
+    return out.index_add_(0, dest, full.flatten(0, 1)[real])  # the real rows back into place
+
+
+__all__ = ["delta_loop", "delta_gathered", "delta_stacked", "delta_segmented", "segments"]
