@@ -120,7 +120,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
     """Levels 2, 3 and 4 (n-gram or a draft model, which runs without adapters: the target verifies
     with them); requests on each adapter and on none; slots from 1 (every step one adapter) to
     all; a pool from the largest request alone (preemption), a drawn token budget (chunked prefill),
-    prefix hits (level 3, twice the same workload), arrivals at drawn steps; both delta paths."""
+    prefix hits (level 3, twice the same workload), arrivals at drawn steps; every torch delta path."""
     path, pool = checkpoint_factory(arch), adapters(arch)
     loras = data.draw(st.lists(st.sampled_from([None, *pool]), min_size=len(workload), max_size=len(workload)),
                       label="adapters")  # fmt: skip
@@ -252,6 +252,13 @@ def test_a_bad_adapter_or_a_wrong_engine_is_refused_in_one_line(checkpoint_facto
     with pytest.raises(ValueError, match="lora_int_id=1 is already"):  # one id, one adapter
         llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=LoRARequest("b", 1, a2.lora_path),
                      progress=False)  # fmt: skip
+    a3 = next(a for a in adapters("llama") if a.lora_int_id == 3)  # rank 2: fits max_lora_rank=4
+    llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=a3, progress=False)  # the one host entry: a3
+    with pytest.raises(ValueError, match="lora_int_id=1 is already"):  # a1 left the host cache, and its id stays a1's
+        llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=LoRARequest("c", 1, a3.lora_path),
+                     progress=False)  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA path 'fast': one of stacked"):
+        llm.llm_engine.lora.path = "fast"
     garbage = tmp_path / "garbage"
     garbage.mkdir()
     (garbage / "adapter_config.json").write_text("[1, 2]")

@@ -11,7 +11,8 @@ the base model and once on each adapter, as one `generate` call: every step runs
 batch, each projection adding its row's own adapter (docs/lora.md). Printed: the four greedy
 continuations, the slots the adapters sat in and the last step's mapping (each row's slot, -1 for
 the base model), then the same four one at a time, to show that batching changed no token, and the
-batch on each of punica.py's paths (the loop, the gathered, the stacked), timed
+batch on each of punica.py's paths (stacked, segmented, gathered, loop; the Triton kernels too on a
+GPU), timed
 (in float64, where a near-tie that a batch's other rounding could flip is vanishingly rare).
 
 What it is not: a benchmark (`python -m benchmarks.lora` measures mixed against one adapter at a
@@ -43,7 +44,8 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", default="I pray you, sir, what news?\n\n",
                    help="the same for all four (default: a line and a blank one, so the next speaker is the model's)")
     p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--path", default="stacked", choices=sorted(DELTAS), help="the delta's way (punica.py; default stacked)")
+    p.add_argument("--path", default="stacked", choices=[d for d in DELTAS if d != "triton" or torch.cuda.is_available()],
+                   help="the delta's way (punica.py; default stacked; triton on a GPU)")
     p.add_argument("--quick", action="store_true", help="24 tokens")
     args = p.parse_args(argv)
     torch.set_num_threads(1)

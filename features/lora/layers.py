@@ -4,7 +4,7 @@ What it is: the module the LoRA manager puts in place of each of the seven proje
 layer (the base `Linear` stays inside it, its weights and ops untouched):
 
     y = base(x)                                     [T, out], the base model's own
-      + slots.add_delta(key, x, y) this step's delta (punica.py: the loop, gathered or stacked way)
+      + slots.add_delta(key, x, y) this step's delta (punica.py: one of the manager's paths)
 
 `slots.mapping` [T] is this step's adapter slot per row (-1: the base model), which the engine
 sets before the forward (manager.py); with no adapter in the batch the layer is the base layer.

@@ -52,13 +52,17 @@ def delta_triton(x, A, B, scale, idx):
     return kernels(x, A, B, scale, idx)
 
 
-# the manager's paths; a GPU's default is the kernels, a CPU's the stacked matmuls (punica.py says why)
+# the manager's paths. The default is the stacked matmuls everywhere (punica.py says why on a CPU); the kernels are
+# opt-in (`llm.llm_engine.lora.path = "triton"`) until a GPU has run them
 DELTAS = {"stacked": delta_stacked, "segmented": delta_segmented, "gathered": delta_gathered, "loop": delta_loop,
           "triton": delta_triton}  # fmt: skip
 
 
 class LoRAManager:
-    def __init__(self, model, config: LoRAConfig, path: str | None = None):
+    """One engine's adapters: the device slots every projection reads, the host cache, the admission
+    rule, and each step's mapping (the module docstring draws them); `path` picks the delta (DELTAS)."""
+
+    def __init__(self, model, config: LoRAConfig, path: str = "stacked"):
         cfg = model.config
         if cfg.moe is not None:
             raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
@@ -78,10 +82,8 @@ class LoRAManager:
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
-        path = path or ("triton" if self.device.type == "cuda" else "stacked")
-        if path not in DELTAS:
-            raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
-        self.path = path  # which delta (punica.py) the projections use
+        self.paths: dict[int, str] = {}  # every adapter id ever read -> its folder: one id, one adapter, for good
+        self.path = path  # which delta (punica.py, triton_ops.py) the projections use: checked by the setter
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
         self.segs = None  # the segmented path's: punica.segments(mapping), and each segment's scale [U, 1, 1]
@@ -110,17 +112,39 @@ class LoRAManager:
             return y.index_add_(0, dest, torch.bmm(shrunk, B.transpose(1, 2)).flatten(0, 1)[real])  # y + [T, out]
         return y + DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping).to(y.dtype)
 
+    @property
+    def path(self) -> str:
+        return self._path
+
+    @path.setter
+    def path(self, path: str) -> None:
+        """Refused here, not in the first step's forward: an unknown path, or the Triton kernels on tensors no
+        kernel can launch on (a CPU without Triton's interpreter)."""
+        if path not in DELTAS:
+            raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
+        if path == "triton" and self.device.type != "cuda":
+            from . import triton_ops
+
+            if not triton_ops.interpreted():
+                raise ValueError("LoRA path 'triton' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
+                                 "triton is first imported); the CPU's paths: stacked, segmented, gathered, loop")  # fmt: skip
+        self._path = path
+
     # --- requests ---------------------------------------------------------------------------------
     def adapter(self, request) -> Adapter:
-        """The request's adapter from host memory, read from disk (and checked) if it is not there."""
+        """The request's adapter from host memory, read from disk (and checked) if it is not there. An id
+        keeps the folder it was first read from for the engine's life: a slot may still hold its weights
+        after the host cache dropped them, so a second folder under the same id would run the first's."""
+        known = self.paths.get(request.lora_int_id)
+        if known is not None and known != request.lora_path:
+            raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id={request.lora_int_id} is already "
+                             f"{known}, not {request.lora_path} (one id, one adapter)")  # fmt: skip
         hit = self.host.get(request.lora_int_id)
         if hit is not None:
-            if hit.path != request.lora_path:
-                raise ValueError(f"LoRA adapter {request.lora_name!r}: lora_int_id={request.lora_int_id} is already "
-                                 f"{hit.path}, not {request.lora_path} (one id, one adapter)")  # fmt: skip
             self.host.move_to_end(request.lora_int_id)
             return hit
         adapter = load_adapter(request, self.model_config, self.config.max_lora_rank, self.dtype)
+        self.paths[request.lora_int_id] = request.lora_path
         self.host[request.lora_int_id] = adapter
         while len(self.host) > self.config.max_cpu_loras:
             self.host.popitem(last=False)
@@ -178,6 +202,7 @@ class LoRAManager:
         if self.path == "segmented" and self.active:
             segs = segments(self.mapping)
             self.segs = segs, self.scale[segs[0]][:, None, None]
+
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())
         for slot in range(self.config.max_loras):

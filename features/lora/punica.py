@@ -23,9 +23,9 @@ and B are read once and every row meets only its own.
 
 `delta_stacked` is a fourth way, what a CPU does best at small ranks: every slot's shrink for every
 row in one dense matmul, the other slots' columns zeroed, one dense expand (S times the
-multiplications, no gather). The four agree to rounding (tested); the gathered one moves
-T x R x (in + out) weights, which is what a GPU kernel (Punica's BGMV, S-LoRA's MBGMM)
-avoids by reading each slot's A and B once per block of rows.
+multiplications, no gather). The four agree to rounding (tested); the gathered one copies
+T x R x (in + out) weights (each row's own A and B), which a GPU kernel (Punica's BGMV, S-LoRA's
+MBGMM, triton_ops.py) avoids by reading each row's slot's A and B where they lie.
 
 What it is not: a GPU kernel (triton_ops.py is one: BGMV's shrink and expand, reading each row's
 slot in place instead of gathering copies; SGMV as a kernel tiles each segment with tl.dot, not built).

@@ -107,13 +107,18 @@ def _expand_kernel(
     tl.store(out_ptr + t * stride_ot + o, acc.to(out_ptr.dtype.element_ty), mask=o < n_out)
 
 
+def interpreted() -> bool:
+    """Does this process's triton run kernels in its interpreter (so CPU tensors work)? Chosen at its first import."""
+    return type(tl.sum).__name__ == "InterpretedFunction"
+
+
 def delta_triton(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor):
     """x [T, in], A [S, R, in], B [S, out, R], scale [S], idx [T] (-1: none) -> delta [T, out] in x's dtype."""
     (T, n_in), (_, R, _), n_out = x.shape, A.shape, B.shape[1]
     out = torch.empty(T, n_out, dtype=x.dtype, device=x.device)  # [T, out]: every element is stored
     if T == 0:
         return out  # nothing to launch
-    if not x.is_cuda and type(tl.sum).__name__ != "InterpretedFunction":
+    if not x.is_cuda and not interpreted():
         raise RuntimeError(
             "delta_triton got CPU tensors but triton was imported without TRITON_INTERPRET=1: "
             "set it in the environment, or use another LoRA path"
@@ -133,4 +138,4 @@ def delta_triton(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch
     return out
 
 
-__all__ = ["delta_triton"]
+__all__ = ["delta_triton", "interpreted"]
