@@ -181,6 +181,10 @@ def test_bad_specs_are_value_errors_naming_the_field(model):
         StructuredOutputsParams()
     with pytest.raises(ValueError, match="choice must be a non-empty list"):
         StructuredOutputsParams(choice=[])
+    with pytest.raises(ValueError, match=r"json_object must be true or false \(got 0.0\)"):  # not "unset"
+        StructuredOutputsParams(json_object=0.0, choice=["a"])
+    with pytest.raises(ValueError, match="disable_any_whitespace must be true or false"):
+        StructuredOutputsParams(choice=["a"], disable_any_whitespace=None)
     llm = level2_continuous.LLM(model, dtype="float32")
     for spec, field in [(StructuredOutputsParams(json={"type": "nonsense"}), "json"),
                         (StructuredOutputsParams(regex="(unclosed"), "regex"),

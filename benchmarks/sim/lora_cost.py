@@ -33,10 +33,9 @@ Reference: Chen et al., "Punica" (MLSys 2024), its BGMV kernel; Sheng et al., "S
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # (cost.py imports this file: no cycle at run time)
-    from .cost import Hardware, ModelShape
+# cost.py imports this file, so this file imports nothing of cost.py: `hw` below is a cost.Hardware and
+# `shape` a cost.ModelShape, by their attributes only
 
 ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # features/lora's seven
 ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")  # S-LoRA's adapters (its LoraLayerWeight: q, k, v, o)
@@ -62,7 +61,7 @@ class SimAdapter:
         return f"sim-{self.lora_int_id}"
 
 
-def projections(shape: ModelShape) -> dict[str, tuple[int, int]]:
+def projections(shape) -> dict[str, tuple[int, int]]:
     """module -> (in, out) of the base model's projections (features/lora/adapter.py `shapes`; a test holds
     them equal). A two-matrix MLP (OPT) has no gate."""
     h, ff = shape.hidden, shape.intermediate
@@ -74,7 +73,7 @@ def projections(shape: ModelShape) -> dict[str, tuple[int, int]]:
     return dims
 
 
-def width(shape: ModelShape, adapter: SimAdapter) -> int:
+def width(shape, adapter: SimAdapter) -> int:
     """sum of (in + out) over the adapter's targets in one layer: its A and B hold rank * width values."""
     dims = projections(shape)
     if missing := [t for t in adapter.targets if t not in dims]:
@@ -82,12 +81,12 @@ def width(shape: ModelShape, adapter: SimAdapter) -> int:
     return sum(sum(dims[t]) for t in adapter.targets)
 
 
-def adapter_bytes(shape: ModelShape, adapter: SimAdapter) -> int:
+def adapter_bytes(shape, adapter: SimAdapter) -> int:
     """One adapter's A and B over every layer (what a slot holds, what a load from host memory moves)."""
     return adapter.rank * width(shape, adapter) * shape.num_layers * shape.dtype_bytes
 
 
-def lora_cost(hw: Hardware, shape: ModelShape, rows: list[tuple[int, SimAdapter | None]], tp: int = 1) -> float:
+def lora_cost(hw, shape, rows: list[tuple[int, SimAdapter | None]], tp: int = 1) -> float:
     """The seconds a step's adapters add: rows are (new tokens, adapter or None: the base model) per
     scheduled request; 0 when no row has an adapter."""
     on = [(n, a) for n, a in rows if a is not None and n]

@@ -36,6 +36,13 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = True
 
     def __post_init__(self):
+        # A flag is a bool: 0.0 or "" would pass for False below (0.0 == False), and a request that sent a
+        # number where a boolean belongs must be refused, not read as "not set" (schemathesis sent one)
+        if self.json_object is not None and not isinstance(self.json_object, bool):
+            raise ValueError(f"StructuredOutputsParams.json_object must be true or false (got {self.json_object!r})")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError("StructuredOutputsParams.disable_any_whitespace must be true or false "
+                             f"(got {self.disable_any_whitespace!r})")  # fmt: skip
         set_ = [k for k in KINDS if getattr(self, k) not in (None, False)]
         if len(set_) != 1:
             raise ValueError(f"StructuredOutputsParams: set exactly one of {', '.join(KINDS)} (got {set_ or 'none'})")
