@@ -86,7 +86,7 @@ class LoRAManager:
         self.path = path  # which delta (punica.py, triton_ops.py) the projections use: checked by the setter
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
-        self.segs = None  # the segmented path's: punica.segments(mapping), and each segment's scale [U, 1, 1]
+        self.segs = None  # the segmented path's: punica.segments(mapping), each row's scale (0: a pad), all slots?
         self.active = False  # does this step run any adapter?
         self.loads = 0  # adapters copied into a slot
         self._install(model)
@@ -106,10 +106,10 @@ class LoRAManager:
             A_flat, B_flat = self.flat[key]  # [in, S*R], [S*R, out]
             return torch.addmm(y, (x @ A_flat).mul_(self.keep), B_flat)  # [T, S*R] -> y + [T, out]
         if self.path == "segmented":  # punica.delta_segmented, its segments made once for the step
-            (slots, rows, real, dest), scale = self.segs
-            A, B = self.A[key][slots], self.B[key][slots]  # [U, R, in], [U, out, R]: the step's slots
-            shrunk = torch.bmm(x[rows], A.transpose(1, 2)).mul_(scale)  # [U, G, in] -> [U, G, R]
-            return y.index_add_(0, dest, torch.bmm(shrunk, B.transpose(1, 2)).flatten(0, 1)[real])  # y + [T, out]
+            slots, rows, weight, every = self.segs
+            A, B = (self.A[key], self.B[key]) if every else (self.A[key][slots], self.B[key][slots])  # [U, R, in] ..
+            shrunk = torch.bmm(x[rows], A.transpose(1, 2)).mul_(weight)  # [U, G, in] -> [U, G, R]
+            return y.index_add_(0, rows.flatten(), torch.bmm(shrunk, B.transpose(1, 2)).flatten(0, 1))  # y + [T, out]
         return y + DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping).to(y.dtype)
 
     @property
@@ -200,8 +200,9 @@ class LoRAManager:
             keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
             self.keep = keep.repeat_interleave(R, dim=1)  # [T, S*R]
         if self.path == "segmented" and self.active:
-            segs = segments(self.mapping)
-            self.segs = segs, self.scale[segs[0]][:, None, None]
+            slots, rows, real = segments(self.mapping)
+            weight = (self.scale[slots][:, None] * real)[..., None]  # [U, G, 1]
+            self.segs = slots, rows, weight, len(slots) == self.config.max_loras  # every slot: no gather of A, B
 
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())

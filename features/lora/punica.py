@@ -73,8 +73,8 @@ def delta_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torc
 
 def segments(idx: torch.Tensor):
     """idx [T] -> the rows grouped by slot, each group padded to the largest (G rows): (slots [U], the slots
-    present; rows [U, G], each group's row numbers, a pad repeating the group's first; real [U*G] bool, which
-    of them are not pads; dest [n], the real ones' row numbers, in the same order). Once per step."""
+    present; rows [U, G], each group's row numbers, a pad repeating its group's first; real [U, G] bool, which
+    are not pads). Once per step."""
     on = torch.nonzero(idx >= 0).squeeze(-1)  # [n] rows on some adapter
     slots, counts = torch.unique(idx[on], return_counts=True)  # [U], [U]
     order = on[torch.argsort(idx[on], stable=True)]  # [n] the rows, slot by slot
@@ -83,7 +83,7 @@ def segments(idx: torch.Tensor):
     pos = torch.arange(G, device=idx.device)  # [G]
     real = pos[None, :] < counts[:, None]  # [U, G]
     rows = order[start[:, None] + torch.where(real, pos[None, :], 0)]  # [U, G]: a pad repeats the first row
-    return slots, rows, real.flatten(), order
+    return slots, rows, real
 
 
 def delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,
@@ -92,14 +92,14 @@ def delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: to
     and multiplied in two batched matmuls over the slots present, so each row meets only its own slot's
     A and B (no S-fold waste, as stacked has) and each slot's weights are read once (no per-row copy, as
     gathered makes); the results added back into their rows. `segs`: segments(idx), if already made."""
-    slots, rows, real, dest = segments(idx) if segs is None else segs
+    slots, rows, real = segments(idx) if segs is None else segs
     out = x.new_zeros(x.shape[0], B.shape[1])
     if len(slots) == 0:
         return out
-    shrunk = torch.bmm(x[rows], A[slots].transpose(1, 2))  # [U, G, in] x [U, in, R] -> [U, G, R]
-    shrunk = shrunk * scale[slots][:, None, None]
+    weight = (scale[slots][:, None] * real)[..., None]  # [U, G, 1]: the slot's scale, and 0 for a pad
+    shrunk = torch.bmm(x[rows], A[slots].transpose(1, 2)) * weight  # [U, G, in] x [U, in, R] -> [U, G, R]
     full = torch.bmm(shrunk, B[slots].transpose(1, 2))  # [U, G, R] x [U, R, out] -> [U, G, out]
-    return out.index_add_(0, dest, full.flatten(0, 1)[real])  # the real rows back into place
+    return out.index_add_(0, rows.flatten(), full.flatten(0, 1))  # back into their rows (a pad adds its zeros)
 
 
 __all__ = ["delta_loop", "delta_gathered", "delta_stacked", "delta_segmented", "segments"]
