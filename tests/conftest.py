@@ -81,6 +81,18 @@ def resident_bytes() -> int:
         return 0
 
 
+def collect_now() -> int:
+    """Collect, and count the next growth from here: what a test that measures the teardown's collection calls
+    first (its own collection would otherwise leave the worker below the point growth is counted from, and
+    the growth it makes might not reach the threshold). Returns the resident bytes after it."""
+    global _rss_after_collect
+    import gc
+
+    gc.collect()
+    _rss_after_collect = resident_bytes()
+    return _rss_after_collect
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     global _rss_after_collect
