@@ -321,3 +321,23 @@ def test_the_forward_timer_waits_for_the_gpu(checkpoint_factory, monkeypatch):
             res = eng.run(wl)
         assert res.forward_seconds > 0 and res.stats["steps"] > 0
         assert len(syncs) == (2 * res.stats["steps"] if device == "cuda" else 0)  # level 2: a forward a step
+
+
+def test_the_lora_benchmark_runs_and_keeps_every_repeats_ratios(checkpoint_factory, tmp_path, capsys, monkeypatch):
+    """`python -m benchmarks.lora` on a tiny random checkpoint: the three layouts' tokens/s, the best-of
+    ratios, and each repeat's own pair of ratios (its runs side by side), so the spread is on record."""
+    from benchmarks import lora
+
+    monkeypatch.setattr(lora, "cache_dir", lambda: tmp_path)  # its random adapters, not in the shared cache
+
+    out = tmp_path / "lora.json"
+    res = lora.main(["--model", str(checkpoint_factory("llama")), "--adapters", "2", "--rank", "2", "--requests", "4",
+                     "--max-tokens", "3", "--repeats", "2", "--out", str(out)])  # fmt: skip
+    saved = json.loads(out.read_text())
+    assert saved["per_repeat"] == res["per_repeat"] and len(res["runs"]) == 2
+    assert set(res["tokens_per_s"]) == {"mixed", "one_at_a_time", "base"}
+    assert all(v > 0 for run in res["runs"] for v in run.values())
+    assert res["tokens_per_s"]["mixed"] == max(run["mixed"] for run in res["runs"])
+    for (a, b), run in zip(zip(*res["per_repeat"].values()), res["runs"]):
+        assert math.isclose(a, run["mixed"] / run["one_at_a_time"]) and math.isclose(b, run["mixed"] / run["base"])
+    assert "each repeat's own ratios" in " ".join(capsys.readouterr().out.split())  # (rich wraps the line)
