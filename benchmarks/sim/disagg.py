@@ -31,7 +31,9 @@ are the defaults. The rate is searched by bisection on seeded Poisson traces (se
                     documents truncated as the artifact's `0-prepare-dataset.py` does (to a random
                     1,900-2,048 tokens, and to 2,040 - the answer): log-normal document lengths
                     (sigma 0.9) cut there, scaled so the prompts' mean is 1,738 tokens; answers
-                    log-normal (sigma 0.8), mean 91 tokens (DistServe's figure 7)
+                    log-normal (sigma 0.8), mean 91 tokens (the means are LongBench's as commonly
+                    cited for DistServe; its figure 7 draws the distributions as an image we could
+                    not read, so they are not checked against it)
 
 The flags name the other settings; each left out takes the workload's.
 
@@ -87,7 +89,7 @@ class Workload:
 
 WORKLOADS = {"sharegpt": Workload("opt-13b", 0.25, 0.1, 1, 2, 1),
              "summarization": Workload("opt-66b", 15.0, 0.15, 4, 4, 2, 2, lo=0.005)}  # fmt: skip
-LONGBENCH = (1738.0, 91.0)  # mean prompt and answer tokens (DistServe's figure 7)
+LONGBENCH = (1738.0, 91.0)  # mean prompt and answer tokens (not checked against DistServe's figure 7: an image)
 
 
 def cut_lengths(rng: random.Random, caps: list[int], mean: float, sigma: float) -> list[int]:
