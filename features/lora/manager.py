@@ -86,7 +86,7 @@ class LoRAManager:
         self.path = path  # which delta (punica.py, triton_ops.py) the projections use: checked by the setter
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: torch.Tensor | None = None  # [T, S*R] the stacked path's: each row's own slot's scale, else 0
-        self.segs = None  # the segmented path's: punica.segments(mapping), each row's scale (0: a pad), all slots?
+        self.segs = None  # the segmented path's: punica.segments(mapping, scale), once per step
         self.active = False  # does this step run any adapter?
         self.loads = 0  # adapters copied into a slot
         self._install(model)
@@ -105,11 +105,8 @@ class LoRAManager:
         if self.path == "stacked":
             A_flat, B_flat = self.flat[key]  # [in, S*R], [S*R, out]
             return torch.addmm(y, (x @ A_flat).mul_(self.keep), B_flat)  # [T, S*R] -> y + [T, out]
-        if self.path == "segmented":  # punica.delta_segmented, its segments made once for the step
-            slots, rows, weight, every = self.segs
-            A, B = (self.A[key], self.B[key]) if every else (self.A[key][slots], self.B[key][slots])  # [U, R, in] ..
-            shrunk = torch.bmm(x[rows], A.transpose(1, 2)).mul_(weight)  # [U, G, in] -> [U, G, R]
-            return y.index_add_(0, rows.flatten(), torch.bmm(shrunk, B.transpose(1, 2)).flatten(0, 1))  # y + [T, out]
+        if self.path == "segmented":  # its segments made once for the step, the delta added into y
+            return delta_segmented(x, self.A[key], self.B[key], self.scale, self.mapping, self.segs, out=y)
         return y + DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping).to(y.dtype)
 
     @property
@@ -182,14 +179,8 @@ class LoRAManager:
     def prepare_step(self, scheduled: list) -> None:
         """(request, new tokens) per scheduled chunk, in the step's row order -> the mapping, every
         adapter of the step in a slot first."""
-        wanted = {r.lora_request.lora_int_id: r for r, _ in scheduled if r.lora_request is not None}
-        if len(wanted) > self.config.max_loras:  # the admission rule makes this impossible
-            raise RuntimeError(f"a step with {len(wanted)} adapters and max_loras={self.config.max_loras} (a bug)")
-        for lora_id, req in wanted.items():
-            if lora_id in self.slot_of:
-                self.slot_of.move_to_end(lora_id)
-            else:
-                self._load(req.lora_adapter, self._free_slot(set(wanted)))
+        wanted = {r.lora_request.lora_int_id: r.lora_adapter for r, _ in scheduled if r.lora_request is not None}
+        self.place(wanted)
         rows = [self.slot_of[r.lora_request.lora_int_id] if r.lora_request is not None else -1
                 for r, n in scheduled for _ in range(n)]  # fmt: skip
         self.active = bool(wanted)
@@ -200,9 +191,18 @@ class LoRAManager:
             keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
             self.keep = keep.repeat_interleave(R, dim=1)  # [T, S*R]
         if self.path == "segmented" and self.active:
-            slots, rows, real = segments(self.mapping)
-            weight = (self.scale[slots][:, None] * real)[..., None]  # [U, G, 1]
-            self.segs = slots, rows, weight, len(slots) == self.config.max_loras  # every slot: no gather of A, B
+            self.segs = segments(self.mapping, self.scale)
+
+    def place(self, wanted: dict) -> None:
+        """A step's adapters, {id: what `_load` takes}, each put in a slot unless it is in one (the least
+        recently used slot the step does not need is overwritten); the admission rule keeps them <= max_loras."""
+        if len(wanted) > self.config.max_loras:  # the admission rule makes this impossible
+            raise RuntimeError(f"a step with {len(wanted)} adapters and max_loras={self.config.max_loras} (a bug)")
+        for lora_id, adapter in wanted.items():
+            if lora_id in self.slot_of:
+                self.slot_of.move_to_end(lora_id)
+            else:
+                self._load(adapter, self._free_slot(set(wanted)))
 
     def _free_slot(self, keep: set[int]) -> int:
         used = set(self.slot_of.values())

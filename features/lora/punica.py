@@ -71,10 +71,10 @@ def delta_stacked(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torc
     return shrunk @ B.permute(1, 0, 2).reshape(B.shape[1], S * R).T  # [T, S*R] x [S*R, out] -> [T, out]
 
 
-def segments(idx: torch.Tensor):
-    """idx [T] -> the rows grouped by slot, each group padded to the largest (G rows): (slots [U], the slots
-    present; rows [U, G], each group's row numbers, a pad repeating its group's first; real [U, G] bool, which
-    are not pads). Once per step."""
+def segments(idx: torch.Tensor, scale: torch.Tensor):
+    """idx [T], scale [S] -> the rows grouped by slot, each group padded to the largest (G rows): (slots [U],
+    the slots present; rows [U, G], each group's row numbers, a pad repeating its group's first; weight
+    [U, G, 1], each row's slot's scale, 0 for a pad). Once per step."""
     on = torch.nonzero(idx >= 0).squeeze(-1)  # [n] rows on some adapter
     slots, counts = torch.unique(idx[on], return_counts=True)  # [U], [U]
     order = on[torch.argsort(idx[on], stable=True)]  # [n] the rows, slot by slot
@@ -83,22 +83,24 @@ def segments(idx: torch.Tensor):
     pos = torch.arange(G, device=idx.device)  # [G]
     real = pos[None, :] < counts[:, None]  # [U, G]
     rows = order[start[:, None] + torch.where(real, pos[None, :], 0)]  # [U, G]: a pad repeats the first row
-    return slots, rows, real
+    return slots, rows, (scale[slots][:, None] * real)[..., None]
 
 
 def delta_segmented(x: torch.Tensor, A: torch.Tensor, B: torch.Tensor, scale: torch.Tensor, idx: torch.Tensor,
-                    segs=None):  # fmt: skip
+                    segs=None, out: torch.Tensor | None = None):  # fmt: skip
     """The same delta with each slot's rows as one segment (SGMV's idea): the segments padded to one length
     and multiplied in two batched matmuls over the slots present, so each row meets only its own slot's
     A and B (no S-fold waste, as stacked has) and each slot's weights are read once (no per-row copy, as
-    gathered makes); the results added back into their rows. `segs`: segments(idx), if already made."""
-    slots, rows, real = segments(idx) if segs is None else segs
-    out = x.new_zeros(x.shape[0], B.shape[1])
+    gathered makes); the results added back into their rows. `segs`: segments(idx, scale), if already
+    made; `out` [T, out]: added into (the base projection's output), else a new zero tensor."""
+    slots, rows, weight = segments(idx, scale) if segs is None else segs
+    out = x.new_zeros(x.shape[0], B.shape[1]) if out is None else out
     if len(slots) == 0:
         return out
-    weight = (scale[slots][:, None] * real)[..., None]  # [U, G, 1]: the slot's scale, and 0 for a pad
-    shrunk = torch.bmm(x[rows], A[slots].transpose(1, 2)) * weight  # [U, G, in] x [U, in, R] -> [U, G, R]
-    full = torch.bmm(shrunk, B[slots].transpose(1, 2))  # [U, G, R] x [U, R, out] -> [U, G, out]
+    if len(slots) < A.shape[0]:  # only the slots present (with every slot in the step, no gather)
+        A, B = A[slots], B[slots]  # [U, R, in], [U, out, R]
+    shrunk = torch.bmm(x[rows], A.transpose(1, 2)).mul_(weight)  # [U, G, in] x [U, in, R] -> [U, G, R]
+    full = torch.bmm(shrunk, B.transpose(1, 2))  # [U, G, R] x [U, R, out] -> [U, G, out]
     return out.index_add_(0, rows.flatten(), full.flatten(0, 1))  # back into their rows (a pad adds its zeros)
 
 
