@@ -138,11 +138,16 @@ class ContinuousEngine(EngineBase):
         if self.config.model.batch_invariant:
             raise ValueError("enable_lora with batch_invariant=True is not built (the adapters' matmuls are not "
                              "fixed-order)")  # fmt: skip
-        lora = rooms.lora_manager(self.worker.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+        lora = self.new_lora_manager(c)
         self.inputs.takes_lora = True
         self.inputs.preparers += (lora.prepare,)
         self.scheduler.admission_rule = lora.admits
         return lora
+
+    def new_lora_manager(self, c: LoRASettings):
+        """The room's manager, installed in the model's projections (a simulated engine, which has no
+        weights, puts its own bookkeeping here: benchmarks/sim/lora.py)."""
+        return rooms.lora_manager(self.worker.model, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
 
     def make_kv_manager(self) -> KVCacheManager:
         """Level 1's block tables behind the `KVCacheManager` Protocol (kv_cache_manager.py)."""

@@ -90,15 +90,15 @@ def test_a_pipelines_stages_carry_the_lora_term():
 
 def test_slora_trace_is_uniform_over_adapters_at_alpha_one_with_ranks_cycled():
     reqs = slora_trace(4, 4000, 10.0, ranks=(64, 32, 16, 8), seed=1)
-    counts = Counter(r.adapter.lora_int_id for r in reqs)
+    counts = Counter(r.lora_request.lora_int_id for r in reqs)
     assert set(counts) == {1, 2, 3, 4} and max(counts.values()) / min(counts.values()) < 1.15
-    assert {r.adapter.lora_int_id: r.adapter.rank for r in reqs} == {1: 64, 2: 32, 3: 16, 4: 8}
+    assert {r.lora_request.lora_int_id: r.lora_request.rank for r in reqs} == {1: 64, 2: 32, 3: 16, 4: 8}
     assert all(8 <= len(r.prompt) < 512 and 8 <= r.output_len < 512 for r in reqs)
     assert reqs[-1].arrival == pytest.approx(400, rel=0.1)  # 4000 requests at 10/s
-    skewed = Counter(r.adapter.lora_int_id for r in slora_trace(4, 4000, 10.0, alpha=0.3, seed=1))
+    skewed = Counter(r.lora_request.lora_int_id for r in slora_trace(4, 4000, 10.0, alpha=0.3, seed=1))
     assert skewed[1] > 2 * skewed[4]  # alpha < 1 favours the first adapters
     assert {r.arrival for r in slora_trace(3, 20, math.inf)} == {0.0}
-    assert all(r.adapter is None for r in slora_trace(0, 20, 10.0))
+    assert all(r.lora_request is None for r in slora_trace(0, 20, 10.0))
 
 
 def test_without_adapters_it_is_level_2s_simulated_engine_step_for_step():

@@ -61,13 +61,12 @@ import random
 from dataclasses import dataclass
 
 from features.kv_connectors.base import KVConnectorBase
-from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 from level2_continuous.scheduler import Scheduler, SchedulerOutput
 
 from .clock import SimClock
 from .cost import gpu
 from .engines import SimulatedContinuous
-from .serve import SimRequest, lengths, make_engine, play, trace
+from .serve import SimRequest, lengths, make_engine, play, trace, user_params
 
 # bytes/s one way, seconds per transfer: NVLink 3 (A100 SXM), PCIe 4.0 x16 (what a copy reaches), Ethernet/IB
 LINKS = {"nvlink": (300e9, 5e-6), "pcie": (25e9, 10e-6), "100gbps": (12.5e9, 50e-6), "400gbps": (50e9, 50e-6)}
@@ -170,11 +169,6 @@ class Timing:
         return 0.0 if self.output_len <= 1 else (self.finished - self.first_token) / (self.output_len - 1)
 
 
-def params_for(max_len: int):
-    return lambda r: SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-
-
 def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = False, tp: int = 1,
               v0_tokens: int = 2048) -> list[Timing]:  # fmt: skip
     """vLLM on `tp` GPUs; `v0`: its 2023 schedule, whole prompts up to `v0_tokens` a step."""
@@ -182,7 +176,7 @@ def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = Fals
     if v0:  # the same engine's settings, its scheduler swapped
         engine = SimulatedV0(model, hardware=gpu(gpu_name), clock=SimClock(), tp=tp, kv_cache_memory=engine.kv_budget,
                              max_num_seqs=256, block_size=16, max_num_batched_tokens=v0_tokens)  # fmt: skip
-    seqs = play(engine, reqs, params_for(engine.max_model_len))
+    seqs = play(engine, reqs, user_params(engine.max_model_len))
     return [Timing(s.metrics.arrival_time, s.metrics.first_token_time, s.metrics.finished_time,
                    len(s.output_token_ids)) for s in seqs]  # fmt: skip
 
@@ -195,7 +189,7 @@ def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str =
     decode = make_engine("vllm-prefix", model, hw, SimClock(), tp=decode_tp, pp=decode_pp)
     connector = ArrivedKV(decode.config.cache.block_size)
     decode.kv.connector, decode.kv.pool.on_evict = connector, connector.block_evicted
-    params = params_for(prefill.max_model_len)
+    params = user_params(prefill.max_model_len)
     per_token = prefill.shape.kv_bytes_per_token
     timings: dict[str, Timing] = {}
     waiting = {"p": [(r.arrival, i, r) for i, r in enumerate(reqs)], "d": []}  # (time, index, request)

@@ -43,18 +43,16 @@ from __future__ import annotations
 import argparse
 import math
 import random
-from collections import OrderedDict, deque
-from dataclasses import dataclass
+from collections import OrderedDict
 
 from features.lora.manager import LoRAManager
 from features.lora.request import LoRAConfig
-from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
 from .clock import SimClock, SimStep
 from .cost import gpu, kv_budget, model_shape
 from .engines import SimulatedContinuous
 from .lora_cost import ATTENTION, SimAdapter, adapter_bytes
-from .serve import SimRequest
+from .serve import SimRequest, play, user_params
 
 S1, S2 = (8,), (64, 32, 16, 8)  # S-LoRA's settings on Llama-7B: the adapters' ranks, cycled over the adapters
 SLORA = {S1: {5: 8.05, 100: 7.99, 1000: 7.64, 2000: 7.61}, S2: {5: 7.48, 100: 7.29, 1000: 6.69, 2000: 6.73}}
@@ -62,13 +60,8 @@ PEFT = {S1: {5: 0.88, 100: 0.25}, S2: {5: 0.87, 100: 0.24}}
 VLLM_PACKED = {S2: {5: 2.04}}  # beyond 5 adapters: out of memory (the artifact has no S1 run)
 
 
-@dataclass
-class AdapterRequest(SimRequest):
-    adapter: SimAdapter | None = None  # None: the base model
-
-
 def slora_trace(num_adapters: int, num: int, rate: float, ranks=S1, alpha: float = 1.0, cv: float = 1.0,
-                lengths: tuple[int, int] = (8, 512), vocab: int = 32000, seed: int = 0) -> list[AdapterRequest]:  # fmt: skip
+                lengths: tuple[int, int] = (8, 512), vocab: int = 32000, seed: int = 0) -> list[SimRequest]:  # fmt: skip
     """S-LoRA's `generate_requests`: `num` requests, gaps gamma-distributed with mean 1 / rate and coefficient
     of variation cv (1: Poisson); prompt and output lengths uniform in [lo, hi); adapter int(n * u ** (1 / alpha))
     for u uniform (numpy's `power(alpha)`), adapter i of rank ranks[i % len(ranks)] on q, k, v and o.
@@ -79,19 +72,21 @@ def slora_trace(num_adapters: int, num: int, rate: float, ranks=S1, alpha: float
         t += rng.gammavariate(1 / cv**2, cv**2 / rate) if rate != math.inf else 0.0  # (inf: all at once)
         which = min(int(num_adapters * rng.random() ** (1 / alpha)), num_adapters - 1)
         prompt = [rng.randrange(3, vocab) for _ in range(rng.randrange(*lengths))]
-        reqs.append(AdapterRequest(t, prompt, rng.randrange(*lengths), adapter=adapters[which] if adapters else None))
+        reqs.append(SimRequest(t, prompt, rng.randrange(*lengths), lora_request=adapters[which] if adapters else None))
     return reqs
 
 
 class SimSlots:
     """The LoRA manager (features/lora/manager.py) without tensors: `max_loras` slots, the room's admission
-    rule, and each step's adapters put in slots, a load costing its bytes over PCIe on the clock."""
+    rule, and each step's adapters put in slots by the manager's own placement, a load costing its bytes
+    over PCIe on the clock."""
 
-    admits = LoRAManager.admits  # the room's own rule, read from `self.config.max_loras`: one rule, not two
+    # the room's own rule and placement, read from `self.config.max_loras` and `self.slot_of`: one of each, not two
+    admits, place, _free_slot = LoRAManager.admits, LoRAManager.place, LoRAManager._free_slot
 
     def __init__(self, config: LoRAConfig, shape, clock: SimClock, pcie_bytes_per_s: float):
         self.config, self.shape, self.clock, self.pcie_bytes_per_s = config, shape, clock, pcie_bytes_per_s
-        self.resident: OrderedDict[int, None] = OrderedDict()  # adapter ids in slots, least recently used first
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # adapter id -> its slot, least recently used first
         self.loads, self.load_seconds = 0, 0.0
         self.distinct: list[int] = []  # adapters per step that ran any
 
@@ -103,22 +98,18 @@ class SimSlots:
         if a is not None and a.rank > self.config.max_lora_rank:
             raise ValueError(f"adapter {a.lora_int_id}: rank {a.rank} > max_lora_rank={self.config.max_lora_rank}")
 
+    def _load(self, adapter: SimAdapter, slot: int) -> None:
+        """What `place` calls for an adapter not in a slot: its copy in over PCIe, before the step."""
+        seconds = adapter_bytes(self.shape, adapter) / self.pcie_bytes_per_s
+        self.clock.advance(seconds)
+        self.slot_of[adapter.lora_int_id] = slot
+        self.loads, self.load_seconds = self.loads + 1, self.load_seconds + seconds
+
     def prepare_step(self, scheduled: list) -> list[SimAdapter | None]:
         """(request, new tokens) per scheduled chunk -> each chunk's adapter, every adapter of the step in a slot
-        first (the manager's `prepare_step` and `_free_slot`)."""
+        first (the manager's `prepare_step`, without the mapping)."""
         wanted = {r.lora_request.lora_int_id: r.lora_request for r, _ in scheduled if r.lora_request is not None}
-        if len(wanted) > self.config.max_loras:  # the admission rule makes this impossible
-            raise RuntimeError(f"a step with {len(wanted)} adapters and max_loras={self.config.max_loras} (a bug)")
-        for lora_id, adapter in wanted.items():
-            if lora_id in self.resident:
-                self.resident.move_to_end(lora_id)
-                continue
-            if len(self.resident) >= self.config.max_loras:  # the least recently used the step does not need
-                del self.resident[next(i for i in self.resident if i not in wanted)]
-            self.resident[lora_id] = None
-            seconds = adapter_bytes(self.shape, adapter) / self.pcie_bytes_per_s
-            self.clock.advance(seconds)  # the copy in, before the step
-            self.loads, self.load_seconds = self.loads + 1, self.load_seconds + seconds
+        self.place(wanted)
         if wanted:
             self.distinct.append(len(wanted))
         return [r.lora_request for r, _ in scheduled]
@@ -132,16 +123,9 @@ class SimulatedLoRA(SimulatedContinuous):
         self.pcie_bytes_per_s = pcie_bytes_per_s
         super().__init__(model, **kwargs)
 
-    def make_lora(self) -> SimSlots | None:
-        c = self.config.lora
-        if not c.enable_lora:
-            return None
-        slots = SimSlots(LoRAConfig(c.max_loras, c.max_lora_rank, c.max_cpu_loras), self.shape, self.clock,
-                         self.pcie_bytes_per_s)  # fmt: skip
-        self.inputs.takes_lora = True
-        self.inputs.preparers += (slots.prepare,)
-        self.scheduler.admission_rule = slots.admits
-        return slots
+    def new_lora_manager(self, c) -> SimSlots:  # level 2's make_lora puts it in the same seams
+        return SimSlots(LoRAConfig(c.max_loras, c.max_lora_rank, c.max_cpu_loras), self.shape, self.clock,
+                        self.pcie_bytes_per_s)  # fmt: skip
 
     def prepare_input(self, sched) -> SimStep:
         step = super().prepare_input(sched)
@@ -150,11 +134,11 @@ class SimulatedLoRA(SimulatedContinuous):
         return step
 
 
-def run(reqs: list[AdapterRequest], max_loras: int = 256, model: str = "llama-2-7b", gpu_name: str = "a100-80gb",
+def run(reqs: list[SimRequest], max_loras: int = 256, model: str = "llama-2-7b", gpu_name: str = "a100-80gb",
         pcie_gbps: float = 25.0) -> dict:  # fmt: skip
     """Serve `reqs` (arrivals and adapters) on one simulated GPU -> S-LoRA's throughput and what explains it."""
     hw, shape, clock = gpu(gpu_name), model_shape(model), SimClock()
-    adapters = {r.adapter.lora_int_id: r.adapter for r in reqs if r.adapter is not None}
+    adapters = {r.lora_request.lora_int_id: r.lora_request for r in reqs if r.lora_request is not None}
     budget, lora = kv_budget(hw, shape), {}
     if adapters:
         rank, slot = max(a.rank for a in adapters.values()), max(adapter_bytes(shape, a) for a in adapters.values())
@@ -164,19 +148,8 @@ def run(reqs: list[AdapterRequest], max_loras: int = 256, model: str = "llama-2-
                     max_cpu_loras=max(max_loras, len(adapters)))  # fmt: skip
     engine = SimulatedLoRA(model, hardware=hw, clock=clock, kv_cache_memory=budget, max_num_seqs=256, block_size=16,
                            max_num_batched_tokens=2048, keep_trace=True, pcie_bytes_per_s=pcie_gbps * 1e9, **lora)  # fmt: skip
-    seqs, pending = [], deque(sorted(reqs, key=lambda r: r.arrival))
-    while pending or engine.has_unfinished_requests():
-        while pending and pending[0].arrival <= clock.now:
-            r, rid = pending.popleft(), str(len(seqs))
-            engine.targets[rid] = r.output_len  # EOS there: S-LoRA's ignore_eos with max_new_tokens = output_len
-            params = SamplingParams(max_tokens=engine.max_model_len - len(r.prompt), temperature=0.0,
-                                    output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-            engine.add_request(rid, r.prompt, params, arrival_time=r.arrival, lora_request=r.adapter)
-            seqs += engine.requests[rid]
-        if engine.has_unfinished_requests():
-            engine.step()
-        else:  # idle: on to the next arrival
-            clock.now = pending[0].arrival
+    # each request ends at its output length (EOS there): S-LoRA's ignore_eos with max_new_tokens = output_len
+    seqs = play(engine, reqs, user_params(engine.max_model_len))
     end, trace, slots = max(s.metrics.finished_time for s in seqs), engine.worker.trace, engine.lora
     busy, per_step = sum(s.cost.total for s in trace), (slots.distinct if slots else []) or [0]
     return {"used": len(adapters), "max_loras": max_loras if adapters else 0, "requests": len(seqs),

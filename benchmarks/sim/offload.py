@@ -23,12 +23,11 @@ import statistics
 from collections import OrderedDict
 
 from features.kv_connectors.base import KVConnectorBase
-from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 from level3_prefix.block_hash import block_hashes, hash_block
 
 from .clock import SimClock
 from .cost import gpu
-from .serve import make_engine, play, trace
+from .serve import make_engine, play, trace, user_params
 
 
 class HostTier(KVConnectorBase):
@@ -74,10 +73,7 @@ def run(rate: float, model: str, gpu_name: str, host_gib: float, pcie_gbps: floa
         block_bytes = bs * engine.bytes_per_token
         tier = HostTier(int(host_gib * (1 << 30)) // block_bytes, bs, block_bytes, clock, pcie_gbps * 1e9)
         engine.kv.connector, engine.kv.pool.on_evict = tier, tier.block_evicted
-    max_len = engine.max_model_len
-    params = lambda r: SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,  # noqa: E731
-                                      output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-    seqs = play(engine, trace("chat", num, rate, seed), params)
+    seqs = play(engine, trace("chat", num, rate, seed), user_params(engine.max_model_len))
     prompt = sum(len(s.prompt_token_ids) for s in seqs)
     in_hbm = engine.kv.hits
     ttft = sorted(s.metrics.ttft for s in seqs)

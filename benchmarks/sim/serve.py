@@ -59,6 +59,7 @@ class SimRequest:
     # A conversation's next turn, sent once this one is answered: its `arrival` is the pause after the answer
     # ends, its `prompt` the user's new tokens (play() puts the whole exchange before them).
     then: SimRequest | None = None
+    lora_request: object | None = None  # its adapter (benchmarks/sim/lora_cost.py's SimAdapter), None: the base model
 
 
 def lengths(rng: random.Random, n: int, mean: float, sigma: float, cap: int) -> list[int]:
@@ -155,6 +156,13 @@ def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int 
     raise ValueError(f"unknown system {system!r}; known: {', '.join(SYSTEMS)}")
 
 
+def user_params(max_len: int):
+    """What a user sends with each request: room to the end of the context (`max_len` less the prompt), greedy,
+    the final output only; the request's output length (EOS there) decides where it ends. play()'s params_for."""
+    return lambda r: SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
+                                    output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
+
+
 def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
     """Feed `reqs` to a simulated engine as they arrive (each request's id `prefix` + its index, its
     SamplingParams `params_for(req)`, its output length the workload's), and run it until all are done:
@@ -180,7 +188,7 @@ def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
         while arriving and arriving[0][0] <= clock.now:
             at, _, rid, r = heapq.heappop(arriving)
             engine.targets[rid] = r.output_len
-            engine.add_request(rid, r.prompt, params_for(r), arrival_time=at)
+            engine.add_request(rid, r.prompt, params_for(r), arrival_time=at, lora_request=r.lora_request)
             seqs += engine.requests[rid]
             sent[rid], answered[rid] = r, engine.requests[rid][0]
         if engine.has_unfinished_requests():
@@ -190,7 +198,7 @@ def play(engine, reqs: list[SimRequest], params_for, prefix: str = "r") -> list:
                     nxt = r.then
                     answer = list(answered[out.request_id].output_token_ids)
                     follow = SimRequest(clock.now + nxt.arrival, r.prompt + answer + nxt.prompt, nxt.output_len,
-                                        nxt.then)  # fmt: skip
+                                        nxt.then, r.lora_request)  # fmt: skip
                     fid = f"{prefix}{len(sent) + len(arriving)}"
                     heapq.heappush(arriving, (follow.arrival, len(sent) + len(arriving), fid, follow))
         else:  # idle: on to the next arrival
@@ -205,13 +213,7 @@ def simulate(system: str, reqs: list[SimRequest], gpu_name: str = "a100-40gb", m
     `engine_kwargs`)."""
     clock = engine.clock if engine is not None else SimClock()
     engine = engine or make_engine(system, model, hardware or gpu(gpu_name), clock, tp, pp, **engine_kwargs)
-    max_len = engine.max_model_len
-
-    def params_for(r: SimRequest) -> SamplingParams:  # what a user sends: room to the end, EOS decides
-        return SamplingParams(max_tokens=max_len - len(r.prompt), temperature=0.0,
-                              output_kind=RequestOutputKind.FINAL_ONLY)  # fmt: skip
-
-    return summarize(system, rate, engine, play(engine, reqs, params_for), reqs)
+    return summarize(system, rate, engine, play(engine, reqs, user_params(engine.max_model_len)), reqs)
 
 
 def summarize(system: str, rate: float, engine, seqs, reqs: list[SimRequest]) -> SimResult:
