@@ -36,7 +36,6 @@ NAME = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp
 @dataclass
 class Adapter:
     lora_int_id: int
-    path: str
     rank: int
     scale: float
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, module) -> (A [r, in], B [out, r])
@@ -97,7 +96,7 @@ def load_adapter(request, cfg, max_rank: int, dtype: torch.dtype) -> Adapter:
     if missing := [f"{m} of layer {i}" for (i, m), (a, b) in weights.items() if a is None or b is None]:
         raise ValueError(f"{where}: lora_A or lora_B missing for {missing[0]}")
     scale = alpha / math.sqrt(rank) if conf.get("use_rslora") else alpha / rank
-    return Adapter(request.lora_int_id, request.lora_path, rank, scale, {k: (a, b) for k, (a, b) in weights.items()})
+    return Adapter(request.lora_int_id, rank, scale, {k: (a, b) for k, (a, b) in weights.items()})
 
 
 __all__ = ["Adapter", "load_adapter", "TARGETS", "shapes"]
