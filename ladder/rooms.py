@@ -111,7 +111,7 @@ def architecture(model_type: str) -> ModuleType | None:
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
-           "kv_connector", "lora_manager"]  # fmt: skip
+           "kv_connector", "lora_manager", "lora_books", "lora_slots"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -129,8 +129,18 @@ def kv_connector(value, block_size: int, hash_fn, model: str = ""):
 
 
 def lora_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
-    """`enable_lora=True` -> the room's manager, installed in `model`'s projections."""
+    """`enable_lora=True` -> the room's manager, its slots installed in `model`'s projections."""
     return load("lora").make_manager(model, max_loras, max_lora_rank, max_cpu_loras)
+
+
+def lora_books(model_config, dtype, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
+    """`enable_lora=True` over ranks (level 5's driver) -> the room's manager without slots (the ranks hold them)."""
+    return load("lora").make_books(model_config, dtype, max_loras, max_lora_rank, max_cpu_loras)
+
+
+def lora_slots(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
+    """`enable_lora=True` on a rank (level 5) -> the room's slots, installed in its stage's layers."""
+    return load("lora").make_slots(model, max_loras, max_lora_rank, max_cpu_loras)
 
 
 def model_runner(runner, compilation):

@@ -38,11 +38,13 @@ from __future__ import annotations
 import os
 from collections import deque
 
+from ladder import rooms
 from ladder.metrics import Counter, Metric
 from level0_naive.loader import LoadedModel, load_metadata
 from level0_naive.stats import Timer
 from level1_paged.engine import compilation_for
 from level1_paged.executor import Executor
+from level1_paged.model_input import ModelInput
 from level2_continuous.scheduler import ModelRunnerOutput, SchedulerOutput
 from level4_speculative.engine import LLM as SpeculativeLLM
 from level4_speculative.engine import SpeculativeEngine
@@ -116,9 +118,8 @@ class ParallelEngine(SpeculativeEngine):
         if not self.parallel:
             return super().make_worker()
         compilation_for(self.config, parallel=True)  # refuses one that was asked for; the default is eager here
-        if self.config.lora.enable_lora:
-            raise ValueError("enable_lora at tensor_parallel_size x pipeline_parallel_size > 1 is not built (the "
-                             "adapters' A and B would have to be sharded as their layers are)")  # fmt: skip
+        if self.config.lora.enable_lora and self.model_config.moe is not None:  # before the ranks find out
+            raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
         if self.config.cache.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
                              "(each rank would need its own side of the connector)")  # fmt: skip
@@ -129,6 +130,21 @@ class ParallelEngine(SpeculativeEngine):
             self._serve_as_worker(spec)  # never returns: this process is a rank, not the driver
         self.executor = MultiprocExecutor(spec)
         return self.executor
+
+    def new_lora_manager(self, c):
+        """Over ranks, the room's manager keeps the books only: every rank holds its shard of the slots
+        (features/lora/sharded.py) and carries out each step's adapters, sent with the step's input."""
+        if not self.parallel:
+            return super().new_lora_manager(c)
+        return rooms.lora_books(self.model_config, self.dtype, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
+
+    def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
+        """Level 4's input; with LoRA over ranks, the step's adapters (`lora_step`: the mapping, and which
+        adapter goes into which slot) ride along to every rank."""
+        model_input = super().prepare_input(sched)
+        if self.parallel and self.lora is not None:
+            model_input.lora_step = self.lora.take_step()
+        return model_input
 
     def _serve_as_worker(self, spec: ParallelSpec) -> None:
         """Under torchrun every process runs the user's script: ranks other than 0 serve the driver, then exit."""

@@ -109,7 +109,15 @@ class RowParallelLinear(nn.Module):
         self.comm, self.ops = comm, DEFAULT_OPS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(self.ops.linear(x, self.weight))  # [T, out], summed over ranks
+        return self.reduce(self.partial(x))
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's share of y: x_r [T, in/tp] -> [T, out] (a LoRA delta's share joins it here: features/lora)."""
+        return self.ops.linear(x, self.weight)
+
+    def reduce(self, y: torch.Tensor) -> torch.Tensor:
+        """The ranks' shares summed, then the bias once."""
+        y = self.comm.all_reduce(y)  # [T, out], summed over ranks
         return y if self.bias is None else y + self.bias
 
 
@@ -125,7 +133,7 @@ def kv_heads_of_rank(num_kv_heads: int, tp: int, rank: int) -> tuple[int, int]:
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """[q | k | v] of this rank's heads in one matmul; `split` cuts the output back into three."""
+    """[q | k | v] of this rank's heads in one matmul; `sizes` cut the output back into three."""
 
     @classmethod
     def load(cls, reader: ShardReader, prefix: str, cfg, tp: int, rank: int) -> QKVParallelLinear:
@@ -138,11 +146,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         if reader.has(f"{prefix}.q_proj.bias"):
             bias = torch.cat([reader.read(f"{prefix}.{n}.bias", rows=r) for n, r in rows.items()])
         layer = cls(weight, bias)
-        layer.sizes = ((q1 - q0) * d, (k1 - k0) * d, (k1 - k0) * d)
+        layer.sizes = ((q1 - q0) * d, (k1 - k0) * d, (k1 - k0) * d)  # its output's q, k and v columns
         return layer
-
-    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return y.split(self.sizes, dim=-1)  # q [T, Hq/tp * D], k, v [T, Hkv_r * D]
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

@@ -75,12 +75,13 @@ class ParallelAttention(Attention):
         nn.Module.__init__(self)  # not Attention.__init__: that would build the full-size projections
         self.layer, self.nh, self.nkv, self.d = layer, heads, kv_heads, head_dim
         self.qkv_proj, self.o_proj = qkv_proj, o_proj
+        self.sizes = qkv_proj.sizes  # (kept here: a LoRA room may wrap the projection)
         self.ops: Ops = DEFAULT_OPS  # RoPE's (set_ops replaces it)
         if q_norm is not None:
             self.q_norm, self.k_norm = q_norm, k_norm
 
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self.qkv_proj.split(self.qkv_proj(x))
+        return self.qkv_proj(x).split(self.sizes, dim=-1)  # q [T, Hq/tp * D], k, v [T, Hkv_r * D]
 
 
 class ParallelMLP(MLP):
@@ -111,7 +112,8 @@ class StageModel(Transformer):
             super().__init__(cfg)  # level 0's modules, allocated nowhere; replaced below
         topo, tp, r = comm.topo, comm.topo.tp, comm.topo.tp_rank
         k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, r)
-        self.full_config = cfg
+        self.full_config, self.topo = cfg, topo
+        self.layer_ids = list(layers)  # the model's numbers of this stage's layers (an adapter names its layers so)
         self.config = replace(cfg, num_layers=len(layers), num_heads=cfg.num_heads // tp, num_kv_heads=k1 - k0)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
         kept = []

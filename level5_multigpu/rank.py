@@ -67,6 +67,7 @@ class ParallelSpec:
     extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
     ranks_started_by: str = "mp"  # "mp" | "torchrun" | "ray"
     expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (features/moe)
+    lora: tuple[int, int, int] | None = None  # enable_lora: (max_loras, max_lora_rank, max_cpu_loras) (features/lora)
 
     @classmethod
     def from_config(
@@ -79,7 +80,7 @@ class ParallelSpec:
         extra_bytes_rank0: int = 0,
     ) -> ParallelSpec:
         """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device."""
-        par, cache = config.parallel, config.cache
+        par, cache, lora = config.parallel, config.cache, config.lora
         backend = par.distributed_backend
         if backend == "auto":  # several ranks on one GPU (oversubscribed): NCCL refuses them, gloo does not
             backend = "nccl" if device_type == "cuda" and not par.oversubscribe_gpus else "gloo"
@@ -101,6 +102,7 @@ class ParallelSpec:
             extra_bytes_rank0=extra_bytes_rank0,
             ranks_started_by=par.distributed_executor_backend or "mp",
             expert_parallel=par.enable_expert_parallel,
+            lora=(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) if lora.enable_lora else None,
         )
 
 
@@ -112,19 +114,23 @@ class Timeline:
 
 
 class RankWorker(Worker):
-    """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache.
-    Its methods are what `collective_rpc` can call on every rank."""
+    """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache; with
+    enable_lora, its shard of every adapter slot (`lora`: the room's, which carries out the step's
+    `lora_step`, the driver's decision, before each forward). Its methods are what `collective_rpc`
+    can call on every rank."""
 
     def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str,
-                 batch_invariant: bool = False):  # fmt: skip
+                 batch_invariant: bool = False, lora=None):  # fmt: skip
         super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant)
-        self.comm = comm
+        self.comm, self.lora = comm, lora
         self.timeline = Timeline()
 
     @torch.inference_mode()
     def execute(self, model_input: ModelInput, hidden: torch.Tensor | None = None, mb: int = 0) -> torch.Tensor | None:
         """Hidden states [T, d] for the next stage; on the last stage the logits [S, V] (TP rank 0) or None."""
         t0 = time.perf_counter()
+        if self.lora is not None:  # the driver's adapters for this step (an input without any: the base model)
+            self.lora.apply(getattr(model_input, "lora_step", None))
         mi = model_input.to(self.device)
         out = self.model(mi.input_ids, mi.positions, mi.attention_backend(self.cache, self.impl, self.scale), hidden=hidden)
         if self.model.last:
@@ -175,7 +181,8 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     num_blocks = int(capacity.item())
     if num_blocks < 1:
         raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
-    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant)
+    lora = None if spec.lora is None else rooms.lora_slots(stage, *spec.lora)  # every adapted layer's shard of the slots
+    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant, lora)
 
 
 # --- a worker rank's life ---------------------------------------------------------------------------

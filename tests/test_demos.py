@@ -252,11 +252,12 @@ def test_level5_table_legend_names_every_column(monkeypatch):
 def test_lora_demo_writes_one_prompt_four_ways_in_one_batch(capsys):
     """The built-in model and its three committed adapters (models/tiny-shakespeare-loras/): four different
     continuations, every adapter in a slot, the last step's rows on slots -1 (the base model), 0, 1, 2, and
-    the same text one at a time and on every path (the demo's float64)."""
+    the same text one at a time, on every path and over 2 tensor-parallel ranks (the demo's float64)."""
     from features.lora import demo
 
-    res = demo.main(["--quick"])
+    res = demo.main(["--quick", "--tp", "2"])
     out = capsys.readouterr().out
     assert len(set(res["texts"].values())) == 4, res["texts"]  # each adapter changes the greedy text
     assert sorted(res["mapping"]) == [-1, 0, 1, 2] and res["same"], res
     assert {"loop", "gathered", "stacked"} <= set(res["seconds"]) and "adapter capitals" in out
+    assert "over 2 tensor-parallel ranks (level 5): the same text: True" in out

@@ -3,6 +3,7 @@
     python -m features.lora.demo                        # the built-in model and its three adapters
     python -m features.lora.demo --prompt "ROMEO:" --max-tokens 120
     python -m features.lora.demo --quick                # fewer tokens (seconds)
+    python -m features.lora.demo --tp 2                 # and the same batch over 2 tensor-parallel ranks (level 5)
 
 What it is: the built-in tiny Shakespeare model served with `enable_lora=True` and the three
 adapters models/train_lora.py made from parts of the corpus (models/tiny-shakespeare-loras/:
@@ -13,7 +14,8 @@ continuations, the slots the adapters sat in and the last step's mapping (each r
 the base model), then the same four one at a time, to show that batching changed no token, and the
 batch on each of punica.py's paths (stacked, segmented, gathered, loop; the Triton kernels too on a
 GPU), timed
-(in float64, where a near-tie that a batch's other rounding could flip is vanishingly rare).
+(in float64, where a near-tie that a batch's other rounding could flip is vanishingly rare). With
+`--tp N`, the batch once more over N ranks, each holding its shard of every adapter (sharded.py).
 
 What it is not: a benchmark (`python -m benchmarks.lora` measures mixed against one adapter at a
 time), or the adapters' training (models/train_lora.py).
@@ -31,7 +33,7 @@ from ladder.models import default_model
 from level0_naive import SamplingParams
 from level3_prefix import LLM, LoRARequest
 
-from .manager import DELTAS
+from .slots import DELTAS
 
 ADAPTERS = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-loras"
 NAMES = ("verona", "richard", "capitals")
@@ -47,6 +49,7 @@ def main(argv=None) -> dict:
     p.add_argument("--path", default="stacked", choices=[d for d in DELTAS if d != "triton" or torch.cuda.is_available()],
                    help="the delta's way (punica.py; default stacked; triton on a GPU)")
     p.add_argument("--quick", action="store_true", help="24 tokens")
+    p.add_argument("--tp", type=int, default=1, help="also run the batch over this many tensor-parallel ranks")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
     names = [n for n in NAMES if (args.adapters / n).is_dir()] or sorted(d.name for d in args.adapters.iterdir())
@@ -59,7 +62,7 @@ def main(argv=None) -> dict:
     batched = llm.generate([args.prompt] * len(loras), params, lora_request=loras, progress=False)
     seconds = time.perf_counter() - t0
     manager = llm.llm_engine.lora
-    mapping, slots = manager.mapping.tolist(), {slot: i for i, slot in manager.slot_of.items()}
+    mapping, slots = manager.slots.mapping.tolist(), {slot: i for i, slot in manager.slot_of.items()}
     print(f"prompt: {args.prompt!r}   (the {args.path} path: {seconds:.2f} s for the batch)\n")
     texts = {}
     for lora, out in zip(loras, batched):
@@ -82,6 +85,14 @@ def main(argv=None) -> dict:
         same = same and [o.outputs[0].text for o in again] == list(texts.values())
     print("the batch again on each path: " + ", ".join(f"{p} {t:.2f} s" for p, t in times.items())
           + f"; the same text every way: {same}")  # fmt: skip
+    if args.tp > 1:  # level 5: each rank holds its shard of every slot, the delta joins each row-parallel sum
+        from level5_multigpu import LLM as ParallelLLM
+
+        with ParallelLLM(args.model or str(default_model()), dtype="float64", enable_lora=True, max_loras=len(names),
+                         max_lora_rank=8, seed=0, tensor_parallel_size=args.tp) as sharded:  # fmt: skip
+            over = sharded.generate([args.prompt] * len(loras), params, lora_request=loras, progress=False)
+        same = same and [o.outputs[0].text for o in over] == list(texts.values())
+        print(f"over {args.tp} tensor-parallel ranks (level 5): the same text: {same}")
     return {"texts": texts, "mapping": mapping, "same": same, "seconds": times}
 
 
