@@ -21,6 +21,9 @@ since any request may carry a spec; the others only where a setting or a checkpo
     enable_lora=True, lora_request=...           features.lora                 the model's projections, level 0's
                                                                                preparers, level 2's admission and
                                                                                step input, level 3's block names
+    quantization="int8" | "int4"                 features.quantization         the ops (level 0), the loaded
+                                                                               model's projections (level 0, and
+                                                                               level 5's ranks)
 
 A level imports this file and never a room; a room imports the level files whose seams it
 plugs into and never this file; this file imports no level and no room (only their names,
@@ -47,6 +50,7 @@ ROOMS = {
     "compilation": "features.compilation",
     "kv_connectors": "features.kv_connectors",
     "lora": "features.lora",
+    "quantization": "features.quantization",
 }
 # Names a room lends a level's public API (`from level3_prefix import StructuredOutputsParams`).
 EXPORTS = {"StructuredOutputsParams": "structured_outputs", "LoRARequest": "lora"}
@@ -111,7 +115,8 @@ def architecture(model_type: str) -> ModuleType | None:
 
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
-           "kv_connector", "lora_manager", "lora_books", "lora_slots"]  # fmt: skip
+           "kv_connector", "lora_manager", "lora_books", "lora_slots",
+           "quantization_methods", "quantize"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -141,6 +146,17 @@ def lora_books(model_config, dtype, max_loras: int, max_lora_rank: int, max_cpu_
 def lora_slots(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
     """`enable_lora=True` on a rank (level 5) -> the room's slots, installed in its stage's layers."""
     return load("lora").make_slots(model, max_loras, max_lora_rank, max_cpu_loras)
+
+
+def quantization_methods() -> tuple[str, ...]:
+    """The values `quantization=` takes besides None (the room's formats)."""
+    return load("quantization").METHODS
+
+
+def quantize(model, method: str | None) -> None:
+    """`quantization=` -> the loaded model's projections in the room's format (None: left as loaded)."""
+    if method is not None:
+        load("quantization").quantize(model, method)
 
 
 def model_runner(runner, compilation):

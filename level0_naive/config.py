@@ -66,6 +66,7 @@ class ModelSettings(Part):
     # the same bits for a request alone or in any batch; the default from LADDER_BATCH_INVARIANT=1 (vLLM's name)
     batch_invariant: bool = field(default_factory=lambda: os.environ.get("LADDER_BATCH_INVARIANT", "0") == "1")
     structured_outputs_backend: str = "auto"  # which compiler a request's structured_outputs gets
+    quantization: str | None = None  # the projections' weights stored in "int8" or "int4" (vLLM's keyword)
 
     def __post_init__(self):
         self.model = models.pinned(self.model, self.revision, self.download_dir)  # with either: its directory
@@ -76,6 +77,12 @@ class ModelSettings(Part):
                              f"{', '.join(backends)}")  # fmt: skip
         if not isinstance(self.batch_invariant, bool):
             raise ValueError(f"batch_invariant={self.batch_invariant!r} must be True or False")
+        if self.quantization is not None:
+            if self.quantization not in (methods := rooms.quantization_methods()):
+                raise ValueError(f"quantization={self.quantization!r} is not one of: {', '.join(methods)} (or None)")
+            if self.batch_invariant:
+                raise ValueError("quantization with batch_invariant=True is not built (the packed kernels are not "
+                                 "fixed-order)")  # fmt: skip
         if self.max_model_len is not None and self.max_model_len < 2 and self.max_model_len != -1:
             raise ValueError(f"max_model_len={self.max_model_len} must be >= 2 (or -1: the model's positions)")
 

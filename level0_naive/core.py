@@ -100,8 +100,10 @@ class EngineBase:
         return rooms.ops(m.ops, m.batch_invariant, self.device, self.dtype)
 
     def load_model(self) -> LoadedModel:
-        """Weights, config and tokenizer."""
-        return load_model(self.config.model.model, self.dtype, self.device, self.ops)
+        """Weights, config and tokenizer; with `quantization=`, the projections' weights quantized (the room's)."""
+        loaded = load_model(self.config.model.model, self.dtype, self.device, self.ops)
+        rooms.quantize(loaded.model, self.config.model.quantization)
+        return loaded
 
     def kv_bytes_per_token(self) -> int:
         """What one cached token costs, summed over every KV cache the engine keeps (here one)."""

@@ -85,6 +85,10 @@ def compilation_for(config, parallel: bool = False) -> object:
         if part.asked:
             raise ValueError("compilation_config with enable_lora=True is not built: use enforce_eager=True")
         return None
+    if config.model.quantization is not None:  # (the quantized weights are Python objects a graph cannot hold)
+        if part.asked:
+            raise ValueError("compilation_config with quantization is not built: use enforce_eager=True")
+        return None
     if not part.asked:  # the default: compiled on a CPU, alone, outside the batch-invariant mode
         cpu = resolve_device(config.model.device).type == "cpu"
         return compilation if cpu and not config.model.batch_invariant and not parallel else None

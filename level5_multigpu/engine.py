@@ -118,6 +118,14 @@ class ParallelEngine(SpeculativeEngine):
         if not self.parallel:
             return super().make_worker()
         compilation_for(self.config, parallel=True)  # refuses one that was asked for; the default is eager here
+        cfg = self.model_config
+        if self.config.model.quantization == "int4":  # each rank quantizes its shard: a row-parallel one's inputs
+            shards = {"o_proj": cfg.num_heads * cfg.head_dim // self.tp, "down_proj": cfg.intermediate_size // self.tp,
+                      "the others": cfg.hidden_size}  # fmt: skip
+            for name, n_in in shards.items():
+                if n_in % 128:
+                    raise ValueError(f"quantization='int4' at tensor_parallel_size={self.tp}: {name} has {n_in} "
+                                     "inputs per rank, not a multiple of the group (128)")  # fmt: skip
         if self.config.lora.enable_lora and self.model_config.moe is not None:  # before the ranks find out
             raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
         if self.config.cache.kv_transfer_config is not None:

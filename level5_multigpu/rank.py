@@ -68,6 +68,7 @@ class ParallelSpec:
     ranks_started_by: str = "mp"  # "mp" | "torchrun" | "ray"
     expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (features/moe)
     lora: tuple[int, int, int] | None = None  # enable_lora: (max_loras, max_lora_rank, max_cpu_loras) (features/lora)
+    quantization: str | None = None  # each rank's projections quantized after loading (features/quantization)
 
     @classmethod
     def from_config(
@@ -103,6 +104,7 @@ class ParallelSpec:
             ranks_started_by=par.distributed_executor_backend or "mp",
             expert_parallel=par.enable_expert_parallel,
             lora=(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) if lora.enable_lora else None,
+            quantization=config.model.quantization,
         )
 
 
@@ -172,6 +174,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     layers = partition_layers(cfg.num_layers, spec.pp, spec.partition)[topo.pp_rank]
     ops = rooms.ops(spec.ops, spec.batch_invariant, device, spec.dtype)
     stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
+    rooms.quantize(stage, spec.quantization)  # its shards, as a whole model's weights are (int4's groups: of its shard)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(CacheConfig(spec.kv_cache_memory, spec.gpu_memory_utilization), device)

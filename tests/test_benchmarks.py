@@ -341,3 +341,24 @@ def test_the_lora_benchmark_runs_and_keeps_every_repeats_ratios(checkpoint_facto
     for (a, b), run in zip(zip(*res["per_repeat"].values()), res["runs"]):
         assert math.isclose(a, run["mixed"] / run["one_at_a_time"]) and math.isclose(b, run["mixed"] / run["base"])
     assert "each repeat's own ratios" in " ".join(capsys.readouterr().out.split())  # (rich wraps the line)
+
+
+def test_the_quantization_benchmarks_run_and_report_what_ran(tmp_path, capsys):
+    """`python -m benchmarks.quantization` and `python -m benchmarks.quality` on the built-in model, tiny: every
+    setting's tokens/s and its packed-kernel count; the held-out loss (a small corpus of our own: its last 10 %
+    held out) and the agreement shares, which for float32 against itself would be 1 and are fractions here."""
+    from benchmarks import quality, quantization
+
+    speed = quantization.main(["--models", "tiny", "--quick", "--requests", "1", "--repeats", "1",
+                               "--out", str(tmp_path / "q.json")])["models"]["tiny"]  # fmt: skip
+    assert set(speed["tokens_per_s"]) == {"None", "int8", "int4"} and all(v > 0 for v in speed["tokens_per_s"].values())
+    assert speed["kernels"]["int8"] == {"projections": 42, "packed_kernel": 42}  # 6 layers x 7, every shape fits
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(("ROMEO:\nBut soft, what light through yonder window breaks?\n\n" * 80))
+    res = quality.main(["--models", "tiny", "--corpus", str(corpus), "--prompts", "6", "--windows", "2",
+                        "--out", str(tmp_path / "quality.json")])["models"]["tiny"]  # fmt: skip
+    for q in ("int8", "int4"):
+        assert 0 < res[q]["token_agreement"] <= 1 and 0 <= res[q]["same_continuation"] <= 1
+        assert res[q]["loss_nats_per_byte"] > 0 and math.isclose(res[q]["perplexity"], math.exp(res[q]["loss_nats_per_byte"]))
+    assert res["None"]["loss_nats_per_byte"] != res["int4"]["loss_nats_per_byte"]
+    assert "continuations whole" in " ".join(capsys.readouterr().out.split())

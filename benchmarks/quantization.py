@@ -1,0 +1,114 @@
+"""`python -m benchmarks.quantization`: what 8- and 4-bit weights buy a decode at batch 1.
+
+What it is: the `latency` workload (one request at a time, every step a batch of one, natural-text
+prompts with the model's tokenizer) on level 3 with the model in float32, and the same engine with
+`quantization="int8"` and `"int4"` (features/quantization), side by side in one process, in
+alternating order across `--repeats`, each keeping its fastest run. Two models:
+
+    100m    a random-weight ~100M-parameter Llama (benchmarks/make_model.py, built once into the cache
+            folder): 400 MB of float32 projections, far more than the CPU's caches, so each decode step
+            reads every weight from memory, and reading a quarter (int8) or an eighth (int4) of the
+            bytes is what the step saves
+    tiny    the built-in 6M model: its 24 MB of weights mostly sit in the caches, the step is mostly
+            Python and small ops, and the saving is small
+
+Reported: output tokens/s each, the ratios to float32, and which matmul ran (the packed kernel
+for how many projections; formats.py says why a shape would fall back to the reference).
+
+What it is not: an accuracy figure (`python -m benchmarks.quality`), or a GPU's (on a GPU this
+room runs its reference: no GPU kernel is built).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from ladder.cli import LadderParser, cache_dir, positive_int, save_json, torch_threads
+from ladder.models import resolve_path
+
+SETTINGS = (None, "int8", "int4")
+
+
+def model_100m() -> str:
+    from .make_model import build
+
+    path = cache_dir() / "llama-100m"
+    if not (path / "config.json").is_file():
+        print(f"building a ~100M-parameter random Llama in {path} (once)", flush=True)
+        build(path)
+    return str(path)
+
+
+def kernels(llm) -> dict:
+    """How many quantized projections run the packed kernel, of how many."""
+    from features.quantization import Int4Weight, Int8Weight
+
+    ws = [
+        m.weight
+        for m in llm.llm_engine.loaded.model.modules()
+        if isinstance(getattr(m, "weight", None), (Int8Weight, Int4Weight))
+    ]
+    return {"projections": len(ws), "packed_kernel": sum(w.kernel for w in ws)}
+
+
+def run_model(path: str, requests: int, repeats: int, quick: bool) -> dict:
+    import level3_prefix
+    from level0_naive import SamplingParams
+
+    from .workloads import make_workload
+
+    engines = {q: level3_prefix.LLM(path, dtype="float32", quantization=q, max_num_seqs=1, enforce_eager=True)
+               for q in SETTINGS}  # fmt: skip
+    tok = engines[None].llm_engine.tokenizer
+    work = make_workload("latency", requests, engines[None].llm_engine.model_config.vocab_size, quick=quick,
+                         encode=(lambda s: tok.encode(s)) if tok is not None else None)  # fmt: skip
+    prompts = [r.prompt for r in work.first]
+    params = [SamplingParams(max_tokens=r.max_tokens, min_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+              for r in work.first]  # fmt: skip
+    best = dict.fromkeys(engines, 0.0)
+    for llm in engines.values():  # warm up
+        llm.generate(prompts[:1], SamplingParams(max_tokens=4), progress=False)
+    for _ in range(repeats):
+        for q, llm in engines.items():
+            t0 = time.perf_counter()
+            n = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, progress=False))
+            best[q] = max(best[q], n / (time.perf_counter() - t0))
+    return {"workload": work.description, "tokens_per_s": {str(q): v for q, v in best.items()},
+            "over_float32": {q: best[q] / best[None] for q in SETTINGS[1:]},
+            "kernels": {q: kernels(engines[q]) for q in SETTINGS[1:]}}  # fmt: skip
+
+
+def main(argv=None) -> dict:
+    from rich.console import Console
+
+    p = LadderParser(prog="python -m benchmarks.quantization", description=__doc__,
+                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    p.add_argument("--models", nargs="+", default=["100m", "tiny"], help="100m, tiny, or checkpoint paths")
+    p.add_argument("--requests", type=positive_int, default=4, help="latency requests (default 4)")
+    p.add_argument("--repeats", type=positive_int, default=2, help="runs of each, the best kept (default 2)")
+    p.add_argument("--quick", action="store_true", help="short requests (a smoke run)")
+    p.add_argument("--out", default=None, help="where the JSON goes (default: the output folder)")
+    args = p.parse_args(argv)
+    result, console = {"args": vars(args), "models": {}}, Console()
+    with torch_threads(1):
+        for name in args.models:
+            path = model_100m() if name == "100m" else str(resolve_path("tiny-shakespeare" if name == "tiny" else name))
+            r = result["models"][name] = run_model(path, args.requests, args.repeats, args.quick)
+            t = r["tokens_per_s"]
+            console.print(f"{name} ({r['workload']}, batch 1, one thread): float32 {t['None']:.1f} tok/s, "
+                          + ", ".join(f"{q} {t[q]:.1f} ({r['over_float32'][q]:.2f}x; packed kernel in "
+                                      f"{r['kernels'][q]['packed_kernel']}/{r['kernels'][q]['projections']} projections)"
+                                      for q in SETTINGS[1:]))  # fmt: skip
+    if args.out:
+        import json
+
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+    else:
+        save_json(result, "quantization.json")
+    return result
+
+
+if __name__ == "__main__":
+    main()
