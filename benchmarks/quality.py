@@ -1,7 +1,8 @@
 """`python -m benchmarks.quality`: what 8- and 4-bit weights cost in accuracy, measured, not assumed.
 
-What it is: for the model in float32 and with `quantization="int8"` and `"int4"` (features/quantization,
-level 3, the packed kernels where they run):
+What it is: for the model in float32, with its weights in 8 and 4 bits (`quantization="int8"`, `"int4"`:
+the packed kernels where they run) and with its KV cache in 8 bits (`kv_cache_dtype="fp8"`, scales 1.0,
+and `"int8"`) (features/quantization, level 3):
 
     held-out loss   nats per byte (and its perplexity) on `--windows` windows of 255 bytes from the
                     corpus's last 10 %, the part the built-in models were not trained on
@@ -30,7 +31,13 @@ from pathlib import Path
 from ladder.cli import LadderParser, positive_int, save_json, torch_threads
 from ladder.models import resolve_path
 
-SETTINGS = (None, "int8", "int4")
+SETTINGS = {
+    "float32": {},
+    "int8": {"quantization": "int8"},
+    "int4": {"quantization": "int4"},
+    "fp8-kv": {"kv_cache_dtype": "fp8"},
+    "int8-kv": {"kv_cache_dtype": "int8"},
+}  # label -> the engine's settings
 CORPUS = Path(__file__).resolve().parents[2] / "shared" / "corpus" / "tinyshakespeare.txt"
 
 
@@ -67,15 +74,17 @@ def measure(path: str, prompts: list[list[int]], windows: list[list[int]] | None
     from level0_naive import SamplingParams
 
     out = {}
-    engines = {q: level3_prefix.LLM(path, dtype="float32", quantization=q, enforce_eager=True) for q in SETTINGS}
+    engines = {
+        label: level3_prefix.LLM(path, dtype="float32", enforce_eager=True, **kw) for label, kw in SETTINGS.items()
+    }
     greedy = SamplingParams(max_tokens=32, min_tokens=32, temperature=0, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in engines[None].generate(prompts, greedy, progress=False)]
-    for q, llm in engines.items():
-        row = out[str(q)] = {}
+    reference = [o.outputs[0].token_ids for o in engines["float32"].generate(prompts, greedy, progress=False)]
+    for label, llm in engines.items():
+        row = out[label] = {}
         if windows is not None:
             row["loss_nats_per_byte"] = loss_per_byte(llm, windows)
             row["perplexity"] = math.exp(row["loss_nats_per_byte"])
-        if q is not None:
+        if label != "float32":
             row["token_agreement"], row["same_continuation"] = agreement(llm, prompts, reference)
     return out
 
@@ -114,16 +123,16 @@ def main(argv=None) -> dict:
             else:
                 prompts, windows = [[rng.randrange(3, 250) for _ in range(32)] for _ in range(args.prompts)], None
             r = result["models"][name] = measure(path, prompts, windows)
-            for q in SETTINGS:
-                row = r[str(q)]
+            for label in SETTINGS:
+                row = r[label]
                 loss = (
                     f"held-out {row['loss_nats_per_byte']:.4f} nats/byte (ppl {row['perplexity']:.3f})"
                     if windows
                     else ""
                 )
                 agree = (f"agreement {row['token_agreement']:.3%} of tokens, {row['same_continuation']:.1%} of "
-                         "continuations whole" if q else "the reference")  # fmt: skip
-                console.print(f"{name} {q or 'float32'}: {loss}{'; ' if loss else ''}{agree}")
+                         "continuations whole" if label != "float32" else "the reference")  # fmt: skip
+                console.print(f"{name} {label}: {loss}{'; ' if loss else ''}{agree}")
     if args.out:
         import json
 

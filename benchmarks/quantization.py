@@ -1,4 +1,5 @@
-"""`python -m benchmarks.quantization`: what 8- and 4-bit weights buy a decode at batch 1.
+"""`python -m benchmarks.quantization`: what 8- and 4-bit weights buy a decode at batch 1, and what an 8-bit KV
+cache buys a batch.
 
 What it is: the `latency` workload (one request at a time, every step a batch of one, natural-text
 prompts with the model's tokenizer) on level 3 with the model in float32, and the same engine with
@@ -14,6 +15,11 @@ alternating order across `--repeats`, each keeping its fastest run. Two models:
 
 Reported: output tokens/s each, the ratios to float32, and which matmul ran (the packed kernel
 for how many projections; formats.py says why a shape would fall back to the reference).
+
+`--kv` (the built-in model): the `spread` workload on level 3 with one KV budget for all, sized to
+hold `--kv-requests` (4) of its longest requests in float32, and the cache in float32, fp8 and int8
+(`kv_cache_dtype`): the same bytes hold about 4x the tokens in 8 bits, so more requests run at once.
+Reported: tokens/s, the blocks each pool has, the mean batch, preemptions, and the ratios to float32.
 
 What it is not: an accuracy figure (`python -m benchmarks.quality`), or a GPU's (on a GPU this
 room runs its reference: no GPU kernel is built).
@@ -79,6 +85,39 @@ def run_model(path: str, requests: int, repeats: int, quick: bool) -> dict:
             "kernels": {q: kernels(engines[q]) for q in SETTINGS[1:]}}  # fmt: skip
 
 
+def run_kv(path: str, requests: int, kv_requests: int, repeats: int, quick: bool) -> dict:
+    import level3_prefix
+    from level0_naive import SamplingParams
+
+    from .workloads import make_workload
+
+    probe = level3_prefix.LLM(path, dtype="float32", enforce_eager=True)
+    work = make_workload("spread", requests, probe.llm_engine.model_config.vocab_size, quick=quick)
+    longest = max(len(r.prompt) + r.max_tokens for r in work.first)
+    budget = kv_requests * longest * probe.llm_engine.bytes_per_token  # float32's bytes for kv_requests of them
+    del probe
+    engines = {dt: level3_prefix.LLM(path, dtype="float32", enforce_eager=True, kv_cache_memory=budget,
+                                     kv_cache_dtype=dt, max_num_seqs=requests, enable_prefix_caching=False)
+               for dt in ("auto", "fp8", "int8")}  # fmt: skip
+    prompts = [r.prompt for r in work.first]
+    params = [SamplingParams(max_tokens=r.max_tokens, min_tokens=r.max_tokens, temperature=0, ignore_eos=True)
+              for r in work.first]  # fmt: skip
+    best, shape = dict.fromkeys(engines, 0.0), {}
+    for _ in range(repeats):
+        for dt, llm in engines.items():
+            e = llm.llm_engine
+            e.step_log.clear()
+            preempted = e.stats.preemptions
+            t0 = time.perf_counter()
+            n = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, progress=False))
+            best[dt] = max(best[dt], n / (time.perf_counter() - t0))
+            batches = [len(r.request_ids) for r in e.step_log]
+            shape[dt] = {"blocks": e.num_blocks, "mean_batch": sum(batches) / len(batches),
+                         "preemptions": e.stats.preemptions - preempted}  # fmt: skip
+    return {"workload": work.description, "kv_cache_memory": budget, "tokens_per_s": best,
+            "over_float32": {dt: best[dt] / best["auto"] for dt in ("fp8", "int8")}, "pools": shape}  # fmt: skip
+
+
 def main(argv=None) -> dict:
     from rich.console import Console
 
@@ -88,6 +127,9 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=positive_int, default=4, help="latency requests (default 4)")
     p.add_argument("--repeats", type=positive_int, default=2, help="runs of each, the best kept (default 2)")
     p.add_argument("--quick", action="store_true", help="short requests (a smoke run)")
+    p.add_argument("--kv", action="store_true", help="also the 8-bit KV cache on `spread` (the built-in model)")
+    p.add_argument("--kv-requests", type=positive_int, default=4, help="--kv: float32's budget holds this many (4)")
+    p.add_argument("--spread-requests", type=positive_int, default=32, help="--kv: spread's requests (32)")
     p.add_argument("--out", default=None, help="where the JSON goes (default: the output folder)")
     args = p.parse_args(argv)
     result, console = {"args": vars(args), "models": {}}, Console()
@@ -100,6 +142,14 @@ def main(argv=None) -> dict:
                           + ", ".join(f"{q} {t[q]:.1f} ({r['over_float32'][q]:.2f}x; packed kernel in "
                                       f"{r['kernels'][q]['packed_kernel']}/{r['kernels'][q]['projections']} projections)"
                                       for q in SETTINGS[1:]))  # fmt: skip
+        if args.kv:
+            r = result["kv"] = run_kv(str(resolve_path("tiny-shakespeare")), args.spread_requests, args.kv_requests,
+                                      args.repeats, args.quick)  # fmt: skip
+            console.print(f"KV cache, tiny-shakespeare, {r['workload']}, {r['kv_cache_memory']:,} bytes for every "
+                          "pool: " + ", ".join(f"{dt} {r['tokens_per_s'][dt]:.0f} tok/s ({r['pools'][dt]['blocks']} blocks, "
+                                               f"mean batch {r['pools'][dt]['mean_batch']:.1f}, "
+                                               f"{r['pools'][dt]['preemptions']} preemptions)" for dt in r["pools"])
+                          + f"; fp8 {r['over_float32']['fp8']:.2f}x, int8 {r['over_float32']['int8']:.2f}x float32")  # fmt: skip
     if args.out:
         import json
 

@@ -24,6 +24,8 @@ since any request may carry a spec; the others only where a setting or a checkpo
     quantization="int8" | "int4"                 features.quantization         the ops (level 0), the loaded
                                                                                model's projections (level 0, and
                                                                                level 5's ranks)
+    kv_cache_dtype="fp8" | "int8"                features.quantization         level 1's paged cache (its bytes)
+                                                                               and attention backend
 
 A level imports this file and never a room; a room imports the level files whose seams it
 plugs into and never this file; this file imports no level and no room (only their names,
@@ -116,7 +118,7 @@ def architecture(model_type: str) -> ModuleType | None:
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
            "kv_connector", "lora_manager", "lora_books", "lora_slots",
-           "quantization_methods", "quantize"]  # fmt: skip
+           "quantization_methods", "quantize", "kv_cache_dtypes", "kv_format"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -151,6 +153,17 @@ def lora_slots(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | N
 def quantization_methods() -> tuple[str, ...]:
     """The values `quantization=` takes besides None (the room's formats)."""
     return load("quantization").METHODS
+
+
+def kv_cache_dtypes() -> tuple[str, ...]:
+    """The values `kv_cache_dtype=` takes besides "auto" (the model's dtype): the room's 8-bit formats."""
+    return tuple(load("quantization").KV_FORMATS)
+
+
+def kv_format(name: str, calculate_scales: bool = False):
+    """`kv_cache_dtype=` -> the room's format (what a block stores, the write and attend over it), or None
+    for "auto" (the model's dtype: the level's own cache)."""
+    return None if name == "auto" else load("quantization").kv_format(name, calculate_scales)
 
 
 def quantize(model, method: str | None) -> None:

@@ -27,11 +27,13 @@ from .model import ModelConfig
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, num_layers: int | None = None,
-                       num_kv_heads: int | None = None) -> int:  # fmt: skip
-    """K and V, every layer, every KV head (or the `num_layers`, `num_kv_heads` given): one cached token's bytes."""
+                       num_kv_heads: int | None = None, head_bytes: int | None = None) -> int:  # fmt: skip
+    """K and V, every layer, every KV head (or the `num_layers`, `num_kv_heads` given): one cached token's bytes.
+    `head_bytes`: what one head's slot takes where the cache is not `dtype` (level 1's 8-bit formats)."""
     layers = cfg.num_layers if num_layers is None else num_layers
     heads = cfg.num_kv_heads if num_kv_heads is None else num_kv_heads
-    return 2 * layers * heads * cfg.head_dim * torch.empty(0, dtype=dtype).element_size()
+    per_head = cfg.head_dim * torch.empty(0, dtype=dtype).element_size() if head_bytes is None else head_bytes
+    return 2 * layers * heads * per_head
 
 
 class Slab:

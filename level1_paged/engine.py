@@ -32,6 +32,7 @@ import torch
 from ladder import rooms
 from level0_naive.config import PARTS, CacheConfig, Part, resolve_device
 from level0_naive.engine import NaiveEngine
+from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.model_runner import Chunk
 from level0_naive.outputs import Sequence
@@ -45,11 +46,23 @@ from .worker import Worker
 class PagedCacheConfig(CacheConfig):
     block_size: int = 16  # tokens per KV block
     attention_backend: str = "auto"  # auto (triton on CUDA, the compiled kernel on CPU, else torch) | cpu | torch | triton | ref
+    kv_cache_dtype: str = "auto"  # the model's dtype | "fp8" | "int8": the cache in 8 bits (a room's; vLLM's names)
+    calculate_kv_scales: bool = False  # fp8: each layer's scales from the first forward (else 1.0)
 
     def __post_init__(self):
         super().__post_init__()
         if self.block_size < 1:
             raise ValueError(f"block_size={self.block_size} must be >= 1")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in (names := rooms.kv_cache_dtypes()):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of: auto, {', '.join(names)}")
+
+    def kv_head_bytes(self, head_dim: int) -> int | None:
+        """One KV head's bytes in a token's slot in an 8-bit format (None: the model's dtype decides)."""
+        return None if self.kv_cache_dtype == "auto" else rooms.kv_format(self.kv_cache_dtype).head_bytes(head_dim)
+
+    def worker_kwargs(self) -> dict:
+        """What a Worker takes of these settings besides the block size and backend."""
+        return {"kv_cache_dtype": self.kv_cache_dtype, "calculate_kv_scales": self.calculate_kv_scales}
 
 
 @dataclass
@@ -104,11 +117,17 @@ def compilation_for(config, parallel: bool = False) -> object:
 class PagedEngine(NaiveEngine):
     config_parts = {**PARTS, "cache": PagedCacheConfig, "compilation": CompilationSettings}
 
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V in the cache's format (`kv_cache_dtype`)."""
+        cfg = self.model_config
+        return kv_bytes_per_token(cfg, self.dtype, head_bytes=self.config.cache.kv_head_bytes(cfg.head_dim))
+
     def _init_kv_cache(self) -> None:
         bs = self.config.cache.block_size
         self.num_blocks = num_blocks_for_budget(self.kv_budget, bs, self.bytes_per_token)
         self.worker = Worker(self.loaded.model, self.num_blocks, bs, self.config.cache.attention_backend,
-                             self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
+                             self.config.model.batch_invariant, compilation_for(self.config),
+                             **self.config.cache.worker_kwargs())  # fmt: skip
         self.blocks = BlockTables(self.num_blocks, bs)
         self.cached: dict[int, int] = {}  # seq_id -> tokens whose k/v are in its blocks
 

@@ -31,13 +31,16 @@ from level0_naive.model import ModelConfig
 
 
 class PagedKVCache:
-    """The physical memory: per layer, k and v of [num_blocks, block_size, Hkv, D]."""
+    """The physical memory: per layer, k and v of [num_blocks, block_size, Hkv, D]; in an 8-bit format
+    (`kv_format`: kv_cache_dtype="fp8" or "int8", a room's), bytes: [num_blocks, block_size, Hkv, head_bytes]."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device):
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device, kv_format=None):
+        width = cfg.head_dim if kv_format is None else kv_format.head_bytes(cfg.head_dim)
+        dtype = dtype if kv_format is None else torch.uint8
+        shape = (num_blocks, block_size, cfg.num_kv_heads, width)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_layers)]
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_size, self.kv_format = num_blocks, block_size, kv_format
 
 
 def write_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:

@@ -27,7 +27,7 @@ from ladder import rooms
 from level0_naive.model import Transformer
 from level0_naive.model_runner import ModelRunner
 
-from .attention_backend import attention_impl
+from .attention_backend import AttentionImpl, attention_impl
 from .kv_cache import PagedKVCache
 from .model_input import ModelInput
 
@@ -37,15 +37,21 @@ class Worker:
     cache, the attention implementation and scale: what one device needs for a step."""
 
     def __init__(self, model: Transformer, num_blocks: int, block_size: int, attention_backend: str = "auto",
-                 batch_invariant: bool = False, compilation=None):  # fmt: skip
+                 batch_invariant: bool = False, compilation=None, kv_cache_dtype: str = "auto",
+                 calculate_kv_scales: bool = False):  # fmt: skip
         # `compilation`: None, or a compilation_config that asks for torch.compile: then the runner
         # is the room's compiled one (features/compilation), the same forward through a compiled graph
         self.runner = rooms.model_runner(ModelRunner(model), compilation)
         self.model, self.device = model, self.runner.device
         cfg = model.config
         self.block_size = block_size
-        self.cache = PagedKVCache(cfg, num_blocks, block_size, next(model.parameters()).dtype, self.device)
+        # kv_cache_dtype="fp8" | "int8": the room's 8-bit format (ladder/rooms.py): the cache holds bytes, its write
+        # quantizes and its attention dequantizes the step's blocks for the backend's own (features/quantization/kv.py)
+        kv_format = rooms.kv_format(kv_cache_dtype, calculate_kv_scales)
+        self.cache = PagedKVCache(cfg, num_blocks, block_size, next(model.parameters()).dtype, self.device, kv_format)
         self.impl = attention_impl(attention_backend, self.device, batch_invariant)
+        if kv_format is not None:
+            self.impl = AttentionImpl(*kv_format.wrap(self.impl.attend))
         self.scale = cfg.head_dim**-0.5
         self._uncollected: list[torch.Tensor] = []  # logits of submits not yet collected, oldest first
         self._num_submitted = 0

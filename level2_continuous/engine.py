@@ -41,6 +41,7 @@ from ladder.metrics import Gauge, Metric
 from ladder.progress import GenerateProgress
 from level0_naive.config import PARTS, Part, SchedulerConfig
 from level0_naive.core import EngineBase
+from level0_naive.kv_cache import kv_bytes_per_token
 from level0_naive.llm import LLM as NaiveLLM
 from level0_naive.outputs import RequestOutput
 from level0_naive.sampling_params import SamplingParams
@@ -127,7 +128,12 @@ class ContinuousEngine(EngineBase):
         c = self.config.cache
         num_blocks = num_blocks_for_budget(self.kv_budget, c.block_size, self.bytes_per_token)
         return Worker(self.loaded.model, num_blocks, c.block_size, c.attention_backend, self.config.model.batch_invariant,
-                      compilation_for(self.config))  # fmt: skip
+                      compilation_for(self.config), **c.worker_kwargs())  # fmt: skip
+
+    def kv_bytes_per_token(self) -> int:
+        """One token's K and V in the cache's format (`kv_cache_dtype`: level 1's setting)."""
+        cfg = self.model_config
+        return kv_bytes_per_token(cfg, self.dtype, head_bytes=self.config.cache.kv_head_bytes(cfg.head_dim))
 
     def make_lora(self):
         """`enable_lora=True`: the room's manager in the model's projections, its preparer checking each

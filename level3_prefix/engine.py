@@ -72,6 +72,9 @@ class PrefixCachingEngine(ContinuousEngine):
             if self.config.lora.enable_lora and getattr(self.connector, "role", "kv_both") != "kv_both":
                 raise ValueError("a TCPConnector with enable_lora=True is not built (a transfer does not say which "
                                  "adapter computed its blocks)")  # fmt: skip
+            if c.calculate_kv_scales and getattr(self.connector, "role", "kv_both") != "kv_both":
+                raise ValueError("a TCPConnector with calculate_kv_scales=True is not built (each engine calibrates "
+                                 "its own fp8 scales, so one's blocks would read wrong in the other)")  # fmt: skip
             self.connector.register_kv_caches(self.worker.cache)
             self.worker.kv_connector = self.connector
         return self.connector

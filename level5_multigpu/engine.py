@@ -107,8 +107,9 @@ class ParallelEngine(SpeculativeEngine):
             return super().kv_bytes_per_token()
         cfg, draft = self.model_config, self.draft_kv_bytes_per_token()
         ranges = partition_layers(cfg.num_layers, self.pp, self.config.parallel.pipeline_partition)
+        head_bytes = self.config.cache.kv_head_bytes(cfg.head_dim)
         return draft + sum(
-            kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype) for r in ranges for t in range(self.tp)
+            kv_bytes_per_token_of_rank(cfg, self.tp, t, len(r), self.dtype, head_bytes) for r in ranges for t in range(self.tp)
         )
 
     def make_worker(self) -> Executor:

@@ -184,7 +184,8 @@ def _maybe(reader: ShardReader, name: str) -> torch.Tensor | None:
     return reader.read(name) if reader.has(name) else None
 
 
-def kv_bytes_per_token_of_rank(cfg: ModelConfig, tp: int, rank: int, num_layers: int, dtype: torch.dtype) -> int:
-    """What one token costs in this rank's KV cache: its layers, its KV heads."""
+def kv_bytes_per_token_of_rank(cfg: ModelConfig, tp: int, rank: int, num_layers: int, dtype: torch.dtype,
+                               head_bytes: int | None = None) -> int:  # fmt: skip
+    """What one token costs in this rank's KV cache: its layers, its KV heads (`head_bytes`: an 8-bit cache's)."""
     k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, rank)
-    return kv_bytes_per_token(cfg, dtype, num_layers, k1 - k0)
+    return kv_bytes_per_token(cfg, dtype, num_layers, k1 - k0, head_bytes)

@@ -69,6 +69,8 @@ class ParallelSpec:
     expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (features/moe)
     lora: tuple[int, int, int] | None = None  # enable_lora: (max_loras, max_lora_rank, max_cpu_loras) (features/lora)
     quantization: str | None = None  # each rank's projections quantized after loading (features/quantization)
+    kv_cache_dtype: str = "auto"  # each rank's cache in 8 bits (level 1's setting, the same room)
+    calculate_kv_scales: bool = False
 
     @classmethod
     def from_config(
@@ -105,6 +107,8 @@ class ParallelSpec:
             expert_parallel=par.enable_expert_parallel,
             lora=(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) if lora.enable_lora else None,
             quantization=config.model.quantization,
+            kv_cache_dtype=cache.kv_cache_dtype,
+            calculate_kv_scales=cache.calculate_kv_scales,
         )
 
 
@@ -122,8 +126,9 @@ class RankWorker(Worker):
     can call on every rank."""
 
     def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str,
-                 batch_invariant: bool = False, lora=None):  # fmt: skip
-        super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant)
+                 batch_invariant: bool = False, lora=None, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):  # fmt: skip
+        super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant, None, kv_cache_dtype,
+                         calculate_kv_scales)  # fmt: skip
         self.comm, self.lora = comm, lora
         self.timeline = Timeline()
 
@@ -175,7 +180,8 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     ops = rooms.ops(spec.ops, spec.batch_invariant, device, spec.dtype)
     stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
     rooms.quantize(stage, spec.quantization)  # its shards, as a whole model's weights are (int4's groups: of its shard)
-    per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype)
+    head_bytes = None if spec.kv_cache_dtype == "auto" else rooms.kv_format(spec.kv_cache_dtype).head_bytes(cfg.head_dim)
+    per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype, head_bytes)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(CacheConfig(spec.kv_cache_memory, spec.gpu_memory_utilization), device)
     capacity = torch.tensor([blocks_in_budget(budget, spec.block_size, per_token)], dtype=torch.int64, device=device)
@@ -185,7 +191,8 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     if num_blocks < 1:
         raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
     lora = None if spec.lora is None else rooms.lora_slots(stage, *spec.lora)  # every adapted layer's shard of the slots
-    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant, lora)
+    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant, lora,
+                      spec.kv_cache_dtype, spec.calculate_kv_scales)  # fmt: skip
 
 
 # --- a worker rank's life ---------------------------------------------------------------------------

@@ -357,8 +357,8 @@ def test_the_quantization_benchmarks_run_and_report_what_ran(tmp_path, capsys):
     corpus.write_text(("ROMEO:\nBut soft, what light through yonder window breaks?\n\n" * 80))
     res = quality.main(["--models", "tiny", "--corpus", str(corpus), "--prompts", "6", "--windows", "2",
                         "--out", str(tmp_path / "quality.json")])["models"]["tiny"]  # fmt: skip
-    for q in ("int8", "int4"):
+    for q in ("int8", "int4", "fp8-kv", "int8-kv"):
         assert 0 < res[q]["token_agreement"] <= 1 and 0 <= res[q]["same_continuation"] <= 1
         assert res[q]["loss_nats_per_byte"] > 0 and math.isclose(res[q]["perplexity"], math.exp(res[q]["loss_nats_per_byte"]))
-    assert res["None"]["loss_nats_per_byte"] != res["int4"]["loss_nats_per_byte"]
+    assert res["float32"]["loss_nats_per_byte"] != res["int4"]["loss_nats_per_byte"]
     assert "continuations whole" in " ".join(capsys.readouterr().out.split())

@@ -174,3 +174,26 @@ def test_ranks_quantize_their_shards(oracle_checkpoints, oracle):
         assert out.outputs[0].token_ids == oracle.greedy(dq, prompt, 8)
     with pytest.raises(ValueError, match=r"o_proj has 64 inputs per rank, not a multiple of the group \(128\)"):
         level5_multigpu.LLM(base, dtype="float64", quantization="int4", tensor_parallel_size=2)
+
+
+def test_the_built_in_model_keeps_95_percent_of_its_greedy_tokens():
+    """The issue's thresholds, on the built-in model with natural text (32-byte windows of the committed sonnets,
+    24 tokens each, teacher-forced as benchmarks/quality.py measures): int8 weights, the fp8 and int8 KV caches
+    keep >= 95 % of float32's greedy tokens; int4 weights are measured (94.9 % on 200 held-out prompts,
+    docs/quantization.md) and here held to >= 85 %."""
+    from pathlib import Path
+
+    from benchmarks.quality import agreement
+    from ladder.models import default_model
+
+    text = (Path(__file__).resolve().parents[1] / "benchmarks" / "texts" / "sonnets.txt").read_bytes()
+    prompts = [list(text[i : i + 32]) for i in range(0, len(text) - 32, (len(text) - 32) // 48)][:48]
+    path = str(default_model())
+    greedy = SamplingParams(max_tokens=24, min_tokens=24, temperature=0, ignore_eos=True)
+    reference = [o.outputs[0].token_ids for o in level3_prefix.LLM(path, dtype="float32").generate(prompts, greedy, progress=False)]
+    floors = {("quantization", "int8"): 0.95, ("kv_cache_dtype", "fp8"): 0.95, ("kv_cache_dtype", "int8"): 0.95,
+              ("quantization", "int4"): 0.85}  # fmt: skip
+    for (key, value), floor in floors.items():
+        share, _ = agreement(level3_prefix.LLM(path, dtype="float32", **{key: value}), prompts, reference)
+        assert share >= floor, (key, value, share)
+        assert share < 1 or key == "kv_cache_dtype", (key, value, "the weights' rounding changed nothing: did it run?")

@@ -7,7 +7,8 @@ places the levels call them from:
     ops.py        `CpuOps`: level 0's ops seam (level0_naive/ops.py) with RMSNorm and RoPE
                   compiled (cpu_ops.cpp); what `ops="auto"` means on a CPU
     attention.py  the paged-attention kernel (cpu_attention.cpp) and the cache write: level 1's
-                  attention backend on a CPU, what `attention_backend="auto"` means there
+                  attention backend on a CPU, what `attention_backend="auto"` means there; its
+                  8-bit entry points read a `kv_cache_dtype="fp8" | "int8"` cache in place
 
 A level never imports this room: `ladder/rooms.py` maps `ops=` and `attention_backend=` to it
 (`resolve_ops`, `attention_functions`), so a reader of level 0 or 1 sees PyTorch's formulas and

@@ -54,6 +54,7 @@ __all__ = [
     "build_error",
     "kernel",
     "paged_attention_cpu",
+    "paged_attention_cpu_8bit",
     "require",
     "write_kv_cpu",
 ]
@@ -67,9 +68,11 @@ __all__ = [
 LONG_QUERY = 8
 
 SUFFIX = {torch.float32: "f32", torch.float64: "f64", torch.bfloat16: "bf16"}  # the dtypes the kernel takes
+KINDS = {"int8": "i8", "fp8": "f8"}  # the 8-bit caches the kernel reads in place (features/quantization/kv.py)
 LIBRARY = NativeLibrary(
     Path(__file__).with_name("cpu_attention.cpp"),
     {f"paged_attention_{s}": "pppppp" + "iiiiii" + "dp" for s in SUFFIX.values()}
+    | {f"paged_attention_{s}_{k}": "pppppp" + "iiiiii" + "dddp" for s in SUFFIX.values() for k in KINDS.values()}
     | {f"write_kv_{s}": "ppiipiipp" for s in SUFFIX.values()},
 )
 
@@ -121,16 +124,22 @@ class _CheckedOnce:
 _ATTENTION_CHECKED, _WRITE_CHECKED = _CheckedOnce(), _CheckedOnce()
 
 
-def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
+def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, kind: str | None = None,
+           k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
     """One call of the C++ kernel: the contract of ``attention_ref.paged_attention_ref`` for
     float32, float64 and bfloat16 CPU tensors (the metadata int32 and contiguous, as
-    level 1's ``model_input.ModelInput`` builds it; anything else is converted first)."""
+    level 1's ``model_input.ModelInput`` builds it; anything else is converted first). `kind`:
+    an 8-bit cache of bytes ("int8": [N, bs, Hkv, D + 4], "fp8": [N, bs, Hkv, D] and its layer's
+    `k_scale`, `v_scale`), read in place."""
     lib = require()
     if q.dtype not in SUFFIX:
         raise TypeError(f"the CPU kernel takes {', '.join(map(str, SUFFIX))}, not {q.dtype}")
+    cache_dtype = q.dtype if kind is None else torch.uint8
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype or not t.is_contiguous() or t.device.type != "cpu":
-            raise ValueError(f"{name} must be a contiguous CPU tensor of q's dtype {q.dtype}")
+        if t.dtype != cache_dtype or not t.is_contiguous() or t.device.type != "cpu":
+            raise ValueError(f"{name} must be a contiguous CPU tensor of {cache_dtype}")
+    if kind is not None and (k_cache.shape[1] > 1024 or k_cache.shape[3] != q.shape[2] + (4 if kind == "int8" else 0)):
+        raise ValueError(f"an {kind} cache of block_size <= 1024 and {q.shape[2]} values a head, not {tuple(k_cache.shape)}")
     q = q.contiguous()
     qsl, lens, tables = (t.to(torch.int32).contiguous() for t in (query_start_loc, seq_lens, block_tables))
     # The C code trusts its metadata: an out-of-range entry would read memory torch indexing would refuse.
@@ -141,12 +150,22 @@ def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: 
             raise IndexError("a seq_len is longer than its block table covers")
         _ATTENTION_CHECKED.remember((tables, lens), tuple(k_cache.shape[:2]))
     out = torch.empty_like(q)  # [T, Hq, D]
-    _, block_size, num_kv_heads, head_dim = k_cache.shape
-    getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}")(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-        len(lens), q.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale, out.data_ptr(),
-    )  # fmt: skip
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    head_dim = q.shape[2]
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
+            len(lens), q.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale)  # fmt: skip
+    if kind is None:
+        getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}")(*args, out.data_ptr())
+    else:
+        getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}_{KINDS[kind]}")(*args, k_scale, v_scale, out.data_ptr())
     return out
+
+
+def paged_attention_cpu_8bit(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, kind: str,
+                             k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """The kernel over an 8-bit cache (features/quantization/kv.py finds it as `paged_attention_cpu.quantized`):
+    every query length in one call (no SDPA route for long chunks: SDPA would need the dequantized copy)."""
+    return kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, kind, k_scale, v_scale)
 
 
 def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float) -> torch.Tensor:
@@ -176,6 +195,9 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
                 q[rows].contiguous(), k_cache, v_cache, qsl, seq_lens[idx], block_tables[idx].contiguous(), scale
             )
     return out
+
+
+paged_attention_cpu.quantized = paged_attention_cpu_8bit  # what an 8-bit cache's reader asks for (duck-typed)
 
 
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:

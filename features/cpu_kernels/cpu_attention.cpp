@@ -42,8 +42,16 @@
 //   on prefills from the start, and 0.6-0.9x for a chunk of 16+ tokens over a longer cached
 //   context (cpu_attention.py routes those to SDPA; its LONG_QUERY comment has the figures).
 //   Not threaded (the engine's matmuls own the threads), no
-//   float16 (the torch backend takes it), no split-KV, sliding windows, ALiBi, soft-capping
-//   or quantised KV, and no intrinsics: GCC's vector extensions compile to SSE, AVX or NEON.
+//   float16 (the torch backend takes it), no split-KV, sliding windows, ALiBi or soft-capping,
+//   and no intrinsics: GCC's vector extensions compile to SSE, AVX or NEON.
+//
+// 8-bit caches (kv_cache_dtype: features/quantization/kv.py)
+//   paged_attention_{f32,f64,bf16}_{i8,f8} read the cache's bytes in place, the same walk:
+//   "i8": each head's D int8 values and then its float32 scale (a head's slot is D + 4 bytes);
+//   "f8": float8 e4m3 bytes (a 256-entry table widens them) and one scale per layer for K, one
+//   for V. Each block is widened once per tile of rows into a block-sized buffer (each value
+//   times its scale), which every row and head of the tile then reads as the float walk reads
+//   a float block: no copy of the cache is made, only of the block in hand.
 //
 // Reference: vLLM's csrc/cpu/attention.cpp (its CPU paged attention, much more tuned),
 // Kwon et al. SOSP 2023 section 4.1; He et al., "Defeating Nondeterminism in LLM Inference"
@@ -54,9 +62,48 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"  // bf16, widen, narrow: the one copy the kernels share
+
+// The 8-bit caches' elements: int8 widens as itself; an e4m3 byte through a table of its 256 values.
+struct fp8 {
+  uint8_t b;
+};
+static float FP8_TABLE[256];
+static const bool FP8_TABLE_FILLED = [] {  // e4m3 ("fn"): sign, 4 exponent bits (bias 7), 3 mantissa bits
+  for (int b = 0; b < 256; ++b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    float v = e == 0 ? std::ldexp(float(m), -9) : std::ldexp(1.0f + m / 8.0f, e - 7);  // subnormal, or normal
+    if (e == 15 && m == 7) v = std::numeric_limits<float>::quiet_NaN();
+    FP8_TABLE[b] = (b & 128) ? -v : v;
+  }
+  return true;
+}();
+static inline float widen(int8_t x) { return float(x); }
+static inline float widen(fp8 x) { return FP8_TABLE[x.b]; }
+
+// How a cache stores a head: Q = 0 the model's dtype (a head is D values), 1 int8 with its float32
+// scale after its D bytes, 2 fp8 with one scale for the layer. An 8-bit block is widened once,
+// into `out` [bs, Hkv, D] in the accumulator type (each value times its scale: the dequantized
+// values the torch backend computes), and read from there by every row and head of the tile.
+template <int Q, typename A, typename C>
+static inline const A* dequantize_block(const C* blk, int64_t bs, int64_t Hkv, int64_t D, A layer_scale, A* out) {
+  const int64_t HS = Q == 1 ? D + 4 : D;
+  for (int64_t t = 0; t < bs * Hkv; ++t) {  // every (slot, head) of the block
+    const C* h = blk + t * HS;
+    A s = layer_scale;
+    if constexpr (Q == 1) {
+      float f;
+      std::memcpy(&f, reinterpret_cast<const char*>(h + D), sizeof f);
+      s = A(f);
+    }
+    A* o = out + t * D;
+    for (int64_t d = 0; d < D; ++d) o[d] = A(widen(h[d])) * s;
+  }
+  return out;
+}
 
 // 32 bytes of lanes: 8 floats or 4 doubles.
 template <typename A> struct Lanes {
@@ -119,16 +166,19 @@ static inline void dot4(const A* q, const T* k, int64_t stride, int64_t D, A* ou
 // need 8 GiB of scores). Every row's own arithmetic is the same in any tile.
 constexpr int64_t ROWS = 16;
 
-template <typename T, typename A>
-static void attend(const T* q, const T* k_cache, const T* v_cache,  // [T, Hq, D], [N, bs, Hkv, D] x2
+template <typename T, typename A, typename C = T, int Q = 0>
+static void attend(const T* q, const C* k_cache, const C* v_cache,  // [T, Hq, D], [N, bs, Hkv, HS] x2
                    const int32_t* query_start_loc, const int32_t* seq_lens, const int32_t* block_tables,  // [B+1], [B], [B, W]
                    int64_t num_seqs, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs, int64_t W, double scale_d,
-                   T* out) {  // [T, Hq, D]
+                   T* out, double k_scale_d = 1, double v_scale_d = 1) {  // [T, Hq, D]; the fp8 layer scales
   using vec = typename Lanes<A>::vec;
   constexpr int N = Lanes<A>::N;
   const int64_t G = Hq / Hkv;  // query heads per KV head: query head h reads KV head h / G
-  const A scale = static_cast<A>(scale_d);
-  const int64_t slot = Hkv * D;  // one slot holds every KV head's key: [Hkv, D], contiguous
+  const A scale = static_cast<A>(scale_d), k_scale = static_cast<A>(k_scale_d), v_scale = static_cast<A>(v_scale_d);
+  const int64_t HS = Q == 1 ? D + 4 : D;  // a head's elements in a cache slot (int8: its values, then 4 bytes of scale)
+  const int64_t slot = Hkv * D;  // one slot holds every KV head's key: [Hkv, D], contiguous (an 8-bit block: widened)
+  using E = std::conditional_t<Q == 0, T, A>;  // what the walk reads: the cache itself, or a widened block
+  std::vector<A> widened(Q == 0 ? 0 : bs * Hkv * D);
   std::vector<A> qf, acc, scores, row_max, row_sum;  // one tile's rows (query row x head)
 
   for (int64_t b = 0; b < num_seqs; ++b) {
@@ -148,16 +198,19 @@ static void attend(const T* q, const T* k_cache, const T* v_cache,  // [T, Hq, D
 
       // Pass 1: scores, block by block, and each row's running maximum.
       for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {  // block j holds keys t0 .. t0 + bs - 1
-        const T* blk = k_cache + int64_t(table[j]) * bs * slot;
+        const C* cached = k_cache + int64_t(table[j]) * bs * Hkv * HS;
+        const E* blk;
+        if constexpr (Q == 0) blk = cached;
+        else blk = dequantize_block<Q, A, C>(cached, bs, Hkv, D, k_scale, widened.data());
         for (int64_t r = std::max(r0, t0 - context_len); r < r1; ++r) {  // rows that see key t0
           const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});  // of this block's keys
           for (int64_t h = 0; h < Hq; ++h) {
             const int64_t i = (r - r0) * Hq + h;
-            const T* k = blk + (h / G) * D;
+            const E* k = blk + (h / G) * D;
             A* s = scores.data() + i * keys + t0;
             int64_t off = 0;
-            for (; off + 4 <= seen; off += 4) dot4<A, T>(qf.data() + i * D, k + off * slot, slot, D, s + off);
-            for (; off < seen; ++off) s[off] = dot1<A, T>(qf.data() + i * D, k + off * slot, D);
+            for (; off + 4 <= seen; off += 4) dot4<A, E>(qf.data() + i * D, k + off * slot, slot, D, s + off);
+            for (; off < seen; ++off) s[off] = dot1<A, E>(qf.data() + i * D, k + off * slot, D);
             A m = row_max[i];
             for (off = 0; off < seen; ++off) {
               s[off] *= scale;
@@ -182,13 +235,16 @@ static void attend(const T* q, const T* k_cache, const T* v_cache,  // [T, Hq, D
       // Pass 3: the probability-weighted sum of the values, the same walk; per row and head,
       // 2N accumulators at a time stay in registers over a block's keys.
       for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {
-        const T* blk = v_cache + int64_t(table[j]) * bs * slot;
+        const C* cached = v_cache + int64_t(table[j]) * bs * Hkv * HS;
+        const E* blk;
+        if constexpr (Q == 0) blk = cached;
+        else blk = dequantize_block<Q, A, C>(cached, bs, Hkv, D, v_scale, widened.data());
         for (int64_t r = std::max(r0, t0 - context_len); r < r1; ++r) {
           const int64_t seen = std::min({bs, seq_len - t0, context_len + r + 1 - t0});
           for (int64_t h = 0; h < Hq; ++h) {
             const int64_t i = (r - r0) * Hq + h;
             const A* p = scores.data() + i * keys + t0;
-            const T* v = blk + (h / G) * D;
+            const E* v = blk + (h / G) * D;
             A* a = acc.data() + i * D;
             int64_t d = 0;
             for (; d + 2 * N <= D; d += 2 * N) {
@@ -242,3 +298,20 @@ static void write_kv(const T* k, const T* v, int64_t k_stride, int64_t v_stride,
 ENTRY(f32, float, float)
 ENTRY(f64, double, double)
 ENTRY(bf16, bf16, float)
+
+// The 8-bit caches' entry points: q and out in the model's dtype, the caches bytes.
+#define ENTRY8(SUFFIX, T, A, KIND, C, Q)                                                                        \
+  extern "C" void paged_attention_##SUFFIX##_##KIND(const void* q, const void* k, const void* v,               \
+                                                    const int32_t* qsl, const int32_t* lens, const int32_t* tables, \
+                                                    int64_t B, int64_t Hq, int64_t Hkv, int64_t D, int64_t bs,  \
+                                                    int64_t W, double scale, double k_scale, double v_scale,    \
+                                                    void* out) {                                               \
+    attend<T, A, C, Q>(static_cast<const T*>(q), static_cast<const C*>(k), static_cast<const C*>(v), qsl, lens, \
+                       tables, B, Hq, Hkv, D, bs, W, scale, static_cast<T*>(out), k_scale, v_scale);          \
+  }
+ENTRY8(f32, float, float, i8, int8_t, 1)
+ENTRY8(f64, double, double, i8, int8_t, 1)
+ENTRY8(bf16, bf16, float, i8, int8_t, 1)
+ENTRY8(f32, float, float, f8, fp8, 2)
+ENTRY8(f64, double, double, f8, fp8, 2)
+ENTRY8(bf16, bf16, float, f8, fp8, 2)

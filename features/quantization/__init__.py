@@ -8,6 +8,8 @@ gpt-fast's weight-only ones), in small files:
     ops.py       `QuantizedOps`: level 0's ops seam, whose `linear` reads a quantized weight
     install.py   `quantize(model, method)`: every projection's weight replaced by its quantized form
                  (the embeddings, the norms and the LM head stay in the model's dtype)
+    kv.py        `kv_cache_dtype="fp8" | "int8"`: the paged cache in 8 bits (level 1's cache and
+                 attention backend ask for the format)
 
     load (float weights) -> quantize each projection -> the model's ops become QuantizedOps(ops)
     a linear:  y = ops.linear(x, weight)  ->  weight.matmul(x)   (int8: x q^T * s; int4: group by group)
@@ -15,8 +17,9 @@ gpt-fast's weight-only ones), in small files:
 The seam: level 0's engine asks ladder/rooms.py for the ops and, after loading, for the quantized
 model; level 5's ranks quantize their shards the same way. A level never imports this room.
 
-What it is not (yet; issue 55): the 8-bit KV cache, AWQ or GPTQ checkpoints, a GPU kernel (on CUDA both
-formats run the reference), the simulator's dtypes, a lab step.
+What it is not (yet; issue 55): a GPU kernel for either half (Triton's attention reads a dequantized copy
+of the 8-bit cache, where the compiled CPU kernel reads its bytes in place; on CUDA both weight formats
+run the reference), AWQ or GPTQ checkpoints, the simulator's dtypes, a lab step.
 
 Reference: gpt-fast `quantize.py`; vLLM `model_executor/layers/quantization/` (a `LinearMethodBase` per
 method: `create_weights`, `apply`).
@@ -24,6 +27,9 @@ method: `create_weights`, `apply`).
 
 from .formats import FORMATS, GROUP, Int4Weight, Int8Weight
 from .install import METHODS, quantize, quantized_bytes
+from .kv import FORMATS as KV_FORMATS
+from .kv import Fp8KV, Int8KV, KVFormat, kv_format
 from .ops import QuantizedOps
 
-__all__ = ["FORMATS", "GROUP", "Int4Weight", "Int8Weight", "METHODS", "quantize", "quantized_bytes", "QuantizedOps"]
+__all__ = ["FORMATS", "GROUP", "Int4Weight", "Int8Weight", "METHODS", "quantize", "quantized_bytes", "QuantizedOps",
+           "KV_FORMATS", "KVFormat", "Fp8KV", "Int8KV", "kv_format"]

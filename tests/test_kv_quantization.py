@@ -1,0 +1,240 @@
+"""The KV cache in 8 bits (features/quantization/kv.py, `kv_cache_dtype="fp8" | "int8"`): round trips within the
+format's bound; the pool holds what the smaller element buys; and every level gives Hugging Face's greedy tokens
+when HF's attention reads keys and values through the same round trip (an attention function registered with
+transformers, so the oracle shares no code with the engine's cache), in float64, under preemption, chunked
+prefill and prefix hits; every attention backend reads the cache alike; level 1 and level 3 agree in float32
+with batch invariance on; a bad setting is a one-line error.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_equivalence import Staggered, kv_bytes, workloads
+
+import level1_paged
+import level2_continuous
+import level3_prefix
+import level4_speculative
+from features.quantization import Fp8KV, Int8KV
+from level0_naive import SamplingParams
+
+pytestmark = pytest.mark.level3
+
+FP8_MAX = 448.0
+
+
+def round_trip(fmt, x: torch.Tensor) -> torch.Tensor:
+    cache = torch.zeros(1, dtype=torch.uint8)  # a stand-in for a layer's cache (fp8 keys its scale by it)
+    return fmt.dequantize(fmt.quantize(x, cache), x.dtype, cache)
+
+
+@st.composite
+def kv(draw):
+    """[T, H, D] float64 with zeros, outliers and subnormals."""
+    t, h, d = draw(st.integers(1, 5)), draw(st.integers(1, 3)), draw(st.sampled_from([4, 16, 33]))
+    g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    x = torch.randn(t, h, d, generator=g, dtype=torch.float64) * draw(st.sampled_from([1e-3, 1.0, 30.0]))
+    kind = draw(st.sampled_from(["plain", "zero head", "outlier", "subnormal"]))
+    if kind == "zero head":
+        x[0, 0] = 0
+    elif kind == "outlier":
+        x[0, 0, 0] = 400.0
+    elif kind == "subnormal":
+        x[-1, -1] = 1e-310
+    return x
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=kv())
+def test_int8_kv_round_trip_within_half_a_step_per_token_and_head(x):
+    back = round_trip(Int8KV(), x)
+    step = (x.abs().amax(-1, keepdim=True).float() / 127).to(x.dtype)  # [T, H, 1]
+    assert ((back - x).abs() <= step / 2 * (1 + 1e-6) + 1e-300).all()
+    assert not back[x.abs().amax(-1) == 0].any()
+
+
+@settings(max_examples=60, deadline=None)
+@given(x=kv())
+def test_fp8_kv_round_trip_within_e4m3s_bound(x):
+    """scale 1 (vLLM's default): within |x| < 448 the error is at most half a unit of e4m3's 3-bit mantissa
+    (2^-4 relative), or half its smallest subnormal (2^-10) near zero."""
+    back = round_trip(Fp8KV(), x)
+    assert ((back - x).abs() <= x.abs() * 2**-4 + 2**-10).all()
+
+
+def test_the_pool_holds_what_the_smaller_element_buys(checkpoint_factory):
+    """The same kv_cache_memory: fp8 stores a byte per value (4x float32's blocks), int8 a byte plus a
+    float32 scale per head (head_dim 16: 64 / 20 = 3.2x)."""
+    path = checkpoint_factory("llama")
+    budget = kv_bytes(path, 16 * 40, dtype_bytes=4)  # 40 blocks of 16 float32 tokens
+    blocks = {dt: level3_prefix.LLM(path, dtype="float32", kv_cache_dtype=dt, kv_cache_memory=budget).llm_engine.num_blocks
+              for dt in ("auto", "fp8", "int8")}  # fmt: skip
+    assert blocks == {"auto": 40, "fp8": 160, "int8": 128}, blocks
+
+
+class QuantizedKVOracle:
+    """HF greedy with no KV cache, its attention reading keys and values through the format's round trip."""
+
+    def __init__(self):
+        self.models, self.memo = {}, {}
+
+    def model(self, path, fmt_name: str):
+        from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        if (path, fmt_name) not in self.models:
+            fmt = {"int8": Int8KV, "fp8": Fp8KV}[fmt_name]()
+
+            def attention(module, query, key, value, *args, **kwargs):  # key, value [B, Hkv, T, D]
+                k, v = (round_trip(fmt, t.transpose(1, 2)[0]).transpose(0, 1)[None] for t in (key, value))
+                return sdpa_attention_forward(module, query, k, v, *args, **kwargs)
+
+            AttentionInterface.register(f"ladder_{fmt_name}_kv", attention)
+            self.models[path, fmt_name] = AutoModelForCausalLM.from_pretrained(
+                path, dtype=torch.float64, attn_implementation=f"ladder_{fmt_name}_kv").eval()  # fmt: skip
+        return self.models[path, fmt_name]
+
+    @torch.inference_mode()
+    def greedy(self, path, fmt_name: str, prompt: list[int], n: int) -> list[int]:
+        key = (path, fmt_name, tuple(prompt))
+        tokens = self.memo.get(key, [])
+        while len(tokens) < n:
+            logits = self.model(path, fmt_name)(torch.tensor([prompt + tokens]), use_cache=False).logits[0, -1]
+            tokens = tokens + [int(logits.argmax())]
+        self.memo[key] = tokens
+        return tokens[:n]
+
+
+@pytest.fixture(scope="module")
+def kv_oracle():
+    return QuantizedKVOracle()
+
+
+@settings(max_examples=12, deadline=None)
+@given(workload=workloads(), data=st.data())
+def test_every_level_gives_hf_greedy_tokens_through_the_same_round_trip(workload, data, checkpoint_factory, kv_oracle):
+    """Levels 1-4 (n-gram speculation at 4), int8 or fp8, a pool from the largest request alone (preemption) to
+    plenty, a drawn token budget (chunked prefill), levels 3-4 twice over (prefix hits), the torch backend, the oracle one or
+    the compiled CPU kernel: HF's tokens with its keys and values rounded the same way."""
+    fmt = data.draw(st.sampled_from(["int8", "fp8"]), label="kv_cache_dtype")
+    arch = data.draw(st.sampled_from(["llama", "qwen3"]), label="arch")
+    level = data.draw(
+        st.sampled_from([level1_paged, level2_continuous, level3_prefix, level4_speculative]), label="level"
+    )
+    path = checkpoint_factory(arch)
+    need, bs = max(len(p) + n for p, n in workload) + 2, data.draw(st.sampled_from([1, 4, 16]), label="block_size")
+    blocks = -(-need // bs) * data.draw(st.sampled_from([1, 3]), label="kv budget (x largest request)")
+    head_bytes = 16 + 4 if fmt == "int8" else 16  # head_dim 16
+    budget = kv_bytes(path, blocks * bs, dtype_bytes=1) * head_bytes // 16
+    kwargs = dict(dtype="float64", block_size=bs, kv_cache_memory=budget, kv_cache_dtype=fmt,
+                  attention_backend=data.draw(st.sampled_from(["torch", "cpu", "ref"]), label="attention backend"))  # fmt: skip
+    if level is level1_paged:
+        llm = level.LLM(path, **kwargs)
+        outs = llm.generate([p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                       for _, n in workload], progress=False)  # fmt: skip
+        rounds = [outs]
+    else:
+        if level is level4_speculative:
+            kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+        engine = level.LLMEngine(path, max_num_batched_tokens=data.draw(st.sampled_from([3, 2048]), label="token budget"),
+                                 **kwargs)  # fmt: skip
+        assert engine.num_blocks == blocks
+        runner = Staggered(engine, data)
+        params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in workload]
+        rounds = [
+            runner.generate([p for p, _ in workload], params) for _ in range(1 if level is level2_continuous else 2)
+        ]
+    for outs in rounds:
+        for (prompt, n), out in zip(workload, outs):
+            assert out.outputs[0].token_ids == kv_oracle.greedy(path, fmt, prompt, n)
+
+
+def test_level1_and_level3_agree_in_float32_with_batch_invariance(checkpoint_factory):
+    """The issue's exactness: in float32 the batch-invariant ops and attention make a request's tokens its own
+    whatever its batch, and the 8-bit cache keeps it so (a token's K and V round the same in any batch)."""
+    path = checkpoint_factory("llama")
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4, 4], [30, 31]]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for fmt in ("fp8", "int8"):
+        texts = [[o.outputs[0].token_ids for o in lv.LLM(path, dtype="float32", kv_cache_dtype=fmt, batch_invariant=True)
+                  .generate(prompts, params, progress=False)] for lv in (level1_paged, level3_prefix)]  # fmt: skip
+        assert texts[0] == texts[1], fmt
+
+
+def test_a_bad_kv_cache_dtype_is_a_one_line_error(checkpoint_factory):
+    path = checkpoint_factory("llama")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='fp4' is not one of: auto, fp8, int8$"):
+        level3_prefix.LLM(path, kv_cache_dtype="fp4")
+    import level0_naive
+
+    with pytest.raises(TypeError, match=r"unknown setting\(s\) kv_cache_dtype"):  # level 0's cache is contiguous
+        level0_naive.LLM(path, kv_cache_dtype="int8")
+
+
+def test_blocks_offloaded_and_brought_back_carry_their_scales(checkpoint_factory, kv_oracle):
+    """int8: a block carries its scales, so the offloading connector's copies (pool -> host -> pool) need nothing
+    of their own: a pool of 12 blocks, 8 prompts sharing their first 4 blocks, twice (the second round's
+    prefixes come back from the host tier), HF's tokens through the same round trip."""
+    import random
+
+    from conftest import VOCAB
+
+    path, bs = checkpoint_factory("llama"), 4
+    rng = random.Random(0)
+    stem = [rng.randrange(VOCAB) for _ in range(16)]
+    prompts = [stem + [rng.randrange(VOCAB) for _ in range(9 + i % 3)] for i in range(8)]
+    per_block = kv_bytes(path, bs, dtype_bytes=1) * 20 // 16  # int8 with head_dim 16: 20 bytes a head
+    config = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {"cpu_bytes_to_use": 64 * per_block}}
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=bs, kv_cache_memory=12 * per_block, kv_cache_dtype="int8",
+                            kv_transfer_config=config)  # fmt: skip
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        for prompt, out in zip(prompts, llm.generate(prompts, params, progress=False)):
+            assert out.outputs[0].token_ids == kv_oracle.greedy(path, "int8", prompt, 6)
+    assert llm.llm_engine.kv_connector_stats()["hits_host_tokens"] > 0, "some prefix came back from the host tier"
+    llm.llm_engine.connector.close()
+
+
+@pytest.mark.level5
+def test_ranks_hold_their_heads_in_8_bits(checkpoint_factory, kv_oracle):
+    """tp 2 x pp 2, int8: each rank's cache holds its layers' and heads' bytes; HF's tokens through the round trip."""
+    import level5_multigpu
+
+    path = checkpoint_factory("llama")
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [4, 4, 4, 4, 4, 4, 4], [30, 31]]
+    with level5_multigpu.LLM(path, dtype="float64", tensor_parallel_size=2, pipeline_parallel_size=2,
+                             kv_cache_dtype="int8", distributed_timeout_s=100) as llm:  # fmt: skip
+        outs = llm.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), progress=False)
+    for prompt, out in zip(prompts, outs):
+        assert out.outputs[0].token_ids == kv_oracle.greedy(path, "int8", prompt, 8)
+
+
+@pytest.mark.parametrize("fmt", [Int8KV, Fp8KV])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
+    """The CPU kernel's 8-bit entry points (scores times each key's scale, weights times each value's) against the
+    torch backend over the dequantized copy: decodes and a 3-token chunk, GQA (4 query heads on 2), blocks out
+    of order, head_dim 16 and 20 (int8's slot then 24 bytes: its scale's bytes at an offset of 20)."""
+    from features.cpu_kernels import attention as cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernel does not build here: {cpu.build_error()}")
+    from level1_paged.attention_ref import paged_attention_torch
+
+    g = torch.Generator().manual_seed(0)
+    for D in (16, 20):
+        f, (N, bs, H, Hq) = fmt(), (12, 4, 2, 4)
+        caches = [torch.zeros(N, bs, H, f.head_bytes(D), dtype=torch.uint8) for _ in range(2)]
+        write, in_place = f.wrap(cpu.paged_attention_cpu)
+        _, copied = f.wrap(paged_attention_torch)
+        write(*(torch.randn(N * bs, H, D, generator=g).to(dtype) * 3 for _ in range(2)), *caches,
+              torch.randperm(N * bs, generator=g))  # fmt: skip
+        meta = (torch.tensor([0, 1, 4, 5], dtype=torch.int32), torch.tensor([9, 13, 2], dtype=torch.int32),
+                torch.tensor([[7, 1, 2, 0], [3, 11, 5, 6], [9, 0, 0, 0]], dtype=torch.int32))  # fmt: skip
+        q = torch.randn(5, Hq, D, generator=g).to(dtype)
+        fast, ref = in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
+        assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
