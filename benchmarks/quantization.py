@@ -47,15 +47,14 @@ def model_100m() -> str:
 
 
 def kernels(llm) -> dict:
-    """How many quantized projections run the packed kernel, of how many."""
-    from features.quantization import Int4Weight, Int8Weight
+    """How many quantized projections run the packed kernel, of how many, and the bytes they hold."""
+    from features.quantization import Int4Weight, Int8Weight, quantized_bytes
 
-    ws = [
-        m.weight
-        for m in llm.llm_engine.loaded.model.modules()
-        if isinstance(getattr(m, "weight", None), (Int8Weight, Int4Weight))
-    ]
-    return {"projections": len(ws), "packed_kernel": sum(w.kernel for w in ws)}
+    model = llm.llm_engine.loaded.model
+    ws = [m.weight for m in model.modules() if isinstance(getattr(m, "weight", None), (Int8Weight, Int4Weight))]
+    held, rest = quantized_bytes(model)  # the quantized projections'; the float parameters left
+    return {"projections": len(ws), "packed_kernel": sum(w.kernel for w in ws), "quantized_bytes": held,
+            "float_bytes": rest}  # fmt: skip
 
 
 def run_model(path: str, requests: int, repeats: int, quick: bool) -> dict:

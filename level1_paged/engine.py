@@ -55,6 +55,9 @@ class PagedCacheConfig(CacheConfig):
             raise ValueError(f"block_size={self.block_size} must be >= 1")
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in (names := rooms.kv_cache_dtypes()):
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not one of: auto, {', '.join(names)}")
+        if self.calculate_kv_scales and self.kv_cache_dtype != "fp8":
+            raise ValueError(f"calculate_kv_scales=True calibrates fp8's per-layer scales; kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} has none to calibrate")  # fmt: skip
 
     def kv_head_bytes(self, head_dim: int) -> int | None:
         """One KV head's bytes in a token's slot in an 8-bit format (None: the model's dtype decides)."""

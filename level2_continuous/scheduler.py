@@ -95,7 +95,7 @@ class Scheduler:
         self.max_num_batched_tokens, self.max_num_seqs = max_num_batched_tokens, max_num_seqs
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # a room's rule (request, this step's running requests) -> may it join now? (LoRA: its adapter must
+        # a room's rule (request, every running request) -> may it join now? (LoRA: its adapter must
         # fit the slots beside the running ones' adapters); None: any that fits the budget and the pool
         self.admission_rule = None
 
@@ -144,7 +144,8 @@ class Scheduler:
         waiting = self.admissible()
         while waiting and budget > 0 and len(running) < self.max_num_seqs:
             req = self._next_waiting(waiting)
-            if self.admission_rule is not None and not self.admission_rule(req, running):
+            # (all running requests, a pipeline's in flight included: their adapters hold slots too)
+            if self.admission_rule is not None and not self.admission_rule(req, self.running):
                 break  # head-of-line, as when the pool is full: it waits until running requests leave
             computed_blocks, num_computed = self.kv.get_computed_blocks(req)
             req.set_computed(num_computed)

@@ -123,6 +123,10 @@ def parser() -> argparse.ArgumentParser:
     a("--max-loras", type=positive_int, default=1, help="adapters one step may run, each in a device slot (default 1)")
     a("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served (default 16)")
     a("--max-cpu-loras", type=positive_int, default=None, help="adapters kept in host memory (default: --max-loras)")
+    a("--quantization", default=None, choices=["int8", "int4"], help="the projections' weights in 8 or 4 bits "
+      "(docs/quantization.md)")
+    a("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the KV cache in 8 bits (default auto: "
+      "the model's dtype)")
     a("--kv-transfer-config", type=json_object, default=None,
       help='a KV connector, as JSON, e.g. \'{"kv_connector": "OffloadingConnector", '
            '"kv_connector_extra_config": {"cpu_bytes_to_use": 268435456}}\' (docs/kv_connectors.md)')  # fmt: skip
@@ -228,7 +232,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               download_dir=args.download_dir, compilation_config=args.compilation_config,
               enforce_eager=args.enforce_eager, kv_transfer_config=args.kv_transfer_config,
               enable_lora=args.enable_lora, max_loras=args.max_loras, max_lora_rank=args.max_lora_rank,
-              max_cpu_loras=args.max_cpu_loras)  # fmt: skip
+              max_cpu_loras=args.max_cpu_loras, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
                  "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip

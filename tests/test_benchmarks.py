@@ -352,7 +352,9 @@ def test_the_quantization_benchmarks_run_and_report_what_ran(tmp_path, capsys):
     speed = quantization.main(["--models", "tiny", "--quick", "--requests", "1", "--repeats", "1",
                                "--out", str(tmp_path / "q.json")])["models"]["tiny"]  # fmt: skip
     assert set(speed["tokens_per_s"]) == {"None", "int8", "int4"} and all(v > 0 for v in speed["tokens_per_s"].values())
-    assert speed["kernels"]["int8"] == {"projections": 42, "packed_kernel": 42}  # 6 layers x 7, every shape fits
+    k8, k4 = speed["kernels"]["int8"], speed["kernels"]["int4"]
+    assert (k8["projections"], k8["packed_kernel"]) == (42, 42)  # 6 layers x 7, every shape fits
+    assert k4["quantized_bytes"] < 1.1 * k8["quantized_bytes"]  # int4 with its kernel: a byte a weight too (docs)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(("ROMEO:\nBut soft, what light through yonder window breaks?\n\n" * 80))
     res = quality.main(["--models", "tiny", "--corpus", str(corpus), "--prompts", "6", "--windows", "2",

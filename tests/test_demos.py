@@ -261,3 +261,27 @@ def test_lora_demo_writes_one_prompt_four_ways_in_one_batch(capsys):
     assert sorted(res["mapping"]) == [-1, 0, 1, 2] and res["same"], res
     assert {"loop", "gathered", "stacked"} <= set(res["seconds"]) and "adapter capitals" in out
     assert "over 2 tensor-parallel ranks (level 5): the same text: True" in out
+
+
+def test_quant_demo_fits_4x_the_blocks_and_more_requests_in_8_bits(tmp_path, monkeypatch, capsys):
+    """The 8-bit KV cache's demo on the built-in model: one budget holds exactly 4x float32's blocks in fp8 and
+    3.75x in int8, so more requests run at once (and none is preempted); a text that differs from float32's
+    is said to differ. The scheduling depends only on token counts (ignore_eos), so these numbers are exact;
+    which texts match is not asserted (a near tie decides it: the demo prints how near)."""
+    from features.quantization import demo as quant_demo
+
+    monkeypatch.setenv("INFERENCE_LADDER_OUT", str(tmp_path))
+    res = quant_demo.main(["--quick"])
+    out = capsys.readouterr().out
+    blocks, peak, pre = res["blocks"], res["peak_running"], res["preemptions"]
+    assert blocks["fp8"] == 4 * blocks["float32"] and blocks["int8"] > 3 * blocks["float32"], blocks
+    assert peak["fp8"] > peak["float32"] and peak["int8"] > peak["float32"], peak
+    assert res["mean_running"]["int8"] > res["mean_running"]["float32"], res["mean_running"]
+    assert pre["float32"] > 0 == pre["fp8"] == pre["int8"], pre
+    for name in ("fp8", "int8"):
+        assert res["same_text"][name] == (res["texts"][name] == res["texts"]["float32"])
+    assert ("not float32's text" in out) == (not all(res["same_text"].values()))
+    assert res["picture"] == tmp_path / "quant_demo.png" and res["picture"].stat().st_size > 10_000
+    assert f"picture: {res['picture']}" in out.replace("\n", "")
+    small = quant_demo.main(["--quick", "--no-plot", "--requests", "2", "--max-tokens", "4"])
+    assert small["picture"] is None and "picture:" not in capsys.readouterr().out

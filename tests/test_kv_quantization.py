@@ -48,8 +48,17 @@ def kv(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(x=kv())
-def test_int8_kv_round_trip_within_half_a_step_per_token_and_head(x):
+@given(x=kv(), bf16=st.booleans())
+def test_int8_kv_round_trip_within_half_a_step_per_token_and_head(x, bf16):
+    """float64, and bfloat16 (the CUDA default: its rounding must still happen in float32)."""
+    if bf16:
+        x = x.clamp(-1e30, 1e30).to(torch.bfloat16)
+        back = round_trip(Int8KV(), x).double()
+        assert (back.float().to(torch.bfloat16).double() == back).all()  # (in bfloat16, as the cache gives it back)
+        x = x.double()
+        step = x.abs().amax(-1, keepdim=True) / 127
+        assert ((back - x).abs() <= step / 2 * (1 + 2**-8) + x.abs() * 2**-8 + 1e-300).all()  # + bf16's own rounding
+        return
     back = round_trip(Int8KV(), x)
     step = (x.abs().amax(-1, keepdim=True).float() / 127).to(x.dtype)  # [T, H, 1]
     assert ((back - x).abs() <= step / 2 * (1 + 1e-6) + 1e-300).all()
@@ -168,6 +177,8 @@ def test_a_bad_kv_cache_dtype_is_a_one_line_error(checkpoint_factory):
     path = checkpoint_factory("llama")
     with pytest.raises(ValueError, match=r"kv_cache_dtype='fp4' is not one of: auto, fp8, int8$"):
         level3_prefix.LLM(path, kv_cache_dtype="fp4")
+    with pytest.raises(ValueError, match=r"kv_cache_dtype='int8' has none to calibrate$"):
+        level3_prefix.LLM(path, kv_cache_dtype="int8", calculate_kv_scales=True)
     import level0_naive
 
     with pytest.raises(TypeError, match=r"unknown setting\(s\) kv_cache_dtype"):  # level 0's cache is contiguous

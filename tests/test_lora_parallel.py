@@ -24,7 +24,7 @@ from test_equivalence import draft_checkpoint, kv_bytes
 from test_level5 import NoComm
 from test_lora import adapters, peft_oracle  # noqa: F401 (fixtures)
 
-from features.lora import LoRAConfig, LoRASlots
+from features.lora import LoRAConfig, LoRARequest, LoRASlots
 from features.lora.adapter import load_adapter, shapes
 from features.lora.sharded import stage_targets
 from level0_naive import SamplingParams
@@ -120,3 +120,33 @@ def test_adapters_over_ranks_give_peft_greedy_tokens(arch, tp, pp, hard, checkpo
             calls.append({k: n - before.get(k, 0) for k, n in calls_by_kind(llm).items()})
     assert calls[0] == calls[1], "LoRA over ranks sent messages of its own"
     assert calls[0]["all_reduce"] > 0
+
+
+def test_over_a_pipeline_no_rank_reads_a_file_and_no_micro_batch_takes_anothers_slot(
+    checkpoint_factory, adapters, peft_oracle, tmp_path  # noqa: F811
+):
+    """pp 2, one slot, two adapters in alternating requests: the admission rule counts the requests in flight, so
+    a request waits while another adapter's runs (first come, first served: four runs of one adapter, four
+    loads, as at level 3; counting only the schedulable ones, the two micro-batches took the slot from each other
+    every step); and an adapter whose folder is deleted after its requests were added still runs (the ranks get
+    the weights the driver read)."""
+    import shutil
+
+    base, pool = checkpoint_factory("llama"), adapters("llama")
+    copy = LoRARequest("gone", 9, str(shutil.copytree(pool[0].lora_path, tmp_path / "gone")))
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13], [14, 15]]
+    loras = [copy, pool[1], copy, pool[1]]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(base, dtype="float64", pipeline_parallel_size=2, enable_lora=True, max_loras=1, max_lora_rank=8,
+             distributed_timeout_s=100) as llm:  # fmt: skip
+        engine = llm.llm_engine
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(str(i), prompt, params, lora_request=lora)
+        shutil.rmtree(tmp_path / "gone")  # read and checked when added: the ranks never look for it
+        outs = {}
+        while engine.has_unfinished_requests():
+            outs.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.lora.loads == 4, engine.lora.loads
+    for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+        path = pool[0].lora_path if lora is copy else lora.lora_path
+        assert outs[str(i)].outputs[0].token_ids == peft_oracle.greedy(base, path, prompt, 6)

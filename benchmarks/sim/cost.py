@@ -14,7 +14,8 @@ memory traffic, plus a fixed per-step overhead:
 
     linears    FLOPs 2 * T * P (T new tokens in the step, P weights per rank)
                bytes  P * b (the weights, read once per step, whatever T, at their own rate where
-                      it differs: a CPU's cache may hold them) + activations
+                      it differs: a CPU's cache may hold them; b: 8 or 4 bits and their scales for
+                      quantized weights) + activations
     attention  FLOPs 4 * Hq * D * L * sum_i n_i * (c_i + (n_i + 1) / 2)  (QK^T and PV, causal)
                bytes  sum_i (c_i + n_i) * kv_bytes_per_token  (each request reads its whole KV; on a
                       machine with `kv_reuse`, a block another request of the step already read
@@ -132,6 +133,10 @@ class ModelShape:
     eos_token_id: int
     tied_embeddings: bool = False  # the LM head is the embedding (OPT's default): one V x H matrix, not two
     dtype_bytes: int = 2
+    # quantization (features/quantization): the linears' weights in `weight_bits` (8 or 4; None: the dtype's),
+    # the KV cache at `kv_bytes_per_value` (fp8: 1; int8: 1 + 4 / head_dim, its scales; None: the dtype's)
+    weight_bits: int | None = None
+    kv_bytes_per_value: float | None = None
 
     @classmethod
     def from_hf(cls, hf: dict, name: str = "") -> ModelShape:
@@ -161,12 +166,30 @@ class ModelShape:
         return self.num_layers * self.layer_params + (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
 
     @property
+    def linear_bytes_per_weight(self) -> float:
+        """A layer weight's bytes: the dtype's, or 8 or 4 bits plus their scales (int8: one per output
+        channel, noise; int4: a scale and a zero in the dtype per group of 128)."""
+        if self.weight_bits is None:
+            return self.dtype_bytes
+        return self.weight_bits / 8 + (2 * self.dtype_bytes / 128 if self.weight_bits == 4 else 0)
+
+    @property
     def weight_bytes(self) -> int:
-        return self.params * self.dtype_bytes
+        """The layers' linears at their own width, the embedding and LM head in the dtype (quantization keeps them)."""
+        head = (1 if self.tied_embeddings else 2) * self.vocab * self.hidden * self.dtype_bytes
+        return int(self.num_layers * self.layer_params * self.linear_bytes_per_weight + head)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes
+        per_value = self.dtype_bytes if self.kv_bytes_per_value is None else self.kv_bytes_per_value
+        return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * per_value)
+
+
+def quantized(shape: ModelShape, quantization: str | None = None, kv_cache_dtype: str = "auto") -> ModelShape:
+    """The shape with an engine's `quantization=` and `kv_cache_dtype=` (features/quantization's formats)."""
+    bits = {"int8": 8, "int4": 4}.get(quantization)
+    kv = {"fp8": 1.0, "int8": 1 + 4 / shape.head_dim}.get(kv_cache_dtype)  # int8: a float32 scale per head
+    return replace(shape, weight_bits=bits, kv_bytes_per_value=kv)
 
 
 def model_dir(name: str) -> Path:
@@ -223,7 +246,7 @@ def step_cost(hw: Hardware, shape: ModelShape, chunks: list[tuple[int, int]], nu
     # linears: weights once per step, activations in and out of each matmul (q/k/v/o and the MLP's)
     w = L * shape.layer_params / tp
     act = T * L * b * (6 * h + (3 if shape.gated_mlp else 2) * shape.intermediate / tp)
-    linear = max(2 * T * w / flops, w * b / w_bw + act / bw)
+    linear = max(2 * T * w / flops, w * shape.linear_bytes_per_weight / w_bw + act / bw)
     # attention: QK^T and PV over each request's context (causal inside its new tokens), its KV read once
     per_token = 4 * shape.num_heads * shape.head_dim * L / tp
     attn_flops = sum(per_token * n * (c + (n + 1) / 2) for c, n in chunks)

@@ -52,7 +52,7 @@ from level4_speculative.engine import SpeculativeEngine
 from level5_multigpu.engine import ParallelEngine
 
 from .clock import SimClock, SimStep, SimulatedExecutor
-from .cost import Hardware, ModelShape, model_dir, repeated_context, step_time
+from .cost import Hardware, ModelShape, model_dir, quantized, repeated_context, step_time
 
 
 def read_again(kv, scheduled) -> int:
@@ -86,7 +86,9 @@ class Simulated:
         self.targets: dict[str, int] = {}
         path = Path(model) if (Path(model) / "config.json").is_file() else model_dir(str(model))  # a shipped shape
         self.hf = json.loads((path / "config.json").read_text())
-        self.shape = replace(ModelShape.from_hf(self.hf, path.name), dtype_bytes=dtype_bytes(dtype))
+        shape = replace(ModelShape.from_hf(self.hf, path.name), dtype_bytes=dtype_bytes(dtype))
+        # quantization: the cost model's widths (the engine's own pool sizes itself from kv_cache_dtype)
+        self.shape = quantized(shape, kwargs.get("quantization"), kwargs.get("kv_cache_dtype", "auto"))
         self.filler = (self.shape.eos_token_id + 1) % self.shape.vocab
         super().__init__(str(path), clock=clock, dtype=dtype, **kwargs)
 

@@ -41,7 +41,7 @@ from ladder.progress import GenerateProgress
 from level0_naive.sampling_params import RequestOutputKind, SamplingParams
 
 from .clock import SimClock
-from .cost import Hardware, gpu, kv_budget, model_shape
+from .cost import Hardware, gpu, kv_budget, model_shape, quantized
 from .engines import SimulatedContinuous, SimulatedPipeline, SimulatedPrefix, SimulatedSpeculative, SimulatedStatic
 from .orca import SimulatedOrca
 
@@ -133,7 +133,8 @@ class SimResult:
 
 
 def make_engine(system: str, model: str, hw: Hardware, clock: SimClock, tp: int = 1, pp: int = 1, **kwargs):
-    budget = kv_budget(hw, model_shape(model), tp * pp)  # per GPU
+    shape = quantized(model_shape(model), kwargs.get("quantization"))  # (quantized weights leave more for KV)
+    budget = kv_budget(hw, shape, tp * pp)  # per GPU
     if kwargs.get("draft_shape") is not None:  # every GPU holds the draft's weights too
         budget -= kwargs["draft_shape"].weight_bytes
     budget *= tp * pp  # the engine counts whole-model bytes per token

@@ -20,7 +20,8 @@ the device slots (slots.py: every projection's stacked A and B) carry out:
 With the model in this process (levels 2-4, level 5 on one rank) the manager owns the slots and fills
 them itself. Over ranks (level 5) the slots are the ranks' (each holds its shard of every slot: slots.py
 draws it) and the manager keeps only the books: `take_step()` is the step as plain values (the mapping,
-which adapter goes into which slot), sent with the step's input, and every rank carries it out.
+and the weights of each adapter newly put in a slot, as read when its request was added), sent with the
+step's input, and every rank carries it out: no rank reads a file in a step.
 
 What it is not: used by a draft model, or asynchronous (an adapter is copied into its slot inside the
 step that first needs it).
@@ -53,7 +54,7 @@ class LoRAManager:
         self.host: OrderedDict[int, Adapter] = OrderedDict()  # adapter id -> its weights, LRU first
         self.requests: dict[int, LoRARequest] = {}  # every adapter id ever read -> its request: one id, one folder
         self.step: LoRAStep | None = None  # the last step's, as plain values (take_step)
-        self._loads: list[tuple[int, LoRARequest]] = []  # this step's (slot, adapter) so far
+        self._loads: list[tuple[int, Adapter]] = []  # this step's (slot, adapter) so far
         self.loads = 0  # adapters copied into a slot
 
     @property
@@ -155,11 +156,11 @@ class LoRAManager:
         return self.slot_of.pop(victim)
 
     def _load(self, adapter: Adapter, slot: int) -> None:
-        """What `place` calls for an adapter not in a slot: its weights into the slot (or, over ranks, its
-        request into the step's record, for every rank to read and load its shard of)."""
+        """What `place` calls for an adapter not in a slot: its weights into the slot (and into the step's
+        record: over ranks, every rank copies its shard of them in)."""
         if self.slots is not None:
             self.slots.load(slot, adapter)
-        self._loads.append((slot, self.requests[adapter.lora_int_id]))
+        self._loads.append((slot, adapter))
         self.slot_of[adapter.lora_int_id] = slot
         self.loads += 1
 

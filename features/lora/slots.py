@@ -35,15 +35,14 @@ slices of A and B per rank), `vllm/lora/punica_wrapper/`; S-LoRA (MLSys 2024) se
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
-from .adapter import TARGETS, Adapter, load_adapter, shapes
+from .adapter import TARGETS, Adapter, shapes
 from .layers import LoRALinear, RowParallelLoRALinear
 from .punica import delta_gathered, delta_loop, delta_segmented, delta_stacked, segments
-from .request import LoRAConfig, LoRARequest
+from .request import LoRAConfig
 
 
 def delta_triton(x, A, B, scale, idx):
@@ -94,7 +93,9 @@ class LoRAStep:
     """A step's adapters as plain values (picklable; level 5 sends it to its ranks with the step's input)."""
 
     mapping: list[int]  # [T] each row's slot, -1: the base model
-    loads: tuple[tuple[int, LoRARequest], ...] = ()  # (slot, adapter) to put in a slot before the forward
+    # (slot, adapter) to put in a slot before the forward: the weights the engine read and checked when the
+    # request was added, so a rank never reads a file in a step (the folder may be gone by then)
+    loads: tuple[tuple[int, Adapter], ...] = ()
 
 
 class LoRASlots:
@@ -135,7 +136,6 @@ class LoRASlots:
         self.keep: dict[int, torch.Tensor] = {}  # the stacked path's, per width W: [T, S*W] each row's slot's scale
         self.segs = None  # the segmented path's: punica.segments(mapping, scale), once per step
         self.active = False  # does this step run any adapter?
-        self.read: OrderedDict[int, Adapter] = OrderedDict()  # `apply`'s adapters (a rank's host cache), LRU first
 
     # --- the delta, every adapted layer's ---------------------------------------------------------
     def add_delta(self, key, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -205,16 +205,11 @@ class LoRASlots:
         self.scale[slot] = adapter.scale
 
     def apply(self, step: LoRAStep | None) -> None:
-        """A step's adapters as the driver decided them (level 5's ranks): each load read from its folder
-        (a host cache of `max_cpu_loras` here too), then the mapping; None: the base model alone."""
+        """A step's adapters as the driver decided them (level 5's ranks): each new one's shard copied into
+        its slot, then the mapping; None: the base model alone."""
         if step is None:
             return self.clear()
-        for slot, request in step.loads:
-            adapter = self.read.pop(request.lora_int_id, None) or load_adapter(
-                request, self.model_config, self.config.max_lora_rank, self.dtype)  # fmt: skip
-            self.read[request.lora_int_id] = adapter  # the most recently used now
-            while len(self.read) > self.config.max_cpu_loras:
-                self.read.popitem(last=False)
+        for slot, adapter in step.loads:
             self.load(slot, adapter)
         self.set_mapping(step.mapping)
 

@@ -10,6 +10,7 @@ gpt-fast's weight-only ones), in small files:
                  (the embeddings, the norms and the LM head stay in the model's dtype)
     kv.py        `kv_cache_dtype="fp8" | "int8"`: the paged cache in 8 bits (level 1's cache and
                  attention backend ask for the format)
+    demo.py      `python -m features.quantization.demo`: one KV budget, three formats, the requests each runs
 
     load (float weights) -> quantize each projection -> the model's ops become QuantizedOps(ops)
     a linear:  y = ops.linear(x, weight)  ->  weight.matmul(x)   (int8: x q^T * s; int4: group by group)
@@ -19,7 +20,8 @@ model; level 5's ranks quantize their shards the same way. A level never imports
 
 What it is not (yet; issue 55): a GPU kernel for either half (Triton's attention reads a dequantized copy
 of the 8-bit cache, where the compiled CPU kernel reads its bytes in place; on CUDA both weight formats
-run the reference), AWQ or GPTQ checkpoints, the simulator's dtypes, a lab step.
+run the reference), AWQ or GPTQ checkpoints, a lab step. The simulator's dtypes are
+benchmarks/sim/quantization.py's.
 
 Reference: gpt-fast `quantize.py`; vLLM `model_executor/layers/quantization/` (a `LinearMethodBase` per
 method: `create_weights`, `apply`).
@@ -31,5 +33,18 @@ from .kv import FORMATS as KV_FORMATS
 from .kv import Fp8KV, Int8KV, KVFormat, kv_format
 from .ops import QuantizedOps
 
-__all__ = ["FORMATS", "GROUP", "Int4Weight", "Int8Weight", "METHODS", "quantize", "quantized_bytes", "QuantizedOps",
-           "KV_FORMATS", "KVFormat", "Fp8KV", "Int8KV", "kv_format"]
+__all__ = [
+    "FORMATS",
+    "GROUP",
+    "Int4Weight",
+    "Int8Weight",
+    "METHODS",
+    "quantize",
+    "quantized_bytes",
+    "QuantizedOps",
+    "KV_FORMATS",
+    "KVFormat",
+    "Fp8KV",
+    "Int8KV",
+    "kv_format",
+]

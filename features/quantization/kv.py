@@ -88,18 +88,19 @@ class Int8KV(KVFormat):
         return head_dim + 4  # the values, then their float32 scale
 
     def quantize(self, x, cache):
-        s = x.abs().amax(dim=-1, keepdim=True).float() / 127  # [T, Hkv, 1] float32
+        xw = x if x.dtype == torch.float64 else x.float()  # rounded in float32 at least, never in 16 bits
+        s = xw.abs().amax(dim=-1, keepdim=True).float() / 127  # [T, Hkv, 1] float32
         s = torch.where(s > 0, s, torch.ones_like(s))
-        q = torch.round(x / s.to(x.dtype)).clamp(-127, 127).to(torch.int8)  # [T, Hkv, D]
+        q = torch.round(xw / s.to(xw.dtype)).clamp(-127, 127).to(torch.int8)  # [T, Hkv, D]
         return torch.cat([q.view(torch.uint8), s.view(torch.uint8)], dim=-1)  # [T, Hkv, D + 4]
 
     def dequantize(self, blocks, dtype, cache):
         d = blocks.shape[-1] - 4
-        q = blocks[..., :d].view(torch.int8).to(dtype)
-        s = (
-            blocks[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32).to(dtype)
-        )  # [..., 1] (a copy: a view may sit at an offset float32 cannot)
-        return q * s
+        wide = torch.float64 if dtype == torch.float64 else torch.float32  # (multiplied there, then rounded once)
+        q = blocks[..., :d].view(torch.int8).to(wide)
+        # a copy: a view may sit at an offset a float32 view cannot take
+        s = blocks[..., d:].clone(memory_format=torch.contiguous_format).view(torch.float32).to(wide)  # [..., 1]
+        return (q * s).to(dtype)
 
 
 class Fp8KV(KVFormat):

@@ -3,7 +3,7 @@
 What it is: a wrapper over whatever ops the model computes with (ops.py's, or the CPU kernels'): a
 linear whose weight is an `Int8Weight` or `Int4Weight` (formats.py) runs that weight's matmul, on
 its packed kernel or its reference (`use_kernel`); every other op, and every float weight (the LM
-head's, a draft model's), goes to the wrapped ops unchanged.
+head's), goes to the wrapped ops unchanged. (Level 4's draft model keeps the engine's plain ops.)
 
 What it is not: a place that quantizes (install.py does, once, at load).
 
