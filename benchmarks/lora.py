@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from ladder.cli import LadderParser, cache_dir, positive_int, save_json, torch_threads
+from ladder.cli import LadderParser, cache_dir, positive_int, save_result, torch_threads
 from ladder.models import resolve_path
 
 
@@ -110,13 +110,7 @@ def main(argv=None) -> dict:
                     f"{best['base']:.0f} (LoRA costs: {result['lora_over_base']:.2f}x); each repeat's own ratios: "
                     f"{min(a for a, _ in pairs):.2f}-{max(a for a, _ in pairs):.2f}x and "
                     f"{min(b for _, b in pairs):.2f}-{max(b for _, b in pairs):.2f}x")  # fmt: skip
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    else:
-        save_json(result, "lora.json")
+    save_result(result, args.out, "lora.json")
     return result
 
 

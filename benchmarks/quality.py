@@ -28,7 +28,7 @@ import math
 import random
 from pathlib import Path
 
-from ladder.cli import LadderParser, positive_int, save_json, torch_threads
+from ladder.cli import LadderParser, positive_int, save_result, torch_threads
 from ladder.models import resolve_path
 
 SETTINGS = {
@@ -133,13 +133,7 @@ def main(argv=None) -> dict:
                 agree = (f"agreement {row['token_agreement']:.3%} of tokens, {row['same_continuation']:.1%} of "
                          "continuations whole" if label != "float32" else "the reference")  # fmt: skip
                 console.print(f"{name} {label}: {loss}{'; ' if loss else ''}{agree}")
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    else:
-        save_json(result, "quality.json")
+    save_result(result, args.out, "quality.json")
     return result
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from ladder.cli import LadderParser, cache_dir, positive_int, save_json, torch_threads
+from ladder.cli import LadderParser, cache_dir, positive_int, save_result, torch_threads
 from ladder.models import resolve_path
 
 SETTINGS = (None, "int8", "int4")
@@ -149,13 +149,7 @@ def main(argv=None) -> dict:
                                                f"mean batch {r['pools'][dt]['mean_batch']:.1f}, "
                                                f"{r['pools'][dt]['preemptions']} preemptions)" for dt in r["pools"])
                           + f"; fp8 {r['over_float32']['fp8']:.2f}x, int8 {r['over_float32']['int8']:.2f}x float32")  # fmt: skip
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    else:
-        save_json(result, "quantization.json")
+    save_result(result, args.out, "quantization.json")
     return result
 
 

@@ -242,6 +242,16 @@ def save_json(result, name: str) -> Path:
     return path
 
 
+def save_result(result, out: str | None, name: str) -> Path:
+    """A benchmark's JSON: to `out` (its --out) if given, else `save_json(result, name)` in the output folder."""
+    if not out:
+        return save_json(result, name)
+    import json
+
+    Path(out).write_text(json.dumps(result, indent=1))
+    return Path(out)
+
+
 def save_figure(fig, path: Path, dpi: int = 110) -> None:
     """Lay out, save (making the folder) and close a demo's matplotlib figure."""
     import matplotlib.pyplot as plt

@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 
-from ladder.cli import LadderParser, positive_int, save_json
+from ladder.cli import LadderParser, positive_int, save_result
 
 from .clock import SimClock
 from .cost import gpu, kv_budget, model_shape, quantized, step_cost
@@ -82,13 +82,7 @@ def main(argv=None) -> dict:
                               f"{r['tokens_per_s']:,.0f} ({r['tokens_per_s'] / base['tokens_per_s']:.2f}x)",
                               f"{r['mean_batch']:.0f}", str(r["preemptions"]))  # fmt: skip
             console.print(table)
-    if args.out:
-        import json
-
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
-    else:
-        save_json(result, "sim_quantization.json")
+    save_result(result, args.out, "sim_quantization.json")
     return result
 
 

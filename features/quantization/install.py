@@ -40,6 +40,8 @@ def quantize(model: nn.Module, method: str, use_kernel: bool = True) -> int:
             del module.weight  # the float Parameter goes
             module.weight = quantized  # a plain attribute: what ops.linear receives
     model.set_ops(QuantizedOps(model.ops, use_kernel))
+    if torch.cuda.is_available() and any(p.is_cuda for p in model.parameters()):
+        torch.cuda.empty_cache()  # the freed float weights back to the device, where the KV budget is measured
     return len(targets)
 
 
