@@ -101,7 +101,7 @@ def compilation_for(config, parallel: bool = False) -> object:
         if part.asked:
             raise ValueError("compilation_config with enable_lora=True is not built: use enforce_eager=True")
         return None
-    if config.model.quantization is not None:  # (the quantized weights are Python objects a graph cannot hold)
+    if getattr(config.model, "quantization", None) is not None:  # (quantized weights: objects a graph cannot hold)
         if part.asked:
             raise ValueError("compilation_config with quantization is not built: use enforce_eager=True")
         return None
