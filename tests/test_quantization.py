@@ -4,7 +4,8 @@ greedy tokens on the dequantized weights, at every level, in float64 (where the 
 the dequantized matrix through F.linear); a bad setting is a one-line error.
 
 Level 5's ranks quantize their own shards: a row-parallel layer's int8 scales are each shard's (its columns'
-largest value), so the oracle there is a checkpoint dequantized shard by shard.
+largest value), so the oracle there is a checkpoint dequantized shard by shard (its 8-bit KV cache too:
+tests/test_kv_quantization.py's oracle).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from conftest import VOCAB
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_kv_quantization import kv_oracle  # noqa: F401 (a fixture: HF reading K and V through the round trip)
 
 import level0_naive
 import level2_continuous
@@ -162,18 +164,19 @@ def test_bad_settings_are_one_line_errors(checkpoint_factory):
 
 
 @pytest.mark.level5
-def test_ranks_quantize_their_shards(oracle_checkpoints, oracle):
-    """tp 2 x pp 2, int8: each rank's shard quantized (a row-parallel layer's scales are its columns'), the
-    oracle's checkpoint dequantized shard by shard the same way; int4 whose shard is not a whole group is
-    refused before a rank starts."""
+def test_ranks_quantize_their_shards_and_hold_their_heads_in_8_bits(oracle_checkpoints, kv_oracle):  # noqa: F811
+    """tp 2 x pp 2, int8 weights and an int8 KV cache (one engine for both: ranks are slow to start): each rank's
+    shard quantized (a row-parallel layer's scales are its columns'), the oracle's checkpoint dequantized shard by
+    shard the same way and its attention reading K and V through the cache's round trip; each rank's cache holds
+    its layers' and heads' bytes. int4 whose shard is not a whole group is refused before a rank starts."""
     import level5_multigpu
 
     base, dq = oracle_checkpoints("llama", "int8", tp=2)
-    with level5_multigpu.LLM(base, dtype="float64", quantization="int8", tensor_parallel_size=2,
+    with level5_multigpu.LLM(base, dtype="float64", quantization="int8", kv_cache_dtype="int8", tensor_parallel_size=2,
                              pipeline_parallel_size=2, distributed_timeout_s=100) as llm:  # fmt: skip
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True), progress=False)
     for prompt, out in zip(PROMPTS, outs):
-        assert out.outputs[0].token_ids == oracle.greedy(dq, prompt, 8)
+        assert out.outputs[0].token_ids == kv_oracle.greedy(dq, "int8", prompt, 8)
     with pytest.raises(ValueError, match=r"o_proj has 64 inputs per rank, not a multiple of the group \(128\)"):
         level5_multigpu.LLM(base, dtype="float64", quantization="int4", tensor_parallel_size=2)
 
