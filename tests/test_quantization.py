@@ -195,7 +195,10 @@ def test_the_built_in_model_keeps_95_percent_of_its_greedy_tokens():
     prompts = [list(text[i : i + 32]) for i in range(0, len(text) - 32, (len(text) - 32) // 48)][:48]
     path = str(default_model())
     greedy = SamplingParams(max_tokens=24, min_tokens=24, temperature=0, ignore_eos=True)
-    reference = [o.outputs[0].token_ids for o in level3_prefix.LLM(path, dtype="float32").generate(prompts, greedy, progress=False)]
+    reference = [
+        o.outputs[0].token_ids
+        for o in level3_prefix.LLM(path, dtype="float32").generate(prompts, greedy, progress=False)
+    ]
     floors = {("quantization", "int8"): 0.95, ("kv_cache_dtype", "fp8"): 0.95, ("kv_cache_dtype", "int8"): 0.95,
               ("quantization", "int4"): 0.85}  # fmt: skip
     for (key, value), floor in floors.items():
