@@ -148,8 +148,8 @@ class ParallelEngine(SpeculativeEngine):
         return rooms.lora_books(self.model_config, self.dtype, c.max_loras, c.max_lora_rank, c.max_cpu_loras)
 
     def prepare_input(self, sched: SchedulerOutput) -> ModelInput:
-        """Level 4's input; with LoRA over ranks, the step's adapters (`lora_step`: the mapping, and which
-        adapter goes into which slot) ride along to every rank."""
+        """Level 4's input; with LoRA over ranks, the step's adapters (`lora_step`: the mapping, and each adapter
+        newly put in a slot, its weights as read when its request was added) ride along to every rank."""
         model_input = super().prepare_input(sched)
         if self.parallel and self.lora is not None:
             model_input.lora_step = self.lora.take_step()
