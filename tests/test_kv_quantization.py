@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import Oracle
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_equivalence import Staggered, kv_bytes, workloads
@@ -84,17 +85,16 @@ def test_the_pool_holds_what_the_smaller_element_buys(checkpoint_factory):
     assert blocks == {"auto": 40, "fp8": 160, "int8": 128}, blocks
 
 
-class QuantizedKVOracle:
-    """HF greedy with no KV cache, its attention reading keys and values through the format's round trip."""
+class QuantizedKVOracle(Oracle):
+    """conftest's oracle (HF greedy, no KV cache, memoised), its attention reading keys and values through the
+    format's round trip."""
 
-    def __init__(self):
-        self.models, self.memo = {}, {}
-
-    def model(self, path, fmt_name: str):
+    def model(self, key: tuple):
         from transformers import AttentionInterface, AutoModelForCausalLM
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        if (path, fmt_name) not in self.models:
+        if key not in self.models:
+            path, fmt_name = key
             fmt = {"int8": Int8KV, "fp8": Fp8KV}[fmt_name]()
 
             def attention(module, query, key, value, *args, **kwargs):  # key, value [B, Hkv, T, D]
@@ -102,19 +102,12 @@ class QuantizedKVOracle:
                 return sdpa_attention_forward(module, query, k, v, *args, **kwargs)
 
             AttentionInterface.register(f"ladder_{fmt_name}_kv", attention)
-            self.models[path, fmt_name] = AutoModelForCausalLM.from_pretrained(
+            self.models[key] = AutoModelForCausalLM.from_pretrained(
                 path, dtype=torch.float64, attn_implementation=f"ladder_{fmt_name}_kv").eval()  # fmt: skip
-        return self.models[path, fmt_name]
+        return self.models[key]
 
-    @torch.inference_mode()
     def greedy(self, path, fmt_name: str, prompt: list[int], n: int) -> list[int]:
-        key = (path, fmt_name, tuple(prompt))
-        tokens = self.memo.get(key, [])
-        while len(tokens) < n:
-            logits = self.model(path, fmt_name)(torch.tensor([prompt + tokens]), use_cache=False).logits[0, -1]
-            tokens = tokens + [int(logits.argmax())]
-        self.memo[key] = tokens
-        return tokens[:n]
+        return super().greedy((path, fmt_name), prompt, n)
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import VOCAB
+from conftest import VOCAB, Oracle
 from hypothesis import given
 from hypothesis import strategies as st
 from test_equivalence import Staggered, draft_checkpoint, kv_bytes, workloads
@@ -65,30 +65,22 @@ def adapters(checkpoint_factory, tmp_path_factory):
     return get
 
 
-class PeftOracle:
-    """PEFT's greedy tokens, no KV cache, memoised per (adapter, prompt)."""
+class PeftOracle(Oracle):
+    """PEFT's greedy tokens: conftest's oracle (no KV cache, memoised per model and prompt) over the base model
+    with an adapter (None: the base model alone)."""
 
-    def __init__(self):
-        self.models, self.memo = {}, {}
-
-    def model(self, base: Path, adapter: str | None):
+    def model(self, key: tuple[Path, str | None]):
         from peft import PeftModel
         from transformers import AutoModelForCausalLM
 
-        if (base, adapter) not in self.models:
+        if key not in self.models:
+            base, adapter = key
             m = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float64)
-            self.models[base, adapter] = (m if adapter is None else PeftModel.from_pretrained(m, adapter)).eval()
-        return self.models[base, adapter]
+            self.models[key] = (m if adapter is None else PeftModel.from_pretrained(m, adapter)).eval()
+        return self.models[key]
 
-    @torch.inference_mode()
     def greedy(self, base: Path, adapter: str | None, prompt: list[int], n: int) -> list[int]:
-        key = (base, adapter, tuple(prompt))
-        tokens = self.memo.get(key, [])
-        while len(tokens) < n:
-            logits = self.model(base, adapter)(torch.tensor([prompt + tokens]), use_cache=False).logits[0, -1]
-            tokens = tokens + [int(logits.argmax())]
-        self.memo[key] = tokens
-        return tokens[:n]
+        return super().greedy((base, adapter), prompt, n)
 
 
 @pytest.fixture(scope="module")
