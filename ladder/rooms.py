@@ -118,7 +118,8 @@ def architecture(model_type: str) -> ModuleType | None:
 __all__ = ["ROOMS", "EXPORTS", "ARCHITECTURES", "load", "export", "ops", "attention", "sampler_class",
            "logits_processors", "structured_outputs_backends", "request_preparer", "architecture",
            "kv_connector", "lora_manager", "lora_books", "lora_slots",
-           "quantization_methods", "quantize", "kv_cache_dtypes", "kv_format"]  # fmt: skip
+           "quantization_methods", "quantize", "kv_cache_dtypes", "kv_format",
+           "kv_head_bytes"]  # fmt: skip
 
 
 def compilation_config(value, enforce_eager: bool):
@@ -164,6 +165,11 @@ def kv_format(name: str, calculate_scales: bool = False):
     """`kv_cache_dtype=` -> the room's format (what a block stores, the write and attend over it), or None
     for "auto" (the model's dtype: the level's own cache)."""
     return None if name == "auto" else load("quantization").kv_format(name, calculate_scales)
+
+
+def kv_head_bytes(name: str, head_dim: int) -> int | None:
+    """One KV head's bytes in a token's slot for `kv_cache_dtype=` (None for "auto": the model's dtype decides)."""
+    return None if name == "auto" else kv_format(name).head_bytes(head_dim)
 
 
 def quantize(model, method: str | None) -> None:

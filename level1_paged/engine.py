@@ -61,7 +61,7 @@ class PagedCacheConfig(CacheConfig):
 
     def kv_head_bytes(self, head_dim: int) -> int | None:
         """One KV head's bytes in a token's slot in an 8-bit format (None: the model's dtype decides)."""
-        return None if self.kv_cache_dtype == "auto" else rooms.kv_format(self.kv_cache_dtype).head_bytes(head_dim)
+        return rooms.kv_head_bytes(self.kv_cache_dtype, head_dim)
 
     def worker_kwargs(self) -> dict:
         """What a Worker takes of these settings besides the block size and backend."""

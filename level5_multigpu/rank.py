@@ -180,7 +180,7 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     ops = rooms.ops(spec.ops, spec.batch_invariant, device, spec.dtype)
     stage = StageModel(cfg, ShardReader(path, spec.dtype, device), comm, layers, ops, spec.expert_parallel)
     rooms.quantize(stage, spec.quantization)  # its shards, as a whole model's weights are (int4's groups: of its shard)
-    head_bytes = None if spec.kv_cache_dtype == "auto" else rooms.kv_format(spec.kv_cache_dtype).head_bytes(cfg.head_dim)
+    head_bytes = rooms.kv_head_bytes(spec.kv_cache_dtype, cfg.head_dim)  # an 8-bit cache's (None: the dtype's)
     per_token = kv_bytes_per_token_of_rank(cfg, spec.tp, topo.tp_rank, len(layers), spec.dtype, head_bytes)
     per_token += spec.extra_bytes_rank0 if topo.rank == 0 else 0
     budget = resolve_kv_budget(CacheConfig(spec.kv_cache_memory, spec.gpu_memory_utilization), device)
