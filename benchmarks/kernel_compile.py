@@ -70,6 +70,7 @@ class Config:
     block_size: int = 16  # the attention kernel's only: write_kv copies a token's row whatever the block
     tile: int = 32
     rank: int = 16  # the LoRA kernels' only (lora_shrink, lora_expand): max_lora_rank
+    kv: str = ""  # the attention kernel's cache: "" the model's dtype, "fp8" or "int8" (KV_QUANT)
 
 
 @dataclass
@@ -98,7 +99,8 @@ def fp64_supported() -> bool:
 
 def grid(archs=(80, 86, 90)) -> list[Config]:
     """The engine's launches: every shape x block size 16/32 x dtype x target, both kernels
-    (fp64 where the installed Triton compiles it)."""
+    (fp64 where the installed Triton compiles it), and the attention over an fp8 and an int8 cache
+    (kv_cache_dtype) for bfloat16 models at block size 16."""
     dtypes = [d for d in DTYPES if d != "float64" or fp64_supported()]
     configs = []
     for arch in archs:
@@ -106,6 +108,8 @@ def grid(archs=(80, 86, 90)) -> list[Config]:
             for name, hq, hkv, d in SHAPES:
                 configs.append(Config("write_kv", arch, dtype, name, hq, hkv, d))
                 configs += [Config("attention", arch, dtype, name, hq, hkv, d, bs) for bs in (16, 32)]
+        for name, hq, hkv, d in SHAPES:
+            configs += [Config("attention", arch, "bfloat16", name, hq, hkv, d, kv=kv) for kv in ("fp8", "int8")]
     return configs
 
 
@@ -150,13 +154,18 @@ def _compile_one(c: Config) -> Result:
     if c.kernel == "attention":
         kernel = ta._paged_attention_kernel
         q = torch.empty(8, c.hq, c.head_dim, dtype=dtype)  # [T, Hq, D]
-        cache = torch.empty(4, c.block_size, c.hkv, c.head_dim, dtype=dtype)  # [N, bs, Hkv, D]
+        # [N, bs, Hkv, D]; an 8-bit cache as paged_attention_triton_8bit views it (int8: D + 4 bytes a head)
+        width, cache_dtype = {"": (c.head_dim, dtype), "fp8": (c.head_dim, torch.float8_e4m3fn),
+                              "int8": (c.head_dim + 4, torch.int8)}[c.kv]  # fmt: skip
+        cache = torch.empty(4, c.block_size, c.hkv, width, dtype=cache_dtype)
         tables = torch.zeros(3, 5, dtype=torch.int32)  # 3 sequences, 5 blocks each: typical strides
         lens = torch.zeros(3, dtype=torch.int32)
         scale = torch.zeros(1, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
         strides = (*q.stride()[:2], *q.stride()[:2], *cache.stride()[:3], *cache.stride()[:3], tables.stride(0))
-        args = (q, q, cache, cache, tables, lens, torch.zeros(4, dtype=torch.int32), scale, 3, *strides)
-        constexprs = ta._kernel_constexprs(c.hq // c.hkv, c.block_size, c.head_dim, dtype, c.tile)
+        qsl = torch.zeros(4, dtype=torch.int32)
+        args = (q, q, cache, cache, tables, lens, qsl, scale, scale, scale, 3, *strides)
+        kv_quant = ta.KV_QUANT.get(c.kv, 0)
+        constexprs = ta._kernel_constexprs(c.hq // c.hkv, c.block_size, c.head_dim, dtype, c.tile, kv_quant)
     elif c.kernel in ("lora_shrink", "lora_expand"):  # features/lora/triton_ops.py on q_proj: in = out = Hq x D
         from features.lora import triton_ops as lo
 
@@ -201,8 +210,11 @@ def _compile_one(c: Config) -> Result:
         root = e  # a CompilationError says where ("at 93:12:" and the source); its cause says what
         while root.__cause__ is not None:
             root = root.__cause__
-        what = (str(root).strip().splitlines() or [""])[0][:200]
-        where = str(e).split(":\n")[0] if root is not e else ""
+        lines = str(root).strip().splitlines() or [""]
+        if lines[0].startswith("at ") and len(lines) > 1:  # no cause: the reason is its message's last line
+            lines = [lines[-1]]
+        what = lines[0][:200]
+        where = str(e).split(":\n")[0] if root is not e or what != str(root).strip() else ""
         return Result(c, error=f"{type(root).__name__}: {what}" + (f" ({where})" if where.startswith("at ") else ""))
     result = Result(c, shared=compiled.metadata.shared)
     for line in log.getvalue().splitlines():
@@ -229,7 +241,8 @@ def table(results: list[Result]) -> str:
         c = r.config
         shape = f"{c.shape} ({c.hq}/{c.hkv}/{c.head_dim})" if c.kernel == "attention" else "all of them"
         tile = str(c.tile) if c.kernel == "attention" else "-"
-        groups.setdefault((c.kernel, shape, tile, c.dtype), {}).setdefault(c.arch, []).append(r)
+        kernel = f"{c.kernel} ({c.kv} KV)" if c.kv else c.kernel
+        groups.setdefault((kernel, shape, tile, c.dtype), {}).setdefault(c.arch, []).append(r)
 
     def cell(rs: list[Result]) -> str:
         if not rs:

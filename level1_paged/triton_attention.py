@@ -45,8 +45,10 @@ What this is
 
 What this deliberately is not
     No split-KV "flash decoding" (vLLM's 3D kernel; an exercise in
-    docs/level1_kernel.md), no sliding window, ALiBi, soft-cap, sinks, FP8
-    KV, or autotuning, and not tuned for any particular GPU.
+    docs/level1_kernel.md), no sliding window, ALiBi, soft-cap, sinks, or
+    autotuning, and not tuned for any particular GPU. An 8-bit cache
+    (KV_QUANT, kv_cache_dtype="fp8" or "int8") is read in 8 bits and scaled
+    after the load; the cache write stays the quantization room's (torch).
 
 The reference it follows
     vLLM's ``vllm/v1/attention/ops/triton_unified_attention.py`` (the 2D
@@ -81,7 +83,7 @@ import triton.language as tl  # noqa: E402
 
 from .kv_cache import write_kv_cache  # noqa: E402
 
-__all__ = ["paged_attention_triton", "write_kv_cache_triton"]
+__all__ = ["paged_attention_triton", "paged_attention_triton_8bit", "write_kv_cache_triton"]
 
 
 def _check_can_run(t: torch.Tensor) -> None:
@@ -129,6 +131,20 @@ def _find_seq(query_start_loc_ptr, q_block, num_seqs, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
+def _kv_scale(cache_ptr, scale_ptr, phys, slot, k_ok, kv_head, stride_blk, stride_slot, stride_head,
+              HEAD_DIM: tl.constexpr, KV_QUANT: tl.constexpr, ACC_DTYPE: tl.constexpr):  # fmt: skip
+    """The scale of each key of a tile [TILE] in an 8-bit cache, whose loads already gave the raw values.
+
+    fp8: one scale for the whole layer. int8: each slot's head is D values and then its float32
+    scale, [.., Hkv, D + 4] bytes, so the scale is 4 bytes at byte D of the head's slot.
+    """
+    if KV_QUANT == 1:
+        return tl.full(phys.shape, 1.0, ACC_DTYPE) * tl.load(scale_ptr).to(ACC_DTYPE)
+    at = cache_ptr + phys * stride_blk + slot * stride_slot + kv_head * stride_head + HEAD_DIM  # [TILE] byte pointers
+    return tl.load(at.to(tl.pointer_type(tl.float32), bitcast=True), mask=k_ok, other=1.0).to(ACC_DTYPE)
+
+
+@triton.jit
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D]
     q_ptr,  # [T, Hq, D]
@@ -138,6 +154,8 @@ def _paged_attention_kernel(
     seq_lens_ptr,  # [B] int32
     query_start_loc_ptr,  # [B+1] int32
     scale_ptr,  # [1] in the accumulation dtype (a float arg would be fp32)
+    k_scale_ptr,  # [1] as scale_ptr: an fp8 cache's K scale (KV_QUANT 1; unread otherwise)
+    v_scale_ptr,  # [1] float32: its V scale
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -159,6 +177,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,  # tile rows, >= BLOCK_Q * G, power of two, >= 16
     ACC_DTYPE: tl.constexpr,  # tl.float32, or tl.float64 for fp64 inputs
     DOT_PRECISION: tl.constexpr,  # "ieee" for fp32/fp64, "tf32" for upcast fp16/bf16
+    KV_QUANT: tl.constexpr = 0,  # the cache: 0 the model's dtype, 1 fp8 (per-tensor scales), 2 int8 (per-slot scales)
 ):
     q_block = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -214,12 +233,18 @@ def _paged_attention_kernel(
             phys[None, :] * stride_k_blk + slot[None, :] * stride_k_slot + kv_head * stride_k_head + offs_d[:, None]
         )  # [D_PAD, TILE]
         K = tl.load(k_cache_ptr + k_offs, mask=dim_ok[:, None] & k_ok[None, :], other=0.0)
-        K = K.to(ACC_DTYPE)  # [D_PAD, TILE], already transposed for Q @ K
         v_offs = (
             phys[:, None] * stride_v_blk + slot[:, None] * stride_v_slot + kv_head * stride_v_head + offs_d[None, :]
         )  # [TILE, D_PAD]
         V = tl.load(v_cache_ptr + v_offs, mask=k_ok[:, None] & dim_ok[None, :], other=0.0)
-        V = V.to(ACC_DTYPE)  # [TILE, D_PAD]
+        if KV_QUANT == 0:
+            K = K.to(ACC_DTYPE)  # [D_PAD, TILE], already transposed for Q @ K
+            V = V.to(ACC_DTYPE)  # [TILE, D_PAD]
+        else:  # an 8-bit cache (features/quantization/kv.py): the values (widened through float32) times their scale
+            K = K.to(tl.float32).to(ACC_DTYPE) * _kv_scale(k_cache_ptr, k_scale_ptr, phys, slot, k_ok, kv_head,
+                stride_k_blk, stride_k_slot, stride_k_head, HEAD_DIM, KV_QUANT, ACC_DTYPE)[None, :]  # fmt: skip
+            V = V.to(tl.float32).to(ACC_DTYPE) * _kv_scale(v_cache_ptr, v_scale_ptr, phys, slot, k_ok, kv_head,
+                stride_v_blk, stride_v_slot, stride_v_head, HEAD_DIM, KV_QUANT, ACC_DTYPE)[:, None]  # fmt: skip
 
         S = tl.dot(Q, K, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, TILE]
         # The causal rule; for a real row it also excludes k_pos >= num_keys.
@@ -247,7 +272,9 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _kernel_constexprs(group: int, block_size: int, head_dim: int, dtype: torch.dtype, tile_size: int = 32) -> dict:
+def _kernel_constexprs(
+    group: int, block_size: int, head_dim: int, dtype: torch.dtype, tile_size: int = 32, kv_quant: int = 0
+) -> dict:
     """The attention kernel's constexprs for these shapes: what `_launch` passes, and
     what benchmarks/kernel_compile.py compiles ahead of time for each GPU."""
     # tl.dot needs every dimension >= 16: pad the rows and the head dim.
@@ -265,6 +292,7 @@ def _kernel_constexprs(group: int, block_size: int, head_dim: int, dtype: torch.
         # fp16/bf16 values upcast to fp32 fit tf32 exactly (10-bit mantissa),
         # so tensor cores lose nothing on Q.K; fp32 and fp64 inputs need IEEE.
         DOT_PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
+        KV_QUANT=kv_quant,
     )
 
 
@@ -280,10 +308,19 @@ def _check_fp64_supported() -> None:
         raise RuntimeError(f"fp64 paged attention on a GPU needs triton>={need} (installed: {triton.__version__})")
 
 
+KV_QUANT = {"fp8": 1, "int8": 2}  # kv_cache_dtype -> the kernel's KV_QUANT
+FP8_CAPABILITY = (8, 9)  # the first GPUs (Ada, Hopper) whose Triton converts float8 e4m3 ("fp8e4nv")
+
+
 def _launch(
-    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, tile_size: int = 32
-) -> torch.Tensor:
-    """paged_attention_triton with the tile size exposed (the tests vary it)."""
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, tile_size: int = 32,
+    kv_quant: int = 0, k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """paged_attention_triton with the tile size and the cache's format exposed (the tests vary them).
+
+    kv_quant 1: the caches are float8 e4m3 (viewed so), K and V times k_scale and v_scale; 2: int8 values
+    with each head's float32 scale after them, [N, bs, Hkv, D + 4] bytes (features/quantization/kv.py).
+    """
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -296,11 +333,17 @@ def _launch(
     if num_tokens == 0 or num_seqs == 0:
         return out  # nothing to launch, so nothing to check: an empty batch works on any device
     _check_can_run(q)
-    meta = _kernel_constexprs(num_q_heads // num_kv_heads, block_size, head_dim, q.dtype, tile_size)
+    meta = _kernel_constexprs(num_q_heads // num_kv_heads, block_size, head_dim, q.dtype, tile_size, kv_quant)
     fp64 = q.dtype == torch.float64
     if fp64 and q.is_cuda:
         _check_fp64_supported()
+    if kv_quant == 1 and q.is_cuda and torch.cuda.get_device_capability(q.device) < FP8_CAPABILITY:
+        raise RuntimeError(
+            f"an fp8 KV cache read by the Triton kernel needs a GPU of compute capability >= 8.9 (this one: "
+            f"{torch.cuda.get_device_name(q.device)}); use kv_cache_dtype='int8'"
+        )
     scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32, device=q.device)
+    kv_scales = torch.tensor([k_scale, v_scale], dtype=scale_t.dtype, device=q.device)  # [2]: fp8's K and V scales
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     with _on_device_of(q):
         _paged_attention_kernel[grid](
@@ -312,6 +355,8 @@ def _launch(
             seq_lens,
             query_start_loc,
             scale_t,
+            kv_scales[0:1],
+            kv_scales[1:2],
             num_seqs,
             q.stride(0),
             q.stride(1),
@@ -339,6 +384,22 @@ def paged_attention_triton(q, k_cache, v_cache, query_start_loc, seq_lens, block
     tensors' shapes alone (T // BLOCK_Q + B q-block slots).
     """
     return _launch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
+
+
+def paged_attention_triton_8bit(
+    q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, kind: str,
+    k_scale: float = 1.0, v_scale: float = 1.0,
+) -> torch.Tensor:  # fmt: skip
+    """paged_attention_triton over an 8-bit cache (uint8 [N, bs, Hkv, head_bytes], `kind` "fp8" or "int8"),
+    read in place: each tile is loaded in 8 bits and multiplied by its scale in the accumulation dtype.
+    features/quantization/kv.py finds it as `paged_attention_triton.quantized`."""
+    view = torch.float8_e4m3fn if kind == "fp8" else torch.int8
+    k, v = k_cache.view(view), v_cache.view(view)
+    return _launch(q, k, v, query_start_loc, seq_lens, block_tables, scale, 32, KV_QUANT[kind], k_scale, v_scale)
+
+
+paged_attention_triton.quantized = paged_attention_triton_8bit  # what an 8-bit cache's reader asks for (duck-typed)
+paged_attention_triton_8bit.dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @triton.jit

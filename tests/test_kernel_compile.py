@@ -9,7 +9,8 @@ What this is
     and where it does not, fp64 must fail to compile (so the engine's refusal,
     ``_check_fp64_supported``, names the right version). Two planted configs show the checks
     can fail: a 512-key tile that no target can hold, and a 24-key tile tl.arange refuses.
-    The LoRA room's shrink and expand (features/lora/triton_ops.py) compile too, every dtype.
+    The LoRA room's shrink and expand (features/lora/triton_ops.py) compile too, every dtype, and
+    the attention over an 8-bit KV cache: int8 everywhere, fp8 from sm_89 (where the engine allows it).
 
 What this deliberately is not
     Not a run on a GPU (tests/test_level1_kernel.py runs the kernels, interpreted on a CPU),
@@ -38,6 +39,9 @@ WRITE_KV_SHAPES = [s for s in SHAPES if s[0] in ("tiny-shakespeare", "Phi-2 (hea
 # features/lora/triton_ops.py on the 1B Llama's q_proj (in = out = 2048): rank 8 (an 8-wide tile) and 16.
 LORA = [kc.Config(kernel, arch, dtype, "Llama-3.2-1B", 32, 8, 64, rank=8 if arch == 80 else 16)
         for kernel in ("lora_shrink", "lora_expand") for arch in TARGETS for dtype in DTYPES]  # fmt: skip
+# The attention over an 8-bit cache (KV_QUANT), bfloat16, at the narrowest and widest head: fp8 needs sm_89+.
+KV8 = [kc.Config("attention", arch, "bfloat16", name, hq, hkv, d, kv=kv) for arch in TARGETS for kv in ("fp8", "int8")
+       for name, hq, hkv, d in SHAPES if name in ("tiny-shakespeare", "Llama-3.1-8B (head dim 128)")]  # fmt: skip
 OVERSIZED = kc.Config("attention", 90, "float16", "planted: 512-key tile", 16, 1, 128, 16, tile=512)
 UNCOMPILABLE = kc.Config("attention", 80, "float16", "planted: 24-key tile", 4, 2, 64, 16, tile=24)  # not a power of 2
 
@@ -49,7 +53,7 @@ def _engine_grid() -> list[kc.Config]:
             for i, (name, hq, hkv, d) in enumerate(SHAPES):
                 configs.append(kc.Config("attention", arch, dtype, name, hq, hkv, d, block_size=(16, 32)[i % 2]))
             configs += [kc.Config("write_kv", arch, dtype, name, hq, hkv, d) for name, hq, hkv, d in WRITE_KV_SHAPES]
-    return configs
+    return configs + KV8
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def results() -> dict[kc.Config, kc.Result]:
 
 def test_the_grid_is_what_was_asked_for(results):
     engine = [c for c in results if c not in (OVERSIZED, UNCOMPILABLE)]
-    assert len(engine) == len(TARGETS) * len(DTYPES) * (len(SHAPES) + len(WRITE_KV_SHAPES)) == 56
+    assert len(engine) == len(TARGETS) * len(DTYPES) * (len(SHAPES) + len(WRITE_KV_SHAPES)) + len(KV8) == 64
     assert {c.arch for c in engine} == set(TARGETS)
     assert {c.block_size for c in engine if c.kernel == "attention"} == {16, 32}
     assert {c.head_dim for c in engine} == {48, 64, 80, 128}
@@ -71,6 +75,8 @@ def test_every_kernel_compiles_within_shared_memory(results):
     for config, r in results.items():
         if config in (OVERSIZED, UNCOMPILABLE) or (config.dtype == "float64" and not fp64):
             continue
+        if config.kv == "fp8" and config.arch < 89:
+            continue  # test_fp8_kv_compiles_exactly_where_the_engine_allows_it
         assert r.error is None, f"{config} does not compile: {r.error}"
         assert r.shared is not None and not r.over_limit, f"{config}: {r.shared} B > {kc.SMEM_LIMIT[config.arch]} B"
         if config.kernel == "attention":
@@ -93,6 +99,31 @@ def test_fp64_compiles_exactly_where_the_engine_allows_it(results):
         assert all(r.error is None for r in fp64), [r.error for r in fp64 if r.error]
     else:  # an older Triton: the front end refuses fp64 in tl.dot, as _check_fp64_supported says
         assert all(r.error and "fp64" in r.error for r in fp64), [r.error for r in fp64]
+
+
+def test_fp8_kv_compiles_exactly_where_the_engine_allows_it(results):
+    """Triton converts float8 e4m3 on sm_89 and later only (triton_attention.FP8_CAPABILITY): the kernel over an fp8
+    cache compiles for an H100 and not for an A100, where the launch refuses it (below); int8 compiles on both."""
+    for config in KV8:
+        r = results[config]
+        allowed = config.kv == "int8" or (config.arch // 10, config.arch % 10) >= ta.FP8_CAPABILITY
+        assert (r.error is None) == allowed, (config, r.error)
+        assert allowed or "fp8e4nv not supported" in r.error, r.error  # Triton's own reason, reported
+        if allowed:
+            assert r.shared and not r.over_limit, (config, r.shared)
+
+
+def test_the_launch_refuses_an_fp8_cache_on_a_gpu_before_sm89(monkeypatch):
+    from virtual_gpu import on_cuda, virtual_gpu
+
+    with virtual_gpu(monkeypatch) as mode:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+        q, k_cache, v_cache = on_cuda(mode, (torch.zeros(1, 2, 16, dtype=torch.bfloat16),
+                                             *(torch.zeros(2, 4, 1, 16, dtype=torch.uint8) for _ in range(2))))
+        meta = on_cuda(mode, (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"fp8 KV cache .* compute capability >= 8\.9 .*kv_cache_dtype='int8'"):
+            ta.paged_attention_triton_8bit(q, k_cache, v_cache, *meta, 0.25, "fp8")
 
 
 def test_an_oversized_tile_is_reported_over_the_limit(results):

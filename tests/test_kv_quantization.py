@@ -27,6 +27,10 @@ pytestmark = pytest.mark.level3
 FP8_MAX = 448.0
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def round_trip(fmt, x: torch.Tensor) -> torch.Tensor:
     cache = torch.zeros(1, dtype=torch.uint8)  # a stand-in for a layer's cache (fp8 keys its scale by it)
     return fmt.dequantize(fmt.quantize(x, cache), x.dtype, cache)
@@ -154,6 +158,31 @@ def test_every_level_gives_hf_greedy_tokens_through_the_same_round_trip(workload
             assert out.outputs[0].token_ids == kv_oracle.greedy(path, fmt, prompt, n)
 
 
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_level3_on_the_triton_kernel_gives_hf_greedy_tokens_through_the_same_round_trip(fmt, checkpoint_factory,
+                                                                                      kv_oracle, monkeypatch):  # fmt: skip
+    """The engine on attention_backend="triton" (interpreted here) reads its 8-bit cache in place, not through the
+    copy: float64, three prompts sharing a stem, twice over (the second round's prefixes are hits)."""
+    pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux)")
+    from conftest import VOCAB
+
+    from level1_paged import triton_attention
+
+    launches, launch = [], triton_attention._launch
+    monkeypatch.setattr(triton_attention, "_launch", lambda *a: launches.append(a[8]) or launch(*a))  # a[8]: kv_quant
+
+    path = checkpoint_factory("llama")
+    g = torch.Generator().manual_seed(1)
+    stem = torch.randint(VOCAB, (9,), generator=g).tolist()
+    prompts = [stem + torch.randint(VOCAB, (k,), generator=g).tolist() for k in (1, 4, 7)]
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=4, kv_cache_dtype=fmt, attention_backend="triton")
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    for _ in range(2):
+        for prompt, out in zip(prompts, llm.generate(prompts, params, progress=False)):
+            assert out.outputs[0].token_ids == kv_oracle.greedy(path, fmt, prompt, 5)
+    assert launches and set(launches) == {triton_attention.KV_QUANT[fmt]}, "every step read 8 bits in place"
+
+
 def test_level1_and_level3_agree_in_float32_with_batch_invariance(checkpoint_factory):
     """The issue's exactness: in float32 the batch-invariant ops and attention make a request's tokens its own
     whatever its batch, and the 8-bit cache keeps it so (a token's K and V round the same in any batch)."""
@@ -202,8 +231,38 @@ def test_blocks_offloaded_and_brought_back_carry_their_scales(checkpoint_factory
     llm.llm_engine.connector.close()
 
 
-@pytest.mark.parametrize("fmt", [Int8KV, Fp8KV])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("fmt", [Int8KV, lambda: Fp8KV(calculate_scales=True)], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=dtype_name)
+def test_the_triton_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
+    """Level 1's Triton kernel (KV_QUANT; interpreted here) over the same 8-bit cache as the torch backend over the
+    dequantized copy: decodes and a 3-token chunk, GQA, blocks out of order, head_dim 16 and 20 (int8's scale at
+    byte 20 of a 24-byte slot), fp8 with its calibrated scales (not 1.0, so a kernel that forgot them fails)."""
+    pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux)")
+    from level1_paged.attention_ref import paged_attention_torch
+    from level1_paged.triton_attention import paged_attention_triton
+
+    assert paged_attention_triton.quantized is not None  # so wrap() reads in place, not through the copy
+    g = torch.Generator().manual_seed(0)
+    for D in (16, 20):
+        f, (N, bs, H, Hq) = fmt(), (12, 4, 2, 4)
+        caches = [torch.zeros(N, bs, H, f.head_bytes(D), dtype=torch.uint8) for _ in range(2)]
+        write, in_place = f.wrap(paged_attention_triton)
+        _, copied = f.wrap(paged_attention_torch)
+        write(*(torch.randn(N * bs, H, D, generator=g).to(dtype) * 3 for _ in range(2)), *caches,
+              torch.randperm(N * bs, generator=g))  # fmt: skip
+        if f.name == "fp8":
+            assert all(abs(f.scale(c) - 1.0) > 0.01 for c in caches)
+        meta = (torch.tensor([0, 1, 4, 5], dtype=torch.int32), torch.tensor([9, 13, 2], dtype=torch.int32),
+                torch.tensor([[7, 1, 2, 0], [3, 11, 5, 6], [9, 0, 0, 0]], dtype=torch.int32))  # fmt: skip
+        q = torch.randn(5, Hq, D, generator=g).to(dtype)
+        fast, ref = in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
+        # fp32/fp64: the same products in the same dtype; fp16/bf16: the copy rounds K and V to 16 bits, the kernel not
+        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+        assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
+
+
+@pytest.mark.parametrize("fmt", [Int8KV, Fp8KV], ids=["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_name)
 def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
     """The CPU kernel's 8-bit entry points (scores times each key's scale, weights times each value's) against the
     torch backend over the dequantized copy: decodes and a 3-token chunk, GQA (4 query heads on 2), blocks out

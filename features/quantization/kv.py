@@ -18,8 +18,9 @@ The cache is bytes (uint8) either way; the write quantizes the step's new K and 
 (`write_kv`). The attention (`attend`) reads them one of two ways:
 
     in place           a backend that reads 8 bits itself (its attend function has a `quantized`
-                       twin: the compiled CPU kernel, features/cpu_kernels) gets the bytes and scales
-    dequantized copy   any other (torch, ref, Triton): the blocks the step's block tables name are
+                       twin, with the `dtypes` it takes: the compiled CPU kernel, features/cpu_kernels,
+                       and level 1's Triton kernel) gets the bytes and scales
+    dequantized copy   any other (torch, ref): the blocks the step's block tables name are
                        dequantized in the model's dtype, the tables renumbered to the copy, and the
                        backend's own attention runs over it
 
@@ -27,8 +28,8 @@ The cache is bytes (uint8) either way; the write quantizes the step's new K and 
 
 So every backend reads an 8-bit cache, and the two ways agree to rounding (tested).
 
-What it is not: an 8-bit attention (the math runs in the model's dtype), or a GPU kernel that reads 8
-bits (Triton's goes through the copy, which costs about what the attention reads).
+What it is not: an 8-bit attention (the math runs in the model's dtype, or the kernels' accumulation
+dtype), or a quantizing cache write in a kernel (the write is torch's, here).
 
 Reference: vLLM `kv_cache_dtype="fp8"` (docs: quantized KV cache; `calculate_kv_scales`);
 Micikevicius et al., "FP8 Formats for Deep Learning" (2022), e4m3; KIVI and KVQuant (2024) on
@@ -70,7 +71,7 @@ class KVFormat:
         in_place = getattr(attend, "quantized", None)  # a backend that reads 8 bits itself (the compiled CPU kernel)
 
         def attend_quantized(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
-            if in_place is not None and q.dtype in (torch.float32, torch.float64, torch.bfloat16):
+            if in_place is not None and q.dtype in in_place.dtypes:
                 ks, vs = (self.scale(k_cache), self.scale(v_cache)) if self.name == "fp8" else (1.0, 1.0)
                 return in_place(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, self.name, ks, vs)
             used, tables = torch.unique(block_tables, return_inverse=True)  # [U]; tables: indices into used
@@ -125,7 +126,8 @@ class Fp8KV(KVFormat):
         return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).view(torch.uint8)
 
     def dequantize(self, blocks, dtype, cache):
-        return (blocks.view(FP8).float() * self.scale(cache)).to(dtype)
+        wide = torch.float64 if dtype == torch.float64 else torch.float32  # (as int8's: multiplied there, rounded once)
+        return (blocks.view(FP8).to(wide) * self.scale(cache)).to(dtype)
 
 
 FORMATS = {"fp8": Fp8KV, "int8": Int8KV}
