@@ -348,6 +348,20 @@ def add_routes(app: FastAPI, hub: DashboardHub, needs_key: bool = False) -> None
     app.add_api_route("/dashboard/events", hub.events, methods=["GET"], include_in_schema=False)
 
 
+def kv_format_info(engine) -> dict:
+    """The cache's format and the blocks it buys: `kv_cache_dtype` ("fp8", "int8", or the model's dtype's name)
+    and how many blocks the same memory would hold in the model's dtype (a head's slot is head_bytes in the
+    cache, head_dim x the element's size in the model's dtype; docs/quantization.md)."""
+    model_dtype = str(getattr(engine, "dtype", "")).removeprefix("torch.")
+    name = getattr(engine.config.cache, "kv_cache_dtype", "auto")
+    if name == "auto" or not hasattr(engine, "model_config"):  # (the simulator's engines model no format)
+        return {"kv_cache_dtype": model_dtype or name, "model_dtype": model_dtype, "blocks_in_model_dtype": engine.num_blocks}
+    d = engine.model_config.head_dim
+    plain = d * engine.dtype.itemsize  # [bytes] one head's slot in the model's dtype
+    blocks = engine.num_blocks * engine.config.cache.kv_head_bytes(d) // plain
+    return {"kv_cache_dtype": name, "model_dtype": model_dtype, "blocks_in_model_dtype": blocks}
+
+
 def engine_info(engine, model_name: str, mode: str, completions: bool, hz: float | None = HZ) -> dict:
     """What the page's header says, read once from the engine's configuration."""
     c = engine.config
@@ -358,6 +372,7 @@ def engine_info(engine, model_name: str, mode: str, completions: bool, hz: float
         "completions": completions,  # the prompt box and the burst button need /v1/completions
         "num_blocks": engine.num_blocks,
         "block_size": c.cache.block_size,
+        **kv_format_info(engine),
         "max_num_seqs": c.scheduler.max_num_seqs,
         "prefix_caching": bool(getattr(c.cache, "enable_prefix_caching", False)),
         "speculative": getattr(engine, "speculative_config", None) is not None,

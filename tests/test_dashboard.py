@@ -45,7 +45,17 @@ import level4_speculative
 from level0_naive import SamplingParams
 from level2_continuous.observers import KVSnapshot, RequestBlocks
 from level6_serving import dashboard
-from level6_serving.dashboard import CACHED, FREE, SHARED, USED, DashboardFeed, DashboardHub, block_states, build_frame
+from level6_serving.dashboard import (
+    CACHED,
+    FREE,
+    SHARED,
+    USED,
+    DashboardFeed,
+    DashboardHub,
+    block_states,
+    build_frame,
+    engine_info,
+)
 from level6_serving.metrics import aborted
 
 pytestmark = pytest.mark.level6
@@ -187,6 +197,20 @@ class FakeRecord:
 def tiny_snapshot(num_requests: int, num_blocks: int = 8) -> KVSnapshot:
     reqs = tuple(RequestBlocks(f"q{i}", 0, "waiting", ()) for i in range(num_requests))
     return KVSnapshot(num_blocks, BLOCK, num_blocks, reqs, (0,) * num_blocks, ())
+
+
+def test_the_header_says_the_caches_dtype_and_the_blocks_it_buys(checkpoint_factory):
+    """kv_cache_dtype="int8" (head_dim 16: 20 bytes a head against float32's 64): the page's info names the format
+    and the blocks the same memory holds in the model's dtype, which a float32 cache of that memory has."""
+    path = checkpoint_factory("llama")
+    budget = kv_bytes(path, 40 * BLOCK, dtype_bytes=4)  # 40 float32 blocks
+    plain, int8 = (level3_prefix.LLMEngine(path, dtype="float32", block_size=BLOCK, kv_cache_memory=budget,
+                                           kv_cache_dtype=dt) for dt in ("auto", "int8"))  # fmt: skip
+    a, b = (engine_info(e, "m", "offline", completions=False) for e in (plain, int8))
+    assert (a["kv_cache_dtype"], a["model_dtype"], a["blocks_in_model_dtype"]) == ("float32", "float32", 40)
+    assert (b["kv_cache_dtype"], b["model_dtype"], b["num_blocks"]) == ("int8", "float32", 128)
+    assert b["blocks_in_model_dtype"] == plain.num_blocks == 40
+    json.dumps(b)
 
 
 def test_frames_come_at_most_hz_a_second_and_only_while_watched():

@@ -276,6 +276,25 @@ def test_a_small_pool_draws_a_block_a_square_with_its_reference_counts(browser, 
     assert page.close() == []  # no console error
 
 
+def test_the_header_says_an_8_bit_cache_and_the_blocks_it_buys(browser, model):
+    """`--kv-cache-dtype int8`, the same 8 MiB: the header names the format beside the blocks and says how many
+    the memory would hold in the model's dtype (the server's /dashboard/info)."""
+    import httpx
+
+    server = served_with(model, dict(max_model_len=256, kv_cache_memory=8 << 20, kv_cache_dtype="int8", seed=0))
+    s = next(server)
+    try:
+        info = httpx.get(s.url + "/dashboard/info").json()
+        page = Page(browser, s.url)
+        text = page.page.text_content("#engine")
+        want = (f"{info['num_blocks']} blocks of 16 tokens · KV in int8 ({info['blocks_in_model_dtype']} blocks in "
+                f"{info['model_dtype']})")  # fmt: skip
+        assert want in text and info["num_blocks"] > info["blocks_in_model_dtype"] > 0, text
+        assert page.close() == []
+    finally:
+        server.close()  # the server stops
+
+
 def test_the_page_watches_the_simulator(browser, shots):
     proc, url = watch(["--simulate", "--workload", "sharegpt", "--requests", "400", "--rate", "3", "--speed", "10",
                        "--wait", "60"])  # fmt: skip

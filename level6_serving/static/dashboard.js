@@ -49,8 +49,11 @@ async function loadInfo() {
   if (r.status === 401) return false;
   info = await r.json();
   $("model").textContent = info.model;
+  // An 8-bit cache says what it buys: the blocks the same memory holds in the model's dtype.
+  const kv = info.kv_cache_dtype === info.model_dtype ? "" :
+    ` · KV in ${info.kv_cache_dtype} (${info.blocks_in_model_dtype} blocks in ${info.model_dtype})`;
   $("engine").textContent = `${info.engine} · ${info.mode} · ${info.num_blocks} blocks of ${info.block_size} tokens` +
-    (info.prefix_caching ? " · prefix caching" : "") + (info.speculative ? " · speculative" : "");
+    kv + (info.prefix_caching ? " · prefix caching" : "") + (info.speculative ? " · speculative" : "");
   const offline = !info.completions;
   $("offline").hidden = !offline;
   for (const id of ["send", "burst", "prompt"]) $(id).disabled = offline;
