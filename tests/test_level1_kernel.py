@@ -547,6 +547,36 @@ def test_triton_native_gpu(dtype, block_size):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_8bit_kv_native_gpu(fmt, dtype):
+    """The kernel over an 8-bit cache (KV_QUANT), compiled for real, against the torch attention over the
+    dequantized copy (tests/test_kv_quantization.py does the same under the interpreter); fp8 before sm_89 is
+    refused in one line."""
+    from features.quantization import kv_format
+    from level1_paged.attention_ref import paged_attention_torch
+
+    f = kv_format(fmt, calculate_scales=True)
+    w = make_workload([1, 9, 1, 40], [300, 0, 77, 12], 8, 2, 64, 16, dtype, seed=5).to("cuda")
+    q, k_cache, v_cache, *meta, scale = w.args()
+    n, bs, h, d = k_cache.shape
+    caches = [torch.zeros(n, bs, h, f.head_bytes(d), dtype=torch.uint8, device="cuda") for _ in range(2)]
+    write, in_place = f.wrap(paged_attention_triton)
+    _, copied = f.wrap(paged_attention_torch)
+    k, v = (c.nan_to_num(0.0).view(n * bs, h, d) for c in (k_cache, v_cache))  # (unowned slots: NaN, never read)
+    write(k, v, *caches, torch.arange(n * bs, device="cuda"))
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
+            in_place(q, *caches, *meta, scale)
+        return
+    out = in_place(q, *caches, *meta, scale)
+    torch.cuda.synchronize()
+    ref = copied(q, *caches, *meta, scale)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2  # bf16: the copy rounds K and V to 16 bits, the kernel not
+    assert (out.double() - ref.double()).abs().max() <= tol * ref.double().abs().max()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_write_kv_native_gpu(dtype):
     """The cache write compiled for real: exactly the named slots change, bit for bit."""

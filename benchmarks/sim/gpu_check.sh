@@ -4,8 +4,8 @@
 # they bring), nothing downloaded. It is not a test suite (tests/ is) and not a calibration: it runs each
 # part once where CUDA is real and brings back every figure.
 #   1. the Triton kernels' native tests, compiled for real (tests/test_level1_kernel.py -k native: attention
-#      and the cache write in fp16, bf16 and fp32; the file's CPU and interpreter tests are CI's, and would
-#      not fit the kernel step's 120 s);
+#      and the cache write in fp16, bf16 and fp32, and the attention over an int8 and an fp8 KV cache; the
+#      file's CPU and interpreter tests are CI's, and would not fit the kernel step's 120 s);
 #   2. python -m benchmarks.sim.gpu_check (its docstring lists the parts): prompt logprobs, sampled
 #      speculative decoding and structured outputs on CUDA; a random-weight 1B Llama in bf16 through the
 #      benchmark (HF and levels 0-3) with the what-if's uncalibrated prediction beside each measured row.
