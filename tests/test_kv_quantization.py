@@ -271,6 +271,23 @@ def test_the_triton_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
         assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_name)
+def test_the_compiled_kernel_widens_every_e4m3_byte_as_torch_does(dtype):
+    """The CPU kernel's table of e4m3's values: every byte but the two NaNs, subnormals and both zeros included,
+    read back exactly. One key per sequence, so each output row is its value's bytes."""
+    from features.cpu_kernels import attention as cpu
+
+    if not cpu.available():
+        pytest.skip(f"the CPU kernel does not build here: {cpu.build_error()}")
+    every = torch.tensor([b if b not in (0x7F, 0xFF) else 0 for b in range(256)], dtype=torch.uint8)
+    v_cache = every.view(16, 1, 1, 16)  # [N, bs 1, Hkv 1, D 16]: block i holds bytes 16i .. 16i + 15
+    k_cache = torch.zeros_like(v_cache)
+    ones = torch.ones(16, dtype=torch.int32)
+    meta = (torch.arange(17, dtype=torch.int32), ones, torch.arange(16, dtype=torch.int32)[:, None])
+    out = cpu.paged_attention_cpu_8bit(torch.randn(16, 1, 16).to(dtype), k_cache, v_cache, *meta, 0.25, "fp8")
+    assert torch.equal(out[:, 0], every.view(torch.float8_e4m3fn).view(16, 16).to(dtype))
+
+
 @pytest.mark.parametrize("fmt", [Int8KV, Fp8KV], ids=["int8", "fp8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=dtype_name)
 def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
