@@ -16,10 +16,13 @@ alternating order across `--repeats`, each keeping its fastest run. Two models:
 Reported: output tokens/s each, the ratios to float32, and which matmul ran (the packed kernel
 for how many projections; formats.py says why a shape would fall back to the reference).
 
-`--kv` (the built-in model): the `spread` workload on level 3 with one KV budget for all, sized to
-hold `--kv-requests` (4) of its longest requests in float32, and the cache in float32, fp8 and int8
-(`kv_cache_dtype`): the same bytes hold about 4x the tokens in 8 bits, so more requests run at once.
-Reported: tokens/s, the blocks each pool has, the mean batch, preemptions, and the ratios to float32.
+`--kv` (the built-in model): the `spread` workload on level 3 with one KV budget for all three caches,
+float32, fp8 and int8 (`kv_cache_dtype`), and that for each budget of `--kv-requests` (2, 4 and 8 of
+spread's longest requests in float32): the same bytes hold about 4x the tokens in 8 bits, so more
+requests run at once, which pays as long as memory was what limited the batch. Reported per budget:
+tokens/s, the blocks each pool has, the mean batch, preemptions, the KV waste (the share of the blocks'
+bytes, summed over the steps, that held no token: the last block's unfilled slots and, in 8 bits, the
+scales are not counted as waste), and the ratios to float32.
 
 What it is not: an accuracy figure (`python -m benchmarks.quality`), or a GPU's (on a GPU this
 room runs its reference: no GPU kernel is built).
@@ -106,13 +109,15 @@ def run_kv(path: str, requests: int, kv_requests: int, repeats: int, quick: bool
         for dt, llm in engines.items():
             e = llm.llm_engine
             e.step_log.clear()
-            preempted = e.stats.preemptions
+            preempted, used, reserved = e.stats.preemptions, e.stats.kv_used_sum, e.stats.kv_reserved_sum
             t0 = time.perf_counter()
             n = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, progress=False))
             best[dt] = max(best[dt], n / (time.perf_counter() - t0))
             batches = [len(r.request_ids) for r in e.step_log]
+            held = e.stats.kv_reserved_sum - reserved  # this run's blocks' bytes, summed over its steps
             shape[dt] = {"blocks": e.num_blocks, "mean_batch": sum(batches) / len(batches),
-                         "preemptions": e.stats.preemptions - preempted}  # fmt: skip
+                         "preemptions": e.stats.preemptions - preempted,
+                         "kv_waste": 1 - (e.stats.kv_used_sum - used) / held if held else 0.0}  # fmt: skip
     return {"workload": work.description, "kv_cache_memory": budget, "tokens_per_s": best,
             "over_float32": {dt: best[dt] / best["auto"] for dt in ("fp8", "int8")}, "pools": shape}  # fmt: skip
 
@@ -127,7 +132,8 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=positive_int, default=2, help="runs of each, the best kept (default 2)")
     p.add_argument("--quick", action="store_true", help="short requests (a smoke run)")
     p.add_argument("--kv", action="store_true", help="also the 8-bit KV cache on `spread` (the built-in model)")
-    p.add_argument("--kv-requests", type=positive_int, default=4, help="--kv: float32's budget holds this many (4)")
+    p.add_argument("--kv-requests", type=positive_int, nargs="+", default=[2, 4, 8],
+                   help="--kv: budgets, each holding this many of spread's longest requests in float32 (2 4 8)")
     p.add_argument("--spread-requests", type=positive_int, default=32, help="--kv: spread's requests (32)")
     p.add_argument("--out", default=None, help="where the JSON goes (default: the output folder)")
     args = p.parse_args(argv)
@@ -141,13 +147,16 @@ def main(argv=None) -> dict:
                           + ", ".join(f"{q} {t[q]:.1f} ({r['over_float32'][q]:.2f}x; packed kernel in "
                                       f"{r['kernels'][q]['packed_kernel']}/{r['kernels'][q]['projections']} projections)"
                                       for q in SETTINGS[1:]))  # fmt: skip
-        if args.kv:
-            r = result["kv"] = run_kv(str(resolve_path("tiny-shakespeare")), args.spread_requests, args.kv_requests,
-                                      args.repeats, args.quick)  # fmt: skip
+        for kv_requests in args.kv_requests if args.kv else ():
+            r = run_kv(str(resolve_path("tiny-shakespeare")), args.spread_requests, kv_requests, args.repeats,
+                       args.quick)  # fmt: skip
+            result.setdefault("kv", {})[kv_requests] = r
             console.print(f"KV cache, tiny-shakespeare, {r['workload']}, {r['kv_cache_memory']:,} bytes for every "
-                          "pool: " + ", ".join(f"{dt} {r['tokens_per_s'][dt]:.0f} tok/s ({r['pools'][dt]['blocks']} blocks, "
-                                               f"mean batch {r['pools'][dt]['mean_batch']:.1f}, "
-                                               f"{r['pools'][dt]['preemptions']} preemptions)" for dt in r["pools"])
+                          f"pool ({kv_requests} of its longest requests in float32): "
+                          + ", ".join(f"{dt} {r['tokens_per_s'][dt]:.0f} tok/s ({r['pools'][dt]['blocks']} blocks, "
+                                      f"mean batch {r['pools'][dt]['mean_batch']:.1f}, "
+                                      f"{r['pools'][dt]['preemptions']} preemptions, "
+                                      f"KV waste {r['pools'][dt]['kv_waste']:.1%})" for dt in r["pools"])
                           + f"; fp8 {r['over_float32']['fp8']:.2f}x, int8 {r['over_float32']['int8']:.2f}x float32")  # fmt: skip
     save_result(result, args.out, "quantization.json")
     return result

@@ -349,8 +349,13 @@ def test_the_quantization_benchmarks_run_and_report_what_ran(tmp_path, capsys):
     held out) and the agreement shares, which for float32 against itself would be 1 and are fractions here."""
     from benchmarks import quality, quantization
 
-    speed = quantization.main(["--models", "tiny", "--quick", "--requests", "1", "--repeats", "1",
-                               "--out", str(tmp_path / "q.json")])["models"]["tiny"]  # fmt: skip
+    ran = quantization.main(["--models", "tiny", "--quick", "--requests", "1", "--repeats", "1", "--kv",
+                             "--kv-requests", "2", "3", "--spread-requests", "4", "--out", str(tmp_path / "q.json")])
+    speed = ran["models"]["tiny"]
+    for budget in (2, 3):  # each budget's three pools: 4x the blocks in fp8, a little fewer in int8 (its scales)
+        pools = ran["kv"][budget]["pools"]
+        assert pools["fp8"]["blocks"] // 4 == pools["auto"]["blocks"] and pools["auto"]["blocks"] < pools["int8"]["blocks"] < pools["fp8"]["blocks"]
+        assert all(v > 0 for v in ran["kv"][budget]["tokens_per_s"].values())
     assert set(speed["tokens_per_s"]) == {"None", "int8", "int4"} and all(v > 0 for v in speed["tokens_per_s"].values())
     k8, k4 = speed["kernels"]["int8"], speed["kernels"]["int4"]
     assert (k8["projections"], k8["packed_kernel"]) == (42, 42)  # 6 layers x 7, every shape fits
