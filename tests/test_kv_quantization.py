@@ -110,7 +110,11 @@ class QuantizedKVOracle(Oracle):
             fmt = {"int8": Int8KV, "fp8": Fp8KV}[fmt_name]()
 
             def attention(module, query, key, value, *args, **kwargs):  # key, value [B, Hkv, T, D]
-                k, v = (round_trip(fmt, t.transpose(1, 2)[0]).transpose(0, 1)[None] for t in (key, value))
+                def rounded(t):  # each token and head of each row (a beam search's batch is its beams)
+                    b, h, n, d = t.shape
+                    return round_trip(fmt, t.transpose(1, 2).reshape(b * n, h, d)).reshape(b, n, h, d).transpose(1, 2)
+
+                k, v = rounded(key), rounded(value)
                 return sdpa_attention_forward(module, query, k, v, *args, **kwargs)
 
             AttentionInterface.register(f"ladder_{fmt_name}_kv", attention)
@@ -190,6 +194,22 @@ def test_level3_on_the_triton_kernel_gives_hf_greedy_tokens_through_the_same_rou
         for prompt, out in zip(prompts, llm.generate(prompts, params, progress=False)):
             assert out.outputs[0].token_ids == kv_oracle.greedy(path, fmt, prompt, 5)
     assert launches and set(launches) == {triton_attention.KV_QUANT[fmt]}, "every step read 8 bits in place"
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_beams_fork_and_copy_8_bit_blocks_with_their_scales(fmt, checkpoint_factory, kv_oracle):
+    """The fork: beam search on level 3 shares blocks between beams and copies a shared partial block before a beam
+    writes into it (copy-on-write); the copy is the block's bytes, int8's scales with them. Hugging Face's beams
+    through the same round trip, float64, blocks of 4 so beams fork inside blocks."""
+    from test_beam_search import MAX_TOKENS, check_against_hf, prompts_for
+
+    from level3_prefix import BeamSearchParams
+
+    path = checkpoint_factory("llama")
+    llm = level3_prefix.LLM(path, dtype="float64", block_size=4, kv_cache_dtype=fmt)
+    outs = llm.beam_search(prompts_for(), BeamSearchParams(beam_width=3, max_tokens=MAX_TOKENS))
+    check_against_hf(outs, kv_oracle.model((path, fmt)), prompts_for(), 3, MAX_TOKENS)
+    assert llm.llm_engine.kv.num_copied > 0  # beams forked inside partial blocks and copied them
 
 
 def test_level1_and_level3_agree_in_float32_with_batch_invariance(checkpoint_factory):
