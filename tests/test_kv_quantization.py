@@ -313,7 +313,9 @@ def test_the_compiled_kernel_widens_every_e4m3_byte_as_torch_does(dtype):
 def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
     """The CPU kernel's 8-bit entry points (scores times each key's scale, weights times each value's) against the
     torch backend over the dequantized copy: decodes and a 3-token chunk, GQA (4 query heads on 2), blocks out
-    of order, head_dim 16 and 20 (int8's slot then 24 bytes: its scale's bytes at an offset of 20)."""
+    of order, head_dim 16 and 20 (int8's slot then 24 bytes: its scale's bytes at an offset of 20); and in float32
+    and float64 bit for bit against the kernel's own float walk over the dequantized cache (a block widened in
+    place holds the very values the copy holds)."""
     from features.cpu_kernels import attention as cpu
 
     if not cpu.available():
@@ -334,3 +336,6 @@ def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
         fast, ref = in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
         tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
         assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
+        if dtype != torch.bfloat16:  # bit for bit: the same kernel's float walk over the dequantized cache
+            k, v = (f.dequantize(c, dtype, c).contiguous() for c in caches)
+            assert torch.equal(fast, cpu.paged_attention_cpu(q, k, v, *meta, 0.25)), (D, dtype)
