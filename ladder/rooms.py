@@ -146,9 +146,10 @@ def lora_books(model_config, dtype, max_loras: int, max_lora_rank: int, max_cpu_
     return load("lora").make_books(model_config, dtype, max_loras, max_lora_rank, max_cpu_loras)
 
 
-def lora_slots(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
-    """`enable_lora=True` on a rank (level 5) -> the room's slots, installed in its stage's layers."""
-    return load("lora").make_slots(model, max_loras, max_lora_rank, max_cpu_loras)
+def lora_slots(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, fully_sharded: bool = False):
+    """`enable_lora=True` on a rank (level 5) -> the room's slots, installed in its stage's layers (every adapter
+    sharded S-LoRA's way with `fully_sharded_loras`)."""
+    return load("lora").make_slots(model, max_loras, max_lora_rank, max_cpu_loras, fully_sharded)
 
 
 def quantization_methods() -> tuple[str, ...]:

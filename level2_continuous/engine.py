@@ -80,12 +80,14 @@ class ContinuousSchedulerConfig(SchedulerConfig):
 class LoRASettings(Part):
     """`enable_lora=True` (vLLM's names): adapters over the base model, mixed in one batch (the room
     features/lora); at most `max_loras` distinct adapters in a step, each of rank <= `max_lora_rank`,
-    `max_cpu_loras` kept in host memory (None: max_loras)."""
+    `max_cpu_loras` kept in host memory (None: max_loras). `fully_sharded_loras` shards every adapter over
+    level 5's tensor-parallel ranks S-LoRA's way (features/lora/sharded.py); a whole model has nothing to shard."""
 
     enable_lora: bool = False
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    fully_sharded_loras: bool = False
 
 
 @dataclass

@@ -129,6 +129,10 @@ class ParallelEngine(SpeculativeEngine):
                                      "inputs per rank, not a multiple of the group (128)")  # fmt: skip
         if self.config.lora.enable_lora and self.model_config.moe is not None:  # before the ranks find out
             raise ValueError("enable_lora with a mixture-of-experts model is not built (its experts' linears)")
+        lora = self.config.lora
+        if lora.enable_lora and lora.fully_sharded_loras and lora.max_lora_rank % self.tp:
+            raise ValueError(f"fully_sharded_loras: max_lora_rank={lora.max_lora_rank} must be a multiple of "
+                             f"tensor_parallel_size={self.tp} (each rank holds an equal share of every adapter's ranks)")  # fmt: skip
         if self.config.cache.kv_transfer_config is not None:
             raise ValueError("kv_transfer_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
                              "(each rank would need its own side of the connector)")  # fmt: skip

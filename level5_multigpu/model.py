@@ -112,7 +112,7 @@ class StageModel(Transformer):
             super().__init__(cfg)  # level 0's modules, allocated nowhere; replaced below
         topo, tp, r = comm.topo, comm.topo.tp, comm.topo.tp_rank
         k0, k1 = kv_heads_of_rank(cfg.num_kv_heads, tp, r)
-        self.full_config, self.topo = cfg, topo
+        self.full_config, self.topo, self.comm = cfg, topo, comm  # (the LoRA room's fully sharded split sends over comm)
         self.layer_ids = list(layers)  # the model's numbers of this stage's layers (an adapter names its layers so)
         self.config = replace(cfg, num_layers=len(layers), num_heads=cfg.num_heads // tp, num_kv_heads=k1 - k0)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage

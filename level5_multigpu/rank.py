@@ -67,7 +67,8 @@ class ParallelSpec:
     extra_bytes_rank0: int = 0  # the draft model's KV, which lives with the driver
     ranks_started_by: str = "mp"  # "mp" | "torchrun" | "ray"
     expert_parallel: bool = False  # MoE layers: whole experts per rank, tokens sent to them (features/moe)
-    lora: tuple[int, int, int] | None = None  # enable_lora: (max_loras, max_lora_rank, max_cpu_loras) (features/lora)
+    lora: tuple[int, int, int, bool] | None = None  # enable_lora: (max_loras, max_lora_rank, max_cpu_loras,
+    # fully_sharded_loras) (features/lora)
     quantization: str | None = None  # each rank's projections quantized after loading (features/quantization)
     kv_cache_dtype: str = "auto"  # each rank's cache in 8 bits (level 1's setting, the same room)
     calculate_kv_scales: bool = False
@@ -105,7 +106,8 @@ class ParallelSpec:
             extra_bytes_rank0=extra_bytes_rank0,
             ranks_started_by=par.distributed_executor_backend or "mp",
             expert_parallel=par.enable_expert_parallel,
-            lora=(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras) if lora.enable_lora else None,
+            lora=(lora.max_loras, lora.max_lora_rank, lora.max_cpu_loras, lora.fully_sharded_loras)
+            if lora.enable_lora else None,
             quantization=config.model.quantization,
             kv_cache_dtype=cache.kv_cache_dtype,
             calculate_kv_scales=cache.calculate_kv_scales,

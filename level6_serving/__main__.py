@@ -123,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
     a("--max-loras", type=positive_int, default=1, help="adapters one step may run, each in a device slot (default 1)")
     a("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served (default 16)")
     a("--max-cpu-loras", type=positive_int, default=None, help="adapters kept in host memory (default: --max-loras)")
+    a("--fully-sharded-loras", action="store_true", help="with --tensor-parallel-size: every adapter sharded over the "
+      "ranks S-LoRA's way, for two small messages per layer more (features/lora/sharded.py)")
     a("--quantization", default=None, choices=["int8", "int4"], help="the projections' weights in 8 or 4 bits "
       "(docs/quantization.md)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the KV cache in 8 bits (default auto: "
@@ -236,7 +238,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
               kv_cache_dtype=args.kv_cache_dtype)  # fmt: skip
     known = EngineConfig.setting_names(LLMEngine.config_parts)
     for flag in ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend",
-                 "enable_expert_parallel"):  # passed through once the engine has them  # fmt: skip
+                 "enable_expert_parallel", "fully_sharded_loras"):  # passed through once the engine has them  # fmt: skip
         if flag in known:
             kw[flag] = getattr(args, flag)
     return kw

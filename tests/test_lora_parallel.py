@@ -9,7 +9,11 @@ with no message more than the base model's.
   - the engine: tp 2 (one KV head, replicated) and tp 2 x pp 2 (QKV biases, tied embeddings), three
     adapters and the base model mixed, two slots (so slots are reused), float64: PEFT's tokens; the
     messages by kind are the same count as the same batch without adapters (the delta rides the base's
-    all-reduce).
+    all-reduce);
+  - S-LoRA's split (`fully_sharded_loras=True`): each rank's share (R/tp of a column layer's ranks, a row
+    layer's outputs) put together is the adapter; over tp 2, PEFT's tokens for exactly two all-gathers and
+    two all-reduces more per layer and step; a rank tp cannot split is a one-line error, and the server's
+    flag reaches the engine.
 """
 
 from __future__ import annotations
@@ -150,3 +154,86 @@ def test_over_a_pipeline_no_rank_reads_a_file_and_no_micro_batch_takes_anothers_
     for i, (prompt, lora) in enumerate(zip(prompts, loras)):
         path = pool[0].lora_path if lora is copy else lora.lora_path
         assert outs[str(i)].outputs[0].token_ids == peft_oracle.greedy(base, path, prompt, 6)
+
+
+# --- S-LoRA's split: fully_sharded_loras=True ------------------------------------------------------------------
+@pytest.mark.parametrize("arch,tp", [("llama3", 2), ("qwen2", 2), ("llama", 4)])
+def test_fully_sharded_ranks_hold_a_tp_th_of_each_adapter_and_together_all_of_it(  # noqa: F811
+    arch, tp, checkpoint_factory, adapters  # noqa: F811
+):
+    """S-LoRA's split (sharded.py): a column layer's A holds R/tp of each piece's ranks (rank t: [t*R/tp,
+    (t+1)*R/tp)), a row layer's B only the rank's outputs; put back together over the ranks, every projection's
+    A and B are the adapter's, and no rank holds more than its share."""
+    path, R, slot = checkpoint_factory(arch), 8, 0
+    cfg = load_metadata(path).config
+    Rl = R // tp
+    for request in adapters(arch):
+        adapter = load_adapter(request, cfg, R, torch.float64)
+        r = adapter.rank
+        got = {(i, m): (torch.full((r, n_in), torch.nan, dtype=torch.float64),
+                        torch.full((n_out, r), torch.nan, dtype=torch.float64))
+               for i in range(cfg.num_layers) for m, (n_in, n_out) in shapes(cfg).items()}  # fmt: skip
+        for t in range(tp):
+            stage = StageModel(cfg, ShardReader(path, torch.float64, "cpu"), NoComm(Topology(tp, 1, t)),
+                               range(cfg.num_layers))  # fmt: skip
+            slots = LoRASlots(stage, LoRAConfig(max_loras=1, max_lora_rank=R),
+                              targets=stage_targets(stage, fully_sharded=True, max_lora_rank=R))  # fmt: skip
+            slots.load(slot, adapter)
+            for (layer, module), (key, j, at, piece) in slots.where.items():
+                (c0, c1), (o0, o1) = piece.cols, piece.rows
+                A_full, B_full = got[layer, module]
+                target = slots.targets[key]
+                if target.by_ranks is not None:  # column layer: this rank's share of the ranks, whole B rows here
+                    assert slots.A[key].shape[1] == len(target.pieces) * Rl
+                    lo, hi = t * Rl, min((t + 1) * Rl, r)
+                    if lo < hi:
+                        put_back(A_full, slots.A[key][slot, j * Rl : j * Rl + hi - lo], (slice(lo, hi), slice(c0, c1)),
+                                 f"{module} A")  # fmt: skip
+                else:  # row layer: whole ranks of its columns, B only its outputs
+                    assert target.by_outputs is not None and o1 - o0 < cfg.hidden_size
+                    put_back(A_full, slots.A[key][slot, j * R : j * R + r], (slice(None), slice(c0, c1)), f"{module} A")
+                put_back(B_full, slots.B[key][slot, at : at + o1 - o0, j * R : j * R + r], slice(o0, o1), f"{module} B")
+        for (layer, module), (A_got, B_got) in got.items():
+            assert not A_got.isnan().any() and not B_got.isnan().any(), f"no rank holds part of {module} {layer}"
+            a, b = adapter.weights.get((layer, module), (torch.zeros_like(A_got), torch.zeros_like(B_got)))
+            assert torch.equal(A_got, a) and torch.equal(B_got, b), (request.lora_name, layer, module)
+
+
+def test_fully_sharded_adapters_give_peft_greedy_tokens_for_four_small_messages_a_layer(  # noqa: F811
+    checkpoint_factory, adapters, peft_oracle  # noqa: F811
+):
+    """tp 2 (one KV head, replicated), S-LoRA's split: PEFT's tokens for three adapters and the base model mixed
+    over two slots; against the same batch on the base model, each step sends exactly two all-gathers (the column
+    layers' shrinks) and two all-reduces (the row layers') more per layer, and nothing else."""
+    base, pool = checkpoint_factory("llama3"), adapters("llama3")
+    loras = [pool[0], pool[1], None, pool[2], pool[0], None, pool[1]]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(3, 9))] for _ in loras]
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    layers = load_metadata(base).config.num_layers
+    with LLM(base, dtype="float64", tensor_parallel_size=2, enable_lora=True, max_loras=2, max_lora_rank=8,
+             fully_sharded_loras=True, distributed_timeout_s=100) as llm:  # fmt: skip
+        outs = llm.generate(prompts, params, lora_request=loras, progress=False)
+        for prompt, lora, out in zip(prompts, loras, outs):
+            assert out.outputs[0].token_ids == peft_oracle.greedy(base, lora and lora.lora_path, prompt, 5), lora
+        calls, steps = [], []
+        for two in ([pool[0], pool[1], None] * 3)[: len(prompts)], None:
+            before, n = calls_by_kind(llm), len(llm.llm_engine.step_log)
+            llm.generate(prompts, params, lora_request=two, progress=False)
+            calls.append({k: c - before.get(k, 0) for k, c in calls_by_kind(llm).items()})
+            steps.append(len(llm.llm_engine.step_log) - n)
+    assert steps[0] == steps[1] > 0
+    more = {k: calls[0].get(k, 0) - calls[1].get(k, 0) for k in calls[0].keys() | calls[1].keys()}
+    assert {k: n for k, n in more.items() if n} == {"all_gather": 2 * layers * steps[0],
+                                                    "lora_all_reduce": 2 * layers * steps[0]}, more  # fmt: skip
+
+
+def test_fully_sharded_needs_a_rank_the_ranks_can_split(checkpoint_factory):
+    from level6_serving.__main__ import engine_kwargs, parse_args
+
+    flags = ["--model", "tiny-shakespeare", "--enable-lora", "--tensor-parallel-size", "2", "--fully-sharded-loras"]
+    assert engine_kwargs(parse_args(flags))["fully_sharded_loras"] is True
+    assert engine_kwargs(parse_args(flags[:-1]))["fully_sharded_loras"] is False
+    with pytest.raises(ValueError, match=r"fully_sharded_loras: max_lora_rank=6 must be a multiple of tensor_parallel_size=4"):
+        LLM(checkpoint_factory("llama"), dtype="float64", tensor_parallel_size=4, enable_lora=True, max_lora_rank=6,
+            fully_sharded_loras=True)  # fmt: skip

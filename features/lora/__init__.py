@@ -47,11 +47,13 @@ def make_books(model_config, dtype, max_loras: int, max_lora_rank: int, max_cpu_
     return LoRAManager(model_config, LoRAConfig(max_loras, max_lora_rank, max_cpu_loras), dtype)
 
 
-def make_slots(stage, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None):
-    """A rank's slots, installed in its stage's fused, sharded layers (level 5)."""
+def make_slots(stage, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, fully_sharded: bool = False):
+    """A rank's slots, installed in its stage's fused, sharded layers (level 5): vLLM's default split, or
+    S-LoRA's (`fully_sharded`: sharded.py)."""
     from .sharded import stage_targets  # (imports level 5's layers: only where there are ranks)
 
-    return LoRASlots(stage, LoRAConfig(max_loras, max_lora_rank, max_cpu_loras), targets=stage_targets(stage))
+    config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras)
+    return LoRASlots(stage, config, targets=stage_targets(stage, fully_sharded, max_lora_rank))
 
 
 __all__ = ["LoRAConfig", "LoRARequest", "LoRAManager", "LoRASlots", "LoRAStep", "make_manager", "make_books", "make_slots", "delta_gathered", "delta_loop", "delta_segmented",

@@ -69,6 +69,17 @@ class Piece:
 
 
 @dataclass(frozen=True)
+class Shard:
+    """S-LoRA's split of one layer's slots over the tensor-parallel ranks (sharded.py): this rank, of how many,
+    and the ranks (LoRA's) of each piece it holds (column layers; 0 for a row layer's, split by outputs)."""
+
+    comm: object  # level 5's Comm: the all-gather and all-reduce of the shrink
+    rank: int
+    size: int
+    lora_ranks: int = 0  # R / tp
+
+
+@dataclass(frozen=True)
 class Target:
     """An adapted layer: where it sits in the model, the pieces it computes, and whether it is row-parallel."""
 
@@ -76,6 +87,8 @@ class Target:
     name: str  # its attribute there
     pieces: tuple[Piece, ...]
     row_parallel: bool = False  # its output is this rank's partial sum, all-reduced after the delta joins it
+    by_ranks: Shard | None = None  # S-LoRA's column layer: A holds this rank's share of each piece's ranks
+    by_outputs: Shard | None = None  # S-LoRA's row layer: B holds this rank's outputs (its piece's rows)
 
 
 def whole_targets(model) -> dict[tuple[int, str], Target]:
@@ -113,16 +126,18 @@ class LoRASlots:
         self.dtype, self.device = p.dtype, p.device
         targets = whole_targets(model) if targets is None else targets
         S, R = config.max_loras, config.max_lora_rank
-        self.A, self.B = {}, {}  # key -> [S, P*R, in], [S, out, P*R]
+        self.targets = targets
+        self.A, self.B = {}, {}  # key -> [S, P*R, in], [S, out, P*R] (S-LoRA's column layer: A [S, P*R/tp, in])
         self.flat = {}  # key -> views [in, S*P*R] of A and [S*P*R, out] of B: the stacked path's operands
         self.where = {}  # (layer, module) of the base model -> (key, piece number, first output row) here
         for key, t in targets.items():
             n_in = t.pieces[0].cols[1] - t.pieces[0].cols[0]
             n_out, W = sum(p.rows[1] - p.rows[0] for p in t.pieces), len(t.pieces) * R
-            self.A[key] = torch.zeros(S, W, n_in, dtype=self.dtype, device=self.device)
+            Wa = len(t.pieces) * t.by_ranks.lora_ranks if t.by_ranks else W  # A's rows here
+            self.A[key] = torch.zeros(S, Wa, n_in, dtype=self.dtype, device=self.device)
             B_flat = torch.zeros(n_out, S * W, dtype=self.dtype, device=self.device)  # B's storage
             self.B[key] = B_flat.view(n_out, S, W).permute(1, 0, 2)  # a view of it: [S, out, W]
-            self.flat[key] = (self.A[key].view(S * W, n_in).T, B_flat.T)  # views: a slot's load shows in them
+            self.flat[key] = (self.A[key].view(S * Wa, n_in).T, B_flat.T)  # views: a slot's load shows in them
             at = 0
             for j, piece in enumerate(t.pieces):
                 self.where[key[0], piece.module] = (key, j, at, piece)
@@ -145,12 +160,30 @@ class LoRASlots:
         projection), and the expand added to y in the same call (addmm)."""
         if self.path == "stacked":
             A_flat, B_flat = self.flat[key]  # [in, S*W], [S*W, out]
-            return torch.addmm(
-                y, (x @ A_flat).mul_(self.keep[self.A[key].shape[1]]), B_flat
-            )  # [T, S*W] -> y + [T, out]
+            shrunk = (x @ A_flat).mul_(self.keep[self.A[key].shape[1]])  # [T, S*W]
+            t = self.targets[key]
+            if t.by_ranks is not None or t.by_outputs is not None:
+                return self._add_sharded(t, shrunk, B_flat, y)
+            return torch.addmm(y, shrunk, B_flat)  # y + [T, out]
         if self.path == "segmented":  # its segments made once for the step, the delta added into y
             return delta_segmented(x, self.A[key], self.B[key], self.scale, self.mapping, self.segs, out=y)
         return y + DELTAS[self.path](x, self.A[key], self.B[key], self.scale, self.mapping).to(y.dtype)
+
+    def _add_sharded(self, t: Target, shrunk: torch.Tensor, B_flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """S-LoRA's split (sharded.py): a column layer's shrink [T, S*P*R/tp] gathered from every rank into
+        [T, S*P*R], its ranks in their places; a row layer's partial shrink [T, S*P*R] summed over the ranks and
+        expanded into this rank's outputs, its slice of the partial output y."""
+        if t.by_ranks is not None:
+            sh, T = t.by_ranks, shrunk.shape[0]
+            parts = sh.comm.all_gather_rows(shrunk[None], [1] * sh.size)  # [tp, T, S*P*Rl]
+            S, P = self.config.max_loras, len(t.pieces)
+            # rank q's part holds ranks [q*Rl, (q+1)*Rl) of every slot's every piece: put them side by side
+            full = parts.view(sh.size, T, S, P, sh.lora_ranks).permute(1, 2, 3, 0, 4).reshape(T, -1)  # [T, S*P*R]
+            return torch.addmm(y, full, B_flat)
+        shrunk = t.by_outputs.comm.all_reduce(shrunk, kind="lora_all_reduce")  # [T, S*W], the whole shrink
+        o0, o1 = t.pieces[0].rows
+        y[:, o0:o1].addmm_(shrunk, B_flat)  # this rank's outputs; the layer's all-reduce adds the others'
+        return y
 
     @property
     def path(self) -> str:
@@ -162,6 +195,9 @@ class LoRASlots:
         kernel can launch on (a CPU without Triton's interpreter)."""
         if path not in DELTAS:
             raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
+        if path != "stacked" and any(t.by_ranks or t.by_outputs for t in self.targets.values()):
+            raise ValueError(f"LoRA path {path!r} with fully_sharded_loras: only the stacked path splits its shrink "
+                             "from its expand for the messages between them")  # fmt: skip
         if path == "triton" and self.device.type != "cuda":
             from . import triton_ops
 
@@ -200,7 +236,13 @@ class LoRASlots:
                 continue  # a layer of another pipeline stage
             key, j, at, piece = self.where[layer, module]
             (c0, c1), (o0, o1), r = piece.cols, piece.rows, adapter.rank
-            self.A[key][slot, j * R : j * R + r].copy_(a[:, c0:c1])  # [r, in here] into piece j's ranks
+            sh = self.targets[key].by_ranks
+            if sh is not None:  # S-LoRA's column layer: this rank's share of the ranks, [q*Rl, (q+1)*Rl)
+                Rl = sh.lora_ranks
+                mine = a[sh.rank * Rl : min((sh.rank + 1) * Rl, r), c0:c1]  # [<= Rl, in] (none past the rank r)
+                self.A[key][slot, j * Rl : j * Rl + mine.shape[0]].copy_(mine)
+            else:
+                self.A[key][slot, j * R : j * R + r].copy_(a[:, c0:c1])  # [r, in here] into piece j's ranks
             self.B[key][slot, at : at + o1 - o0, j * R : j * R + r].copy_(b[o0:o1])  # its rows, its ranks
         self.scale[slot] = adapter.scale
 
@@ -214,4 +256,4 @@ class LoRASlots:
         self.set_mapping(step.mapping)
 
 
-__all__ = ["LoRASlots", "LoRAStep", "Piece", "Target", "DELTAS", "whole_targets"]
+__all__ = ["LoRASlots", "LoRAStep", "Piece", "Shard", "Target", "DELTAS", "whole_targets"]
