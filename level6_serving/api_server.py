@@ -300,7 +300,9 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
             raise APIError(400, f"the body must be a JSON object with {' and '.join(keys)} (strings)", keys[0])
         return body
 
-    @app.post("/v1/load_lora_adapter", include_in_schema=False)
+    has_lora = getattr(engine.engine, "lora", None) is not None  # (the LoRA routes are documented only then)
+
+    @app.post("/v1/load_lora_adapter", include_in_schema=has_lora, openapi_extra=openapi.lora_route("LoadLoRAAdapterRequest"))
     async def load_lora_adapter(raw: Request):
         """vLLM's: {"lora_name", "lora_path"} -> the adapter, read and checked now, served under its name."""
         body = await lora_body(raw, "lora_name", "lora_path")
@@ -318,7 +320,8 @@ def build_app(engine: AsyncLLMEngine, served_model_names: list[str], *, api_key:
         serving.loras[name] = lora
         return Response(f"Success: LoRA adapter '{name}' added successfully.", media_type="text/plain")
 
-    @app.post("/v1/unload_lora_adapter", include_in_schema=False)
+    @app.post("/v1/unload_lora_adapter", include_in_schema=has_lora,
+              openapi_extra=openapi.lora_route("UnloadLoRAAdapterRequest"))  # fmt: skip
     async def unload_lora_adapter(raw: Request):
         """vLLM's: {"lora_name"} -> no longer served (requests already running on it finish)."""
         name = (await lora_body(raw, "lora_name"))["lora_name"]

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from fastapi.openapi.utils import get_openapi
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from . import protocol
 
@@ -120,6 +120,19 @@ class Version(BaseModel):
     version: str
 
 
+class LoadLoRAAdapterRequest(BaseModel):
+    """vLLM's /v1/load_lora_adapter body: the name clients will put in `model`, and the PEFT folder."""
+
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    lora_name: str = Field(min_length=1)
+
+
 class ErrorBody(BaseModel):
     message: str
     type: Literal["invalid_request_error", "server_error"]
@@ -133,7 +146,8 @@ class ErrorResponse(BaseModel):
 
 MODELS = [protocol.CompletionRequest, protocol.ChatCompletionRequest, protocol.TokenizeRequest,
           protocol.DetokenizeRequest, CompletionResponse, ChatCompletionResponse, TokenizeResponse,
-          DetokenizeResponse, ModelList, Version, ErrorResponse, TokenizerInfo]  # fmt: skip
+          DetokenizeResponse, ModelList, Version, ErrorResponse, TokenizerInfo, LoadLoRAAdapterRequest,
+          UnloadLoRAAdapterRequest]  # fmt: skip
 
 ERRORS = {
     "400": "a malformed or unsupported request (the error names the field)",
@@ -163,6 +177,17 @@ def body(request: str, response: str, stream: bool = False) -> dict:
                                          "schema states, with one of the codes in x-refusals")  # fmt: skip
     return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
             "responses": {"200": {"description": "OK", "content": ok}, **errors}}  # fmt: skip
+
+
+def lora_route(request: str) -> dict:
+    """The LoRA routes' `openapi_extra` (vLLM's endpoints, in the document only where the server has LoRA): a
+    JSON body, a plain-text success, and the errors the handlers give."""
+    errors = {"400": "no LoRA on this server, a malformed body, a name already served, or a bad adapter",
+              "401": ERRORS["401"], "404": "unload: no adapter of that name is served"}  # fmt: skip
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": ref(request)}}},
+            "responses": {"200": {"description": "OK", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                          **{code: {"description": why, "content": {"application/json": {"schema": ref("ErrorResponse")}}}
+                             for code, why in errors.items()}}}  # fmt: skip
 
 
 def answer(response: str) -> dict:

@@ -74,3 +74,17 @@ def test_adapters_load_and_unload_at_run_time_and_a_bad_one_is_a_400(lora_server
     gone = httpx.post(url + "/v1/completions", json={**body, "model": "late"}, timeout=60)
     assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found"
     assert httpx.post(url + "/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 404
+
+
+def test_the_lora_routes_are_in_the_openapi_document_where_the_server_has_lora(lora_server, ckpt):
+    """vLLM documents /v1/load_lora_adapter and /v1/unload_lora_adapter; here they are in /openapi.json with their
+    bodies where LoRA is on, and absent where it is not (they could only answer 400 there)."""
+    doc = httpx.get(lora_server.url + "/openapi.json").json()
+    for path, body in (("/v1/load_lora_adapter", "LoadLoRAAdapterRequest"),
+                       ("/v1/unload_lora_adapter", "UnloadLoRAAdapterRequest")):  # fmt: skip
+        op = doc["paths"][path]["post"]
+        assert op["requestBody"]["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{body}"}
+        assert "text/plain" in op["responses"]["200"]["content"]
+    assert doc["components"]["schemas"]["LoadLoRAAdapterRequest"]["required"] == ["lora_name", "lora_path"]
+    with serve(ckpt, ENGINE) as plain:
+        assert not {"/v1/load_lora_adapter", "/v1/unload_lora_adapter"} & httpx.get(plain.url + "/openapi.json").json()["paths"].keys()
