@@ -155,7 +155,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B+1] int32
     scale_ptr,  # [1] in the accumulation dtype (a float arg would be fp32)
     k_scale_ptr,  # [1] as scale_ptr: an fp8 cache's K scale (KV_QUANT 1; unread otherwise)
-    v_scale_ptr,  # [1] float32: its V scale
+    v_scale_ptr,  # [1] as scale_ptr: its V scale
     num_seqs,
     stride_q_tok,
     stride_q_head,
@@ -290,7 +290,9 @@ def _kernel_constexprs(
         BLOCK_M=block_m,
         ACC_DTYPE=tl.float64 if fp64 else tl.float32,
         # fp16/bf16 values upcast to fp32 fit tf32 exactly (10-bit mantissa),
-        # so tensor cores lose nothing on Q.K; fp32 and fp64 inputs need IEEE.
+        # so tensor cores lose nothing on Q.K; fp32 and fp64 inputs need IEEE. (An
+        # 8-bit cache's values times their float32 scale do not fit tf32 exactly: its
+        # rounding, before tl.dot, is still finer than bf16's copy of the same values.)
         DOT_PRECISION="ieee" if dtype in (torch.float32, torch.float64) else "tf32",
         KV_QUANT=kv_quant,
     )
@@ -343,7 +345,11 @@ def _launch(
             f"{torch.cuda.get_device_name(q.device)}); use kv_cache_dtype='int8'"
         )
     scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32, device=q.device)
-    kv_scales = torch.tensor([k_scale, v_scale], dtype=scale_t.dtype, device=q.device)  # [2]: fp8's K and V scales
+    # fp8's K and V scales, each [1] (torch.full: filled on the device, no copy from the host, so no wait for it)
+    k_scale_t, v_scale_t = (
+        (torch.full((1,), s, dtype=scale_t.dtype, device=q.device) for s in (k_scale, v_scale))
+        if kv_quant == 1 else (scale_t, scale_t)
+    )  # fmt: skip
     grid = (num_tokens // meta["BLOCK_Q"] + num_seqs, num_kv_heads)
     with _on_device_of(q):
         _paged_attention_kernel[grid](
@@ -355,8 +361,8 @@ def _launch(
             seq_lens,
             query_start_loc,
             scale_t,
-            kv_scales[0:1],
-            kv_scales[1:2],
+            k_scale_t,
+            v_scale_t,
             num_seqs,
             q.stride(0),
             q.stride(1),
@@ -398,8 +404,14 @@ def paged_attention_triton_8bit(
     return _launch(q, k, v, query_start_loc, seq_lens, block_tables, scale, 32, KV_QUANT[kind], k_scale, v_scale)
 
 
+def reads_in_place(q: torch.Tensor, kind: str) -> bool:
+    """Whether paged_attention_triton_8bit takes this step: any dtype, but fp8 only where Triton converts e4m3
+    (an A100 does not: there an fp8 cache goes through the dequantized copy, features/quantization/kv.py)."""
+    return kind != "fp8" or not q.is_cuda or torch.cuda.get_device_capability(q.device) >= FP8_CAPABILITY
+
+
 paged_attention_triton.quantized = paged_attention_triton_8bit  # what an 8-bit cache's reader asks for (duck-typed)
-paged_attention_triton_8bit.dtypes = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+paged_attention_triton_8bit.accepts = reads_in_place
 
 
 @triton.jit

@@ -124,7 +124,7 @@ def parser() -> argparse.ArgumentParser:
     a("--max-lora-rank", type=positive_int, default=16, help="the highest adapter rank served (default 16)")
     a("--max-cpu-loras", type=positive_int, default=None, help="adapters kept in host memory (default: --max-loras)")
     a("--fully-sharded-loras", action="store_true", help="with --tensor-parallel-size: every adapter sharded over the "
-      "ranks S-LoRA's way, for two small messages per layer more (features/lora/sharded.py)")
+      "ranks S-LoRA's way, for four small messages per layer more (features/lora/sharded.py)")
     a("--quantization", default=None, choices=["int8", "int4"], help="the projections' weights in 8 or 4 bits "
       "(docs/quantization.md)")
     a("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "int8"], help="the KV cache in 8 bits (default auto: "

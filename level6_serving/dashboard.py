@@ -66,6 +66,8 @@ from fastapi import FastAPI
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from level0_naive.kv_cache import kv_bytes_per_token
+from level1_paged.block_table import blocks_in_budget
 from level2_continuous.observers import KVSnapshot, snapshot
 
 HZ = 5.0  # frames a second at most
@@ -356,9 +358,14 @@ def kv_format_info(engine) -> dict:
     name = getattr(engine.config.cache, "kv_cache_dtype", "auto")
     if name == "auto" or not hasattr(engine, "model_config"):  # (the simulator's engines model no format)
         return {"kv_cache_dtype": model_dtype or name, "model_dtype": model_dtype, "blocks_in_model_dtype": engine.num_blocks}
-    d = engine.model_config.head_dim
-    plain = d * engine.dtype.itemsize  # [bytes] one head's slot in the model's dtype
-    blocks = engine.num_blocks * engine.config.cache.kv_head_bytes(d) // plain
+    cfg, bs = engine.model_config, engine.config.cache.block_size
+    here = kv_bytes_per_token(cfg, engine.dtype, head_bytes=engine.config.cache.kv_head_bytes(cfg.head_dim))
+    plain = engine.bytes_per_token - here + kv_bytes_per_token(cfg, engine.dtype)  # (a draft's cache stays as it is)
+    budget = getattr(engine, "kv_budget", None)
+    if budget is not None and blocks_in_budget(budget, bs, engine.bytes_per_token) == engine.num_blocks:
+        blocks = blocks_in_budget(budget, bs, plain)  # what the engine would have made of the same bytes
+    else:  # (level 5's ranks size their own pools: the ratio of the slots, rounded down)
+        blocks = engine.num_blocks * here // plain
     return {"kv_cache_dtype": name, "model_dtype": model_dtype, "blocks_in_model_dtype": blocks}
 
 

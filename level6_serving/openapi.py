@@ -121,15 +121,14 @@ class Version(BaseModel):
 
 
 class LoadLoRAAdapterRequest(BaseModel):
-    """vLLM's /v1/load_lora_adapter body: the name clients will put in `model`, and the PEFT folder."""
+    """vLLM's /v1/load_lora_adapter body: the name clients will put in `model`, and the PEFT folder (other
+    keys are ignored, as the handler ignores them)."""
 
-    model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
 
 
 class UnloadLoRAAdapterRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
     lora_name: str = Field(min_length=1)
 
 

@@ -124,6 +124,8 @@ def test_the_launch_refuses_an_fp8_cache_on_a_gpu_before_sm89(monkeypatch):
                               torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
         with pytest.raises(RuntimeError, match=r"fp8 KV cache .* compute capability >= 8\.9 .*kv_cache_dtype='int8'"):
             ta.paged_attention_triton_8bit(q, k_cache, v_cache, *meta, 0.25, "fp8")
+        # the cache's reader does not ask it there (features/quantization/kv.py then reads through the copy)
+        assert not ta.reads_in_place(q, "fp8") and ta.reads_in_place(q, "int8")
 
 
 def test_an_oversized_tile_is_reported_over_the_limit(results):

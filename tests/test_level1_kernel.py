@@ -551,8 +551,8 @@ def test_triton_native_gpu(dtype, block_size):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_8bit_kv_native_gpu(fmt, dtype):
     """The kernel over an 8-bit cache (KV_QUANT), compiled for real, against the torch attention over the
-    dequantized copy (tests/test_kv_quantization.py does the same under the interpreter); fp8 before sm_89 is
-    refused in one line."""
+    dequantized copy (tests/test_kv_quantization.py does the same under the interpreter); before sm_89 the
+    kernel refuses fp8 in one line, and the cache's reader goes through the copy instead."""
     from features.quantization import kv_format
     from level1_paged.attention_ref import paged_attention_torch
 
@@ -566,8 +566,11 @@ def test_triton_8bit_kv_native_gpu(fmt, dtype):
     k, v = (c.nan_to_num(0.0).view(n * bs, h, d) for c in (k_cache, v_cache))  # (unowned slots: NaN, never read)
     write(k, v, *caches, torch.arange(n * bs, device="cuda"))
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        from level1_paged.triton_attention import paged_attention_triton_8bit
+
         with pytest.raises(RuntimeError, match="compute capability >= 8.9"):
-            in_place(q, *caches, *meta, scale)
+            paged_attention_triton_8bit(q, *caches, *meta, scale, "fp8")
+        assert torch.equal(in_place(q, *caches, *meta, scale), copied(q, *caches, *meta, scale))
         return
     out = in_place(q, *caches, *meta, scale)
     torch.cuda.synchronize()

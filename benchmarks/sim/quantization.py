@@ -16,7 +16,8 @@ does (level 1's setting).
 
 What it is not: a measured GPU. The kernels that would read 4-bit weights and fp8 KV are assumed to
 run at the memory's bandwidth, as the bf16 ones are (vLLM's Marlin and FlashAttention-3 fp8 get close
-on an H100; the ladder has no GPU kernel for either: docs/quantization.md).
+on an H100; the ladder's Triton kernel reads an 8-bit cache but has never run on a GPU, and it has no
+GPU kernel for 4-bit weights: docs/quantization.md).
 
 Reference: vLLM docs, "Quantized KV Cache" (fp8: "more tokens in the cache, improving throughput");
 gpt-fast's int4 figures; Frantar et al., "MARLIN" (2024).

@@ -198,7 +198,7 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
 
 
 paged_attention_cpu.quantized = paged_attention_cpu_8bit  # what an 8-bit cache's reader asks for (duck-typed)
-paged_attention_cpu_8bit.dtypes = (torch.float32, torch.float64, torch.bfloat16)  # its entry points
+paged_attention_cpu_8bit.accepts = lambda q, kind: q.dtype in (torch.float32, torch.float64, torch.bfloat16)  # its entry points
 
 
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:

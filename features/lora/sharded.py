@@ -22,15 +22,18 @@ rows of B_k and B_v are on every rank that holds it.
 rank holds 1/tp of every adapter:
 
     layer             A (shrink)                       B (expand)            messages, per layer and step
-    qkv, gate_up      this rank's share of the ranks   this rank's rows      an all-gather of the shrink [T, R]
-    o, down           this rank's columns              this rank's outputs   an all-reduce of the shrink [T, R]
+    qkv, gate_up      this rank's share of the ranks   this rank's rows      an all-gather of the shrink
+    o, down           this rank's columns              this rank's outputs   an all-reduce of the shrink
+
+The stacked delta shrinks every slot at once (S of them, each a fused layer's P pieces), so a rank's
+shrink is [T, S*P*R/tp] for a column layer (gathered to [T, S*P*R]) and [T, S*R] for a row layer.
 
 A column layer's shrink gives each rank R/tp of each piece's R columns; the all-gather puts them side by
 side (ranks in order), and the rank's rows of B expand them. A row layer's shrink is a partial sum over
-the input's columns, like its output; the all-reduce completes it (R numbers a row, not out), and each
+the input's columns, like its output; the all-reduce completes it (S*R numbers a row, not out), and each
 rank expands its own outputs only, added into its slice of the partial output before the layer's
 all-reduce, which adds the zero the other ranks put there. So four more messages a layer in every step
-that runs an adapter, each R numbers a row; where a message costs 1-3 ms (gloo, this CPU) they cost more
+that runs an adapter, each S*P*R numbers a row at most; where a message costs 1-3 ms (gloo, this CPU) they cost more
 than the memory saves (a rank-8 adapter of the built-in model is 0.55 MB): docs/lora.md compares the two.
 Only the stacked delta takes this split (slots.py says which path refuses).
 

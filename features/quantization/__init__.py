@@ -18,10 +18,10 @@ gpt-fast's weight-only ones), in small files:
 The seam: level 0's engine asks ladder/rooms.py for the ops and, after loading, for the quantized
 model; level 5's ranks quantize their shards the same way. A level never imports this room.
 
-What it is not (yet; issue 55): a GPU kernel for either half (Triton's attention reads a dequantized copy
-of the 8-bit cache, where the compiled CPU kernel reads its bytes in place; on CUDA both weight formats
-run the reference), AWQ or GPTQ checkpoints, a lab step. The simulator's dtypes are
-benchmarks/sim/quantization.py's.
+What it is not (yet; issue 55): a GPU kernel for the weights (on CUDA both weight formats run the
+reference; the 8-bit KV cache is read in place by level 1's Triton kernel and the compiled CPU kernel),
+a quantizing cache write in a kernel, AWQ or GPTQ checkpoints. The simulator's dtypes are
+benchmarks/sim/quantization.py's; lab 1d has students write the int8 cache's write and read.
 
 Reference: gpt-fast `quantize.py`; vLLM `model_executor/layers/quantization/` (a `LinearMethodBase` per
 method: `create_weights`, `apply`).

@@ -18,8 +18,8 @@ The cache is bytes (uint8) either way; the write quantizes the step's new K and 
 (`write_kv`). The attention (`attend`) reads them one of two ways:
 
     in place           a backend that reads 8 bits itself (its attend function has a `quantized`
-                       twin, with the `dtypes` it takes: the compiled CPU kernel, features/cpu_kernels,
-                       and level 1's Triton kernel) gets the bytes and scales
+                       twin, and its `accepts(q, kind)` says it takes this step: the compiled CPU kernel,
+                       features/cpu_kernels, and level 1's Triton kernel) gets the bytes and scales
     dequantized copy   any other (torch, ref): the blocks the step's block tables name are
                        dequantized in the model's dtype, the tables renumbered to the copy, and the
                        backend's own attention runs over it
@@ -71,7 +71,7 @@ class KVFormat:
         in_place = getattr(attend, "quantized", None)  # a backend that reads 8 bits itself (the compiled CPU kernel)
 
         def attend_quantized(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale):
-            if in_place is not None and q.dtype in in_place.dtypes:
+            if in_place is not None and in_place.accepts(q, self.name):
                 ks, vs = (self.scale(k_cache), self.scale(v_cache)) if self.name == "fp8" else (1.0, 1.0)
                 return in_place(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, self.name, ks, vs)
             used, tables = torch.unique(block_tables, return_inverse=True)  # [U]; tables: indices into used
