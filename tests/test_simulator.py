@@ -593,3 +593,18 @@ def test_a_host_tier_hands_a_chat_back_the_history_hbm_lost():
         tier.block_evicted(type("Block", (), {"block_hash": bytes([i])})())
         assert len(tier.names) <= 8
     assert list(tier.names) == [bytes([i]) for i in range(42, 50)]
+
+
+def test_the_eagle_what_if_runs_and_agrees_with_leviathans_formula():
+    """benchmarks/sim/eagle.py on an A100: every proposer and k speeds a batch-1 decode up, within 10 % of
+    E[tokens a step] / (k c + 1), and the head's cost c is one layer and the LM head of the target's step."""
+    from benchmarks.sim import eagle
+
+    rows = eagle.main(["--gpus", "a100-80gb"])
+    assert len(rows) == 10 and {r["proposer"] for r in rows} == {"draft model", "EAGLE head"}
+    for r in rows:
+        assert r["speedup"] > 1.2 and abs(r["speedup"] / r["formula"] - 1) < 0.1, r
+    target = eagle.model_shape("llama-2-7b")
+    head = eagle.eagle_shape(target)
+    assert head.num_layers == 1 and head.hidden == target.hidden and head.vocab == target.vocab
+    assert 1 / target.num_layers < rows[-1]["draft_cost"] < 0.5  # a layer of 32, plus the LM head, plus a pass's overhead
