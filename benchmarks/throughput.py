@@ -68,11 +68,11 @@ PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its
 
 
 VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative",
-            "level3_prefix:offload": "level3_prefix"} | {
+            "level3_prefix:offload": "level3_prefix", "level4_speculative:eagle": "level4_speculative"} | {
     f"{m}:{v}": m
     for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
     for v in ("invariant", "compiled", "eager")
-}  # level 3 without its cache, level 4 with n-grams, a level with batch_invariant=True or compilation_config=3 or enforce_eager=True
+}  # level 3 without its cache, level 4 with n-grams or the EAGLE head, a level with batch_invariant=True or compilation_config=3 or enforce_eager=True
 
 
 def parser() -> argparse.ArgumentParser:

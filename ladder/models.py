@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 MODELS_DIR = REPO / "models"
-BUILTIN_NAMES = ("tiny-shakespeare", "tiny-shakespeare-draft", "tiny-shakespeare-moe")
+BUILTIN_NAMES = ("tiny-shakespeare", "tiny-shakespeare-draft", "tiny-shakespeare-moe", "tiny-shakespeare-eagle")
 BUILTIN = MODELS_DIR / "tiny-shakespeare"
 BUILTIN_DRAFT = MODELS_DIR / "tiny-shakespeare-draft"
 BUILTIN_MOE = MODELS_DIR / "tiny-shakespeare-moe"

@@ -72,9 +72,14 @@ class ModelRunner:
     def __init__(self, model: Transformer):
         self.model = model
         self.device = next(model.parameters()).device
+        # keep_hidden: every row's last hidden state of the last forward stays in `hidden` [T, hidden]
+        # (a proposer that drafts from the target's features asks: level 4's EAGLE)
+        self.keep_hidden, self.hidden = False, None
 
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, attn: AttentionBackend) -> torch.Tensor:
         """-> logits [len(batch.logits_indices), V], float32 or wider."""
         hidden = self.model(batch.input_ids, batch.positions, attn)  # [T, hidden]
+        if self.keep_hidden:
+            self.hidden = hidden
         return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]

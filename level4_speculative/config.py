@@ -10,7 +10,9 @@ given sets the other; `disable_by_batch_size` (vLLM V0's knob) turns drafting of
 steps whose running batch is larger, where the target is busy enough on its own. A bad
 value is a `ValueError` that names the key.
 
-What it is not: EAGLE, Medusa or MTP (vLLM's other methods).
+`"eagle"` with `"model": "tiny-shakespeare-eagle"`: a head over the target's features (eagle.py).
+
+What it is not: EAGLE-3, Medusa or MTP (vLLM's other methods).
 
 Reference: vLLM `vllm/config/speculative.py`.
 """
@@ -21,13 +23,13 @@ from dataclasses import dataclass, fields
 
 from level0_naive.config import Part
 
-METHODS = ("draft_model", "ngram")
+METHODS = ("draft_model", "ngram", "eagle")
 
 
 @dataclass
 class SpeculativeConfig(Part):
     num_speculative_tokens: int
-    method: str | None = None  # "draft_model" | "ngram"; None: "draft_model" when a model is given
+    method: str | None = None  # "draft_model" | "ngram" | "eagle"; None: "draft_model" when a model is given
     model: str | None = None  # the draft checkpoint (a directory, a built-in name, a cached hub id)
     prompt_lookup_min: int | None = None  # ngram: the shortest suffix to look up
     prompt_lookup_max: int | None = None  # ngram: the longest
@@ -46,8 +48,9 @@ class SpeculativeConfig(Part):
         d = self.disable_by_batch_size
         if d is not None and (not isinstance(d, int) or d < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size={d!r} must be an integer >= 1 (or absent)")
-        if self.method == "draft_model" and not self.model:
-            raise ValueError("speculative_config.model is required for method 'draft_model' (the draft checkpoint)")
+        if self.method in ("draft_model", "eagle") and not self.model:
+            raise ValueError(f"speculative_config.model is required for method {self.method!r} (the draft checkpoint"
+                             f"{', an EAGLE head' if self.method == 'eagle' else ''})")  # fmt: skip
         if self.method == "ngram":
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             lo, hi = (5, 5) if lo is None and hi is None else (hi if lo is None else lo, lo if hi is None else hi)

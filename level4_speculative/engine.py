@@ -136,6 +136,10 @@ class SpeculativeEngine(PrefixCachingEngine):
         its metadata, on the driver) still gets its draft."""
         self.speculative_config: SpeculativeConfig | None = self.config.speculative
         self.draft: LoadedModel | None = None
+        if self.speculative_config is not None and self.speculative_config.method == "eagle":
+            from .eagle import load_eagle  # a head over the target's own features (eagle.py)
+
+            self.draft = load_eagle(self.speculative_config.model, target, self.dtype, self.device)
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             self.draft = load_model(self.speculative_config.model, self.dtype, self.device, self.ops)
             tv, dv = target.config.vocab_size, self.draft.config.vocab_size
@@ -170,6 +174,11 @@ class SpeculativeEngine(PrefixCachingEngine):
         c = self.config.cache
         draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend,
                               self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
+        if self.speculative_config.method == "eagle":
+            from .eagle import EagleProposer
+
+            self.worker.runner.keep_hidden = True  # the target's features, for the head's rows
+            return EagleProposer(draft_worker, self.worker.runner, self.kv.block_table, c.block_size, self.sampler)
         return DraftModelProposer(draft_worker, self.kv.block_table, c.block_size, self.sampler)
 
     @property
@@ -202,6 +211,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         """logits [S, V]: k + 1 rows for a request verifying k guesses, 1 for a plain one (batch order)."""
         if self.proposer is None:
             return super().sample(sched, logits)
+        self.proposer.observe(sched)  # (EAGLE files the target's features of the step's rows)
         plain, plain_rows, spec, row = [], [], [], 0
         for req, n in sched.scheduled:
             rows = req.num_logits(n)

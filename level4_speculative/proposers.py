@@ -31,7 +31,10 @@ What it is: one interface, called by the engine after a step's tokens are in:
     point mass on the proposed token, so rejection sampling accepts d with probability
     p(d) and stays exact.
 
-What it is not: a tree of drafts (EAGLE, Medusa), or a proposer that runs overlapped with
+A third, `EagleProposer` (eagle.py), is the draft model's with the target's own features beside
+each row (EAGLE).
+
+What it is not: a tree of drafts (EAGLE-2, Medusa), or a proposer that runs overlapped with
 the target's forward.
 
 Reference: vLLM `v1/spec_decode/draft_model.py`, `ngram_proposer.py`; Leviathan et al. 2023.
@@ -64,6 +67,10 @@ class Proposer(Protocol):
         """Up to k guesses for each (request, k): set `req.spec_token_ids` and `req.spec_probs`."""
         ...
 
+    def observe(self, sched: SchedulerOutput) -> None:
+        """After the target's forward, before sampling: what it computed (EAGLE reads its features)."""
+        ...
+
 
 def draft_state(req: SpecRequest, drafts: list[int]) -> SamplingState:
     """The sampling state of the position after `drafts`: penalties, min-tokens and a constraint (a
@@ -80,6 +87,9 @@ class DraftModelProposer:
     def __init__(self, worker: Worker, block_table, block_size: int, sampler: Sampler):
         self.worker, self.block_table, self.block_size = worker, block_table, block_size
         self.sampler = sampler  # the engine's: q is processed exactly as the target's p will be
+
+    def observe(self, sched: SchedulerOutput) -> None:
+        """Nothing: a draft model reads tokens only."""
 
     @torch.inference_mode()
     def prefill(self, sched: SchedulerOutput) -> None:
@@ -144,6 +154,9 @@ class NgramProposer:
 
     def prefill(self, sched: SchedulerOutput) -> None:
         """No model, no cache: nothing to keep up with."""
+
+    def observe(self, sched: SchedulerOutput) -> None:
+        """Nothing: the lookup reads tokens only."""
 
     def propose(self, drafting: list[tuple[SpecRequest, int]]) -> None:
         for req, k in drafting:

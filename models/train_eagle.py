@@ -30,8 +30,8 @@ features up to that position and its own after; a draft is accepted while it equ
 Reported: the acceptance at each draft position j (P(d_j right | d_1..d_{j-1} right)), and the mean
 tokens a step then makes for k = 1..5 (accepted drafts plus the target's own token).
 
-What this is not: the proposer that runs the head inside the engine (level 4, not built yet: issue
-56), EAGLE-2's dynamic draft trees or EAGLE-3's fusion of three layers' features.
+What this is not: the proposer that runs the head inside the engine (level4_speculative/eagle.py, which
+reads these files), EAGLE-2's dynamic draft trees or EAGLE-3's fusion of three layers' features.
 
 Usage:
     python models/train_eagle.py train --corpus ../shared/corpus/tinyshakespeare.txt \

@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import VOCAB, build_checkpoint
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -130,13 +131,39 @@ def draft_checkpoint() -> Path:
     return build_checkpoint(path, "llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
 
 
+@functools.cache
+def eagle_checkpoint(target: Path) -> Path:
+    """A random EAGLE head for `target` (level4_speculative/eagle.py's EagleModel, saved as
+    models/train_eagle.py saves a trained one): the target's shape with one layer, no embeddings or LM head."""
+    from safetensors.torch import save_file
+
+    from level0_naive.loader import load_model, model_config_from_hf
+    from level4_speculative.eagle import EagleModel
+
+    path = Path(tempfile.mkdtemp(prefix="eagle-"))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    hf = {**json.loads((Path(target) / "config.json").read_text()), "num_hidden_layers": 1,
+          "architectures": ["EagleLlamaForCausalLM"]}  # fmt: skip
+    torch.manual_seed(5)
+    head = EagleModel(model_config_from_hf(hf), load_model(target, torch.float32).model)
+    save_file({k: v.contiguous() for k, v in head.state_dict().items() if not k.startswith(("embed_tokens.", "lm_head."))},
+              str(path / "model.safetensors"))  # fmt: skip
+    (path / "config.json").write_text(json.dumps(hf))
+    return path
+
+
 def make_level4(path, need_tokens, data):
     """Level 3's workloads plus speculation: k from 1 to 5, a draft model (a random one, or the
-    target itself, which must then be accepted every time) or the n-gram proposer."""
+    target itself, which must then be accepted every time), a random EAGLE head (dense targets) or the
+    n-gram proposer."""
     k = data.draw(st.integers(1, 5), label="num_speculative_tokens")
-    method = data.draw(st.sampled_from(["random draft", "target as draft", "ngram"]), label="proposer")
-    draft = draft_checkpoint() if method == "random draft" else path
+    dense = json.loads((Path(path) / "config.json").read_text())["model_type"] in ("llama", "qwen2", "qwen3")
+    methods = ["random draft", "target as draft", "ngram"] + (["eagle"] if dense else [])
+    method = data.draw(st.sampled_from(methods), label="proposer")
+    draft = draft_checkpoint() if method == "random draft" else eagle_checkpoint(path) if method == "eagle" else path
     spec = {"num_speculative_tokens": k, "model": str(draft)}
+    if method == "eagle":
+        spec["method"] = "eagle"
     if method == "ngram":
         draft, spec = (
             None,

@@ -20,8 +20,8 @@ target alone, the mean tokens a step makes, and the speed-up Leviathan et al.'s 
 the mean tokens a step and the draft's cost c (a draft pass over a target pass):
 speed-up = E[tokens] / (k c + 1).
 
-What it is not: a measurement (no GPU has run level 4 here), and not the engine's EAGLE (its proposer is
-not built: issue 56).
+What it is not: a measurement (no GPU has run level 4 here; the engine's EAGLE, level4_speculative/eagle.py,
+is measured on this CPU in docs/level4_speculative.md).
 
 Reference: Li et al., "EAGLE" (ICML 2024); Leviathan et al., "Fast Inference from Transformers via
 Speculative Decoding" (ICML 2023).

@@ -1,0 +1,194 @@
+"""EAGLE: draft from the target's own last hidden states with one trained decoder layer.
+
+What it is: `speculative_config={"method": "eagle", "model": "tiny-shakespeare-eagle", ...}` (vLLM's
+names). The head (models/train_eagle.py trains it; models/README.md is its card) is `EagleModel`: an
+fc over [the token's embedding ; the target's feature at the position before], one decoder layer of
+level 0's, a norm, and the target's own embeddings and LM head (shared, not copied). It runs through
+its own `Worker`, so it has its own paged KV cache (one layer) on the target's block tables, exactly
+as the draft model's does (proposers.py), and `draft_num_computed` counts its positions the same way.
+
+    token position p:        0    1    2   ...  L-1  |  L        L+1   (drafting)
+    the head's row at p:     -   [e(t1); f0] ...  [e(t_{L-1}); f_{L-2}] | [e(d1); g_{L-1}] ...
+    its output g_p           -> lm_head -> the token at p + 1 (d1 from g_{L-1}, d2 from g_L, ...)
+
+f_p is the target's last hidden state (after its final norm) at position p: the target's runner keeps
+its step's rows (`ModelRunner.keep_hidden`), and `observe` files each scheduled request's rows by
+position after the forward (a verification's rows past the accepted guesses are simply never read:
+the catch-up reads f only below the request's newest token). `propose` then catches the head up to
+the newest token (rows from `draft_num_computed`, each reading the target's feature one position
+back), samples d_1 from its last row, and runs k - 1 one-row passes, each reading the head's own g.
+Position 0 has no feature before it (the head was never trained on it): it is skipped. A request
+admitted on a prefix hit has the head's cache for the hit's blocks (a block is named only once the
+head's cache holds it, as for a draft model) but not the target's feature at the position before its
+first computed token: that row reads zeros (only its own K/V is the poorer for it; the output, which
+the verification decides, is the target's either way).
+
+What it is not: EAGLE-2's draft trees or EAGLE-3's fused features; the head on level 5's ranks (refused);
+the compiled step with EAGLE (refused: the runner's hidden states are not a graph output).
+
+Reference: Li et al., "EAGLE" (ICML 2024); vLLM `v1/spec_decode/eagle.py` (EagleProposer: the target's
+hidden states in, the head's own KV cache, drafts after sampling), `model_executor/models/llama_eagle.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ladder.models import resolve_path
+from level0_naive.loader import LoadedModel, model_config_from_hf
+from level0_naive.model import DecoderLayer, Linear, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from level0_naive.sampler import Sampler
+from level1_paged.model_input import ModelInput
+from level1_paged.worker import Worker
+
+from .proposers import DraftModelProposer
+from .request import SpecRequest
+
+
+class EagleModel(nn.Module):
+    """`EagleModel(cfg, target)(input_ids [T], positions [T], attn) -> g [T, H]`, reading `self.features` [T, H]
+    (row i: the feature at the position before input i's), which the proposer sets before each forward."""
+
+    def __init__(self, cfg: ModelConfig, target: Transformer):
+        super().__init__()
+        self.config = cfg  # the target's shape, one layer: what the head's paged cache is sized by
+        h = cfg.hidden_size
+        self.fc = Linear(2 * h, h, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, 0)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.embed_tokens, self.lm_head = target.model.embed_tokens, target.lm_head  # the target's own
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.features: torch.Tensor | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), self.features], dim=-1))  # [T, 2H] -> [T, H]
+        angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, attn)
+        return self.norm(x)  # [T, H]: g, the head's guess at the target's feature
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device) -> LoadedModel:
+    """The head's checkpoint (config.json + model.safetensors, models/train_eagle.py's `save`) over `target`,
+    checked: its hidden size and vocabulary must be the target's (it reads the target's features and shares
+    its embeddings and LM head)."""
+    from safetensors.torch import load_file
+
+    path = resolve_path(name)
+    hf = json.loads((Path(path) / "config.json").read_text())
+    if "EagleLlamaForCausalLM" not in (hf.get("architectures") or []):
+        raise ValueError(f"speculative_config.model {name!r} is not an EAGLE head (its config.json's architectures: "
+                         f"{hf.get('architectures')}; models/train_eagle.py makes one)")  # fmt: skip
+    cfg, tcfg = model_config_from_hf(hf), target.config
+    if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
+        raise ValueError(f"the EAGLE head {name!r} has hidden size {cfg.hidden_size} and a vocabulary of "
+                         f"{cfg.vocab_size}; the target's are {tcfg.hidden_size} and {tcfg.vocab_size}")  # fmt: skip
+    if target.model is None:
+        raise ValueError("method 'eagle' needs the target's weights in this process (not built over level 5's ranks)")
+    model = EagleModel(cfg, target.model)  # (its embeddings and LM head: the target's modules)
+    state = {k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    shared = {k for k in missing if k.startswith(("embed_tokens.", "lm_head."))}  # the target's
+    if unexpected or set(missing) - shared:
+        raise ValueError(f"the EAGLE head {name!r}: missing {sorted(set(missing) - shared)}, unexpected {unexpected}")
+    model = model.to(device=device, dtype=dtype).eval()
+    for module in model.modules():  # the target's ops (ops.py: batch-invariant ones, say) for the head's layer too
+        if hasattr(module, "ops"):
+            module.ops = target.model.ops
+    return LoadedModel(model, cfg, None, [], Path(path), hf, {})
+
+
+class EagleProposer(DraftModelProposer):
+    """The draft model's proposer (its own Worker and paged cache, the same catch-up and sampling), with
+    each of the head's rows given its feature: the target's, filed by `observe`, or the head's own g."""
+
+    def __init__(self, worker: Worker, target_runner, block_table, block_size: int, sampler: Sampler):
+        super().__init__(worker, block_table, block_size, sampler)
+        self.target_runner = target_runner  # its `hidden` [T, H] after each forward (keep_hidden)
+        self.head = worker.model
+        worker.runner.keep_hidden = True  # the head's own g of its sampled rows
+
+    def prefill(self, sched) -> None:
+        """Nothing before the target's forward: the head's rows need the target's features of the step."""
+
+    def observe(self, sched) -> None:
+        """After the target's forward: each scheduled request's rows of it, filed by position."""
+        hidden, row = self.target_runner.hidden, 0  # [T, H], rows in the batch's order
+        for req, n in sched.scheduled:
+            feats = getattr(req, "eagle_features", None)
+            if feats is None or req.num_computed_tokens < feats[0]:  # a first step, or after a preemption
+                feats = req.eagle_features = [req.num_computed_tokens, hidden.new_empty(0, hidden.shape[1])]
+            start, kept = feats
+            keep = kept[: req.num_computed_tokens - start]  # rows before this chunk (verified ones)
+            req.eagle_features = [start, torch.cat([keep, hidden[row : row + n]])]
+            row += n
+
+    def _features(self, req: SpecRequest, first: int, n: int) -> torch.Tensor:
+        """The target's features at positions first - 1 .. first + n - 2 (zeros where not filed)."""
+        start, kept = getattr(req, "eagle_features", None) or (0, self.head.fc.weight.new_empty(0, 0))
+        out = self.head.fc.weight.new_zeros(n, self.head.config.hidden_size)  # (on the head's device, in its dtype)
+        for i in range(n):
+            p = first - 1 + i - start
+            if 0 <= p < len(kept):
+                out[i] = kept[p]
+        return out
+
+    @torch.inference_mode()
+    def propose(self, drafting: list[tuple[SpecRequest, int]]) -> None:
+        chunks, feats = [], []
+        for req, _ in drafting:  # catch up to the newest token (position 0 has no feature: skipped)
+            start = max(req.draft_num_computed, 1)
+            chunks.append((req.token_slice(start, req.num_tokens - start), start))
+            feats.append(self._features(req, start, req.num_tokens - start))
+            # Only these rows read the target's features: the guesses' rows below read the head's own, so
+            # they are redone from the target's once verified (the count stays here, and the engine's cut
+            # after a verification keeps it there)
+            req.draft_num_computed = req.num_tokens
+            self._forget(req)
+        logits, g_rows = self._run(chunks, feats, drafting)  # [D, V], [D, H]
+        drafts: dict[int, list[int]] = {req.seq_id: [] for req, _ in drafting}
+        probs: dict[int, list[torch.Tensor]] = {req.seq_id: [] for req, _ in drafting}
+        g = {r.seq_id: row for (r, _), row in zip(drafting, g_rows)}  # each one's last row's g
+        active = drafting
+        while True:
+            self._sample(active, logits, drafts, probs)
+            active = [(req, k) for req, k in active if len(drafts[req.seq_id]) < k]
+            if not active:
+                break
+            step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
+            logits, g_rows = self._run(step, [g[r.seq_id][None] for r, _ in active], active)
+            g.update({r.seq_id: row for (r, _), row in zip(active, g_rows)})
+        for req, _ in drafting:
+            q = probs[req.seq_id]
+            req.spec_token_ids, req.spec_probs = drafts[req.seq_id], torch.stack(q) if q else None
+
+    def _run(self, chunks, feats, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of the head over `chunks` (their features beside them) -> each chunk's last row's logits
+        [D, V] and g [D, H] (what its next row reads)."""
+        w = self.head.fc.weight
+        self.head.features = torch.cat(feats).to(device=w.device, dtype=w.dtype)  # [T, H]
+        tables = [self.block_table(r) for r, _ in reqs]
+        logits = self.worker.execute(ModelInput.build(chunks, tables, self.block_size, [1] * len(chunks)))
+        last = torch.tensor(list(itertools.accumulate(len(toks) for toks, _ in chunks)), device=w.device) - 1
+        return logits, self.worker.runner.hidden[last]
+
+    @staticmethod
+    def _forget(req: SpecRequest) -> None:
+        """Features below the newest token's position - 1 are never read again (the head has those rows)."""
+        start, kept = req.eagle_features if getattr(req, "eagle_features", None) else (0, None)
+        if kept is not None:
+            drop = max(0, req.num_tokens - 1 - start)  # the next catch-up starts at num_tokens at the latest
+            req.eagle_features = [start + drop, kept[drop:]]
+
+
+__all__ = ["EagleModel", "EagleProposer", "load_eagle"]
