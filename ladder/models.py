@@ -30,6 +30,7 @@ BUILTIN_NAMES = ("tiny-shakespeare", "tiny-shakespeare-draft", "tiny-shakespeare
 BUILTIN = MODELS_DIR / "tiny-shakespeare"
 BUILTIN_DRAFT = MODELS_DIR / "tiny-shakespeare-draft"
 BUILTIN_MOE = MODELS_DIR / "tiny-shakespeare-moe"
+BUILTIN_EAGLE = MODELS_DIR / "tiny-shakespeare-eagle"  # an EAGLE head over BUILTIN (models/train_eagle.py)
 FALLBACK = Path.home() / ".cache" / "inference-ladder" / "random-llama"
 
 

@@ -1,7 +1,8 @@
 """`python -m level4_speculative.demo`: the built-in draft proposes, the target verifies.
 
 What it is: the same prompts, greedy, through level 3 and level 4 (the built-in pair:
-a 6M-parameter target and its 0.5M distilled draft) at batch 1 and at a larger batch.
+a 6M-parameter target and its 0.5M distilled draft; `--method eagle`: the target's 1.1M EAGLE
+head instead, eagle.py) at batch 1 and at a larger batch.
 It prints
 
   - the generated text, each token colored by where it came from: an accepted draft
@@ -44,7 +45,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ladder.cli import demo_parser, plot_flag, positive_int, run_demo, save_figure
-from ladder.models import BUILTIN_DRAFT, default_model
+from ladder.models import BUILTIN_DRAFT, BUILTIN_EAGLE, default_model
 from level0_naive.sampling_params import SamplingParams
 from level3_prefix.engine import LLM as PrefixLLM
 
@@ -67,8 +68,11 @@ REPEATS = 3  # timings of the level-3 run: their spread is the noise every measu
 def parser():
     p = demo_parser(__doc__, "level4_speculative.demo")
     p.add_argument(
-        "--draft-model", default=None, help="the draft checkpoint (default: the built-in tiny-shakespeare-draft)"
+        "--draft-model", default=None, help="the draft checkpoint (default: the built-in tiny-shakespeare-draft, or "
+        "with --method eagle the built-in tiny-shakespeare-eagle)"
     )
+    p.add_argument("--method", default="draft_model", choices=["draft_model", "eagle"],
+                   help="a draft model, or an EAGLE head over the target's features (eagle.py)")
     p.add_argument(
         "-k", "--num-speculative-tokens", type=positive_int, default=4, help="draft tokens per step (default 4)"
     )
@@ -133,11 +137,15 @@ def leviathan(alpha: float, k: int, c_draft: float, c_verify: float) -> tuple[fl
 
 def run(args, console: Console) -> dict:
     model = args.model or default_model()
-    draft = args.draft_model or BUILTIN_DRAFT
+    draft = args.draft_model or (BUILTIN_EAGLE if args.method == "eagle" else BUILTIN_DRAFT)
+
+    def spec(k: int) -> dict:
+        return {"method": args.method, "model": str(draft), "num_speculative_tokens": k}
+
     prompts = PROMPTS
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     common = dict(dtype=args.dtype, device=args.device, seed=args.seed)
-    console.print(f"[bold]level 4[/]: target {model}, draft {draft}; {len(prompts)} prompts, {args.max_tokens} tokens each, "
+    console.print(f"[bold]level 4[/]: target {model}, {'EAGLE head' if args.method == 'eagle' else 'draft'} {draft}; {len(prompts)} prompts, {args.max_tokens} tokens each, "
                   f"temperature {args.temperature:g}")  # fmt: skip
 
     # batch 1: one request at a time, level 3 against level 4 at every k (the first run warms up)
@@ -157,7 +165,7 @@ def run(args, console: Console) -> dict:
     sweep = {}
     for k in range(1, args.max_k + 1):
         llm = LLM(
-            model, max_num_seqs=1, speculative_config={"model": str(draft), "num_speculative_tokens": k}, **common
+            model, max_num_seqs=1, speculative_config=spec(k), **common
         )
         kinds = trace_kinds(llm) if k == args.num_speculative_tokens else None
         timed_generate(llm, prompts[:1], SamplingParams(max_tokens=8))
@@ -210,7 +218,7 @@ def run(args, console: Console) -> dict:
     _, tb3 = timed_generate(big3, many, params)
     del big3
     gc.collect()
-    big4 = LLM(model, max_num_seqs=bs, speculative_config={"model": str(draft), "num_speculative_tokens": k}, **common)
+    big4 = LLM(model, max_num_seqs=bs, speculative_config=spec(k), **common)
     timed_generate(big4, many[:2], SamplingParams(max_tokens=8))
     _, tb4 = timed_generate(big4, many, params)
     big_tokens = bs * args.max_tokens

@@ -206,6 +206,19 @@ def test_level4_demo(tiny, tmp_path, capsys, monkeypatch):
     assert len(res["per_position"]) == 2 and 0 <= res["alpha"] <= 1
 
 
+def test_level4_demo_with_the_eagle_head(tmp_path, capsys, monkeypatch):
+    """`--method eagle`: the built-in target (the head is trained over it) with its head: the same text as level 3,
+    and the head's drafts accepted far more often than chance (its card: 0.83 at the first position)."""
+    from level4_speculative import demo
+
+    saved_figures(monkeypatch, demo)
+    res = demo.main(["--method", "eagle", "--max-tokens", "24", "--max-k", "2", "-k", "2", "--batch-size", "2",
+                     "--dtype", "float64", "--plot", str(tmp_path / "eagle.png"), "--no-progress"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert "EAGLE head" in out and res["identical"]
+    assert res["per_position"][0] > 0.6, res["per_position"]
+
+
 def test_level5_pipeline_picture_has_a_legend_and_no_label_over_another(tmp_path, monkeypatch):
     """Forwards of every width, some far narrower than their number: those go unnumbered."""
     from level5_multigpu import demo
