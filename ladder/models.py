@@ -141,6 +141,19 @@ def default_model() -> Path:
     return FALLBACK
 
 
+def train_eagle_module():
+    """`models/train_eagle.py` (a script, not a package): the EAGLE head's trainer, for its reference head and measures."""
+    import importlib.util
+    import sys
+
+    if "train_eagle" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("train_eagle", MODELS_DIR / "train_eagle.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["train_eagle"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["train_eagle"]
+
+
 def train_tiny_module():
     """`models/train_tiny.py` (a script, not a package), for its byte-level tokenizer."""
     import importlib.util

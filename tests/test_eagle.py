@@ -17,12 +17,14 @@ from __future__ import annotations
 import itertools
 
 import pytest
+import torch
 from scipy.stats import chisquare
 from test_equivalence import eagle_checkpoint, kv_bytes
 from test_level4 import exact_sequence_probs, tiny_pair  # noqa: F401 (a fixture)
 
 import level3_prefix
 import level4_speculative
+from ladder.models import BUILTIN, BUILTIN_EAGLE
 from level0_naive import SamplingParams
 from level4_speculative import rejection_sampler as rs
 
@@ -51,6 +53,39 @@ def test_the_built_in_head_gives_level_3s_tokens_and_drafts_as_its_card_says():
     first = stats["eagle"].per_position()[0]
     assert first >= 0.7, first
     assert stats["eagle"].mean_acceptance_length > stats["draft"].mean_acceptance_length
+
+
+def causal(layer, q, k, v):
+    """A plain causal attention backend (q [T, Hq, D], k, v [T, Hkv, D]): one sequence, no cache."""
+    import torch.nn.functional as F
+
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         enable_gqa=True)  # fmt: skip
+    return out.transpose(0, 1)  # [T, Hq, D]
+
+
+@torch.no_grad()
+def test_the_engines_head_computes_what_the_trainer_trained():
+    """The engine's EagleModel and the trainer's EagleHead (Hugging Face's Llama layer, models/train_eagle.py) on
+    the committed weights, float64: the same g for the same tokens and features, row t reading the token at
+    position t + 1 and the target's feature at t, at RoPE position t + 1."""
+    from ladder.models import train_eagle_module
+    from level0_naive.loader import load_metadata, load_model
+    from level4_speculative.eagle import load_eagle
+
+    te = train_eagle_module()
+    hf_target = te.load_hf(str(BUILTIN), torch.float64)
+    theirs = te.load_head(BUILTIN_EAGLE, hf_target).double()
+    target = load_model(BUILTIN, torch.float64)
+    ours = load_eagle(str(BUILTIN_EAGLE), target, torch.float64, "cpu").model
+    assert load_metadata(BUILTIN).config.hidden_size == ours.config.hidden_size
+    ids = torch.tensor(list(b"ROMEO:\nBut, soft! what light through yonder window breaks?"))  # [L] bytes are tokens
+    f = te.target_features(hf_target, ids[None])[0]  # [L, H] the target's features
+    rows = len(ids) - 1
+    want = theirs(hf_target.model.embed_tokens(ids[None, 1:]), f[None, :-1])[0]  # [L-1, H]
+    ours.features = f[:-1]  # row t: f_t, beside the token at t + 1
+    got = ours(ids[1:], torch.arange(1, rows + 1), causal)  # [L-1, H]
+    assert torch.allclose(got, want, rtol=1e-9, atol=1e-9), (got - want).abs().max()
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])

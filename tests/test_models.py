@@ -336,15 +336,9 @@ EAGLE = REPO / "models" / "tiny-shakespeare-eagle"
 
 
 def train_eagle():
-    import importlib.util
-    import sys
+    from ladder.models import train_eagle_module
 
-    if "train_eagle" not in sys.modules:
-        spec = importlib.util.spec_from_file_location("train_eagle", REPO / "models" / "train_eagle.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["train_eagle"] = module
-        spec.loader.exec_module(module)
-    return sys.modules["train_eagle"]
+    return train_eagle_module()
 
 
 def test_eagle_training_is_reproducible(tmp_path):
