@@ -44,7 +44,7 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 REPO = Path(__file__).resolve().parent.parent
-LAB_IDS = ["0", "0b", "0c", "0d", "1", "1b", "1c", "1d", "2", "2b", "2c", "3", "3b", "3c", "4", "5", "5b", "5c", "6", "6b", "6c", "6d"]
+LAB_IDS = ["0", "0b", "0c", "0d", "1", "1b", "1c", "1d", "2", "2b", "2c", "3", "3b", "3c", "4", "4b", "5", "5b", "5c", "6", "6b", "6c", "6d"]
 HINTS = ("full", "short", "none")  # how much a failed check says (`python -m labs check --hints`)
 # The rule, not the code: a student who is handed the lines to write passes without reading the
 # reference (one did a lab, 11/11, in ten minutes). `--hints full` is one flag away when stuck.
