@@ -148,13 +148,17 @@ def test_the_batched_mask_equals_the_row_by_row_one(model):
 
 @pytest.mark.level4
 def test_speculation_changes_no_structured_output(model, checkpoint_factory):
-    """float64, greedy: level 4 with a random draft model and with n-grams writes what level 3 writes."""
+    """float64, greedy: level 4 with a random draft model, with n-grams and with a random EAGLE head writes
+    what level 3 writes (a head's guesses are masked by the grammar as a draft model's are)."""
+    from test_equivalence import eagle_checkpoint
+
     draft = checkpoint_factory("llama", seed=7, tokenizer=True, hidden_size=32, head_dim=8, num_hidden_layers=1)
     specs = [StructuredOutputsParams(json=SCHEMAS[0]), StructuredOutputsParams(choice=CHOICES),
              StructuredOutputsParams(regex=REGEXES[0]), StructuredOutputsParams(json=SCHEMAS[3])]  # (llguidance's)
     want = [o.text for o in run(level3_prefix.LLM(model, dtype="float64"), specs)]
     for spec in ({"model": str(draft), "num_speculative_tokens": 3},
-                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}):  # fmt: skip
+                 {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2},
+                 {"method": "eagle", "model": str(eagle_checkpoint(model)), "num_speculative_tokens": 3}):  # fmt: skip
         llm = level4_speculative.LLM(model, dtype="float64", speculative_config=spec)
         assert [o.text for o in run(llm, specs)] == want
     assert llm.spec_decode_stats().num_draft_tokens > 0
