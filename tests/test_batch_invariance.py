@@ -25,6 +25,7 @@ import torch
 from conftest import VOCAB
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_equivalence import eagle_checkpoint
 
 import level0_naive
 import level1_paged
@@ -43,9 +44,10 @@ def kv_bytes(tokens: int, layers: int = 2, kv_heads: int = 2, head_dim: int = 16
     return tokens * 2 * layers * kv_heads * head_dim * dtype_bytes
 
 
-def engine_kwargs(level: str, need: int, data, draft) -> dict:
+def engine_kwargs(level: str, need: int, data, draft, target=None) -> dict:
     """The knobs a level has, drawn: KV budget (x the largest request, 1 forces preemption),
-    block size, token budget (chunked prefill), prefix caching, speculation."""
+    block size, token budget (chunked prefill), prefix caching, speculation (a draft model, n-grams, or a
+    random EAGLE head over `target`)."""
     kw: dict = dict(max_num_seqs=data.draw(st.integers(1, 8), label="max_num_seqs"))
     if level == "level0":
         kw["kv_cache_memory"] = kv_bytes(need * data.draw(st.sampled_from([1, 3, 100]), label="kv x"))
@@ -59,9 +61,13 @@ def engine_kwargs(level: str, need: int, data, draft) -> dict:
         kw["enable_prefix_caching"] = data.draw(st.booleans(), label="enable_prefix_caching")
     if level == "level4":
         k = data.draw(st.integers(1, 5), label="num_speculative_tokens")
-        if data.draw(st.booleans(), label="draft model (else n-grams)"):
+        proposer = data.draw(st.sampled_from(["draft model", "ngram"] + (["eagle"] if target else [])), label="proposer")
+        if proposer == "draft model":
             kw["speculative_config"] = {"model": str(draft), "num_speculative_tokens": k}
             kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1, kv_heads=2, head_dim=8)
+        elif proposer == "eagle":  # its one layer has the target's shape
+            kw["speculative_config"] = {"method": "eagle", "model": str(eagle_checkpoint(target)), "num_speculative_tokens": k}
+            kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1)
         else:
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     return kw
@@ -108,7 +114,7 @@ def test_each_request_is_bit_identical_alone_and_in_any_batch(level, workload, d
     path = checkpoint_factory(arch, intermediate_size=data.draw(st.sampled_from([96, 37]), label="ff"))
     draft = checkpoint_factory("llama", seed=7, hidden_size=32, head_dim=8, num_hidden_layers=1)
     need = max(len(p) + s.max_tokens for p, s in workload)
-    kw = engine_kwargs(level, need, data, draft)
+    kw = engine_kwargs(level, need, data, draft, path)
     dtype = data.draw(st.sampled_from(["float32", "float32", "bfloat16", "float64"]), label="dtype")
     if dtype == "float64" and "kv_cache_memory" in kw:
         kw["kv_cache_memory"] *= 2
