@@ -108,6 +108,43 @@ def test_a_random_head_gives_level_3s_tokens_under_preemption_chunks_and_hits(ar
     assert engine.spec_stats.num_draft_tokens > 0
 
 
+def test_a_request_that_never_drafts_still_names_its_prompts_blocks(checkpoint_factory):
+    """The head's rows over a prompt chunk are computed right after the target's forward (as a draft model's
+    prefill keeps up), so a block is named at once: one token each, the same prompt again hits every full block."""
+    path = checkpoint_factory("llama")
+    llm = level4_speculative.LLM(path, dtype="float64", block_size=4, speculative_config=eagle(eagle_checkpoint(path)))
+    prompt, hits = list(range(3, 26)), []  # 23 tokens: 5 full blocks of 4
+    for _ in range(2):
+        before = llm.llm_engine.kv.hits
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0), progress=False)
+        hits.append(llm.llm_engine.kv.hits - before)
+    assert hits == [0, 20], hits
+
+
+def test_a_heads_copy_of_the_embeddings_never_reaches_the_target(checkpoint_factory, tmp_path):
+    """Some published heads carry the target's embeddings or LM head: they are dropped, never loaded into the
+    modules the head shares with the target (a zeroed copy here: the target's tokens stay level 3's)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = checkpoint_factory("llama")
+    head = tmp_path / "head"
+    shutil.copytree(eagle_checkpoint(path), head)
+    cfg = json.loads((head / "config.json").read_text())
+    state = load_file(str(head / "model.safetensors"))
+    state["embed_tokens.weight"] = torch.zeros(cfg["vocab_size"], cfg["hidden_size"])
+    state["lm_head.weight"] = torch.zeros(cfg["vocab_size"], cfg["hidden_size"])
+    save_file(state, str(head / "model.safetensors"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    want = [o.outputs[0].token_ids for o in level3_prefix.LLM(path, dtype="float64").generate(prompts, params, progress=False)]
+    llm = level4_speculative.LLM(path, dtype="float64", speculative_config=eagle(head))
+    assert llm.llm_engine.loaded.model.model.embed_tokens.weight.abs().sum() > 0
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, progress=False)] == want
+
+
 @pytest.mark.parametrize("negative_control", [False, True])
 def test_whole_sequences_follow_the_target_alone_with_a_head(tiny_pair, negative_control, monkeypatch):  # noqa: F811
     """As test_level4's for the draft model: 6,000 samples of 4 tokens from a 4-token vocabulary, every sequence's
