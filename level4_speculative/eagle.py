@@ -126,6 +126,7 @@ class EagleProposer(DraftModelProposer):
         self.target_runner = target_runner  # its `hidden` [T, H] after each forward (keep_hidden)
         self.head = worker.model
         worker.runner.keep_hidden = True  # the head's own g of its sampled rows
+        self.g: dict[int, torch.Tensor] = {}  # during `propose`: each drafting request's last g [H]
 
     def prefill(self, sched) -> None:
         """Nothing before the target's forward: the head's rows need the target's features of the step."""
@@ -168,8 +169,8 @@ class EagleProposer(DraftModelProposer):
                 out[i] = kept[p]
         return out
 
-    @torch.inference_mode()
-    def propose(self, drafting: list[tuple[SpecRequest, int]]) -> None:
+    def catch_up(self, drafting: list[tuple[SpecRequest, int]]) -> torch.Tensor:
+        """The draft model's catch-up, each row beside its feature; keeps each one's last g for `one_more`."""
         chunks, feats = [], []
         for req, _ in drafting:  # catch up to the newest token (position 0 has no feature: skipped)
             start = max(req.draft_num_computed, 1)
@@ -181,21 +182,16 @@ class EagleProposer(DraftModelProposer):
             req.draft_num_computed = req.num_tokens
             self._forget(req)
         logits, g_rows = self._run(chunks, feats, drafting)  # [D, V], [D, H]
-        drafts: dict[int, list[int]] = {req.seq_id: [] for req, _ in drafting}
-        probs: dict[int, list[torch.Tensor]] = {req.seq_id: [] for req, _ in drafting}
-        g = {r.seq_id: row for (r, _), row in zip(drafting, g_rows)}  # each one's last row's g
-        active = drafting
-        while True:
-            self._sample(active, logits, drafts, probs)
-            active = [(req, k) for req, k in active if len(drafts[req.seq_id]) < k]
-            if not active:
-                break
-            step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
-            logits, g_rows = self._run(step, [g[r.seq_id][None] for r, _ in active], active)
-            g.update({r.seq_id: row for (r, _), row in zip(active, g_rows)})
-        for req, _ in drafting:
-            q = probs[req.seq_id]
-            req.spec_token_ids, req.spec_probs = drafts[req.seq_id], torch.stack(q) if q else None
+        self.g = {r.seq_id: row for (r, _), row in zip(drafting, g_rows)}  # each one's last row's g
+        return logits
+
+    def one_more(self, active: list[tuple[SpecRequest, int]], drafts: dict) -> torch.Tensor:
+        """One more token each, beside the head's own g of the row before (not counted in draft_num_computed:
+        these rows are redone from the target's features once verified)."""
+        step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
+        logits, g_rows = self._run(step, [self.g[r.seq_id][None] for r, _ in active], active)
+        self.g.update({r.seq_id: row for (r, _), row in zip(active, g_rows)})
+        return logits
 
     def _run(self, chunks, feats, reqs) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the head over `chunks` (their features beside them) -> each chunk's last row's logits

@@ -105,13 +105,7 @@ class DraftModelProposer:
 
     @torch.inference_mode()
     def propose(self, drafting: list[tuple[SpecRequest, int]]) -> None:
-        chunks = []
-        for req, _ in drafting:  # catch up to the newest token, whose logits give d_1
-            start = req.draft_num_computed
-            chunks.append((req.token_slice(start, req.num_tokens - start), start))
-            req.draft_num_computed = req.num_tokens
-        tables = [self.block_table(r) for r, _ in drafting]
-        logits = self.worker.execute(ModelInput.build(chunks, tables, self.block_size, [1] * len(drafting)))  # [D, V]
+        logits = self.catch_up(drafting)  # [D, V]: each one's newest token's, whose logits give d_1
         drafts: dict[int, list[int]] = {req.seq_id: [] for req, _ in drafting}
         probs: dict[int, list[torch.Tensor]] = {req.seq_id: [] for req, _ in drafting}
         active = drafting
@@ -120,16 +114,30 @@ class DraftModelProposer:
             active = [(req, k) for req, k in active if len(drafts[req.seq_id]) < k]
             if not active:
                 break
-            # one more token each: the draft just sampled, at the next position
-            step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
-            logits = self.worker.execute(
-                ModelInput.build(step, [self.block_table(r) for r, _ in active], self.block_size, [1] * len(active))
-            )
-            for req, _ in active:
-                req.draft_num_computed += 1
+            logits = self.one_more(active, drafts)  # [A, V]
         for req, _ in drafting:
             q = probs[req.seq_id]
             req.spec_token_ids, req.spec_probs = drafts[req.seq_id], torch.stack(q) if q else None
+
+    def catch_up(self, drafting: list[tuple[SpecRequest, int]]) -> torch.Tensor:
+        """One forward over every token each drafting request's cache lacks, to its newest -> their last rows' logits."""
+        chunks = []
+        for req, _ in drafting:
+            start = req.draft_num_computed
+            chunks.append((req.token_slice(start, req.num_tokens - start), start))
+            req.draft_num_computed = req.num_tokens
+        tables = [self.block_table(r) for r, _ in drafting]
+        return self.worker.execute(ModelInput.build(chunks, tables, self.block_size, [1] * len(drafting)))
+
+    def one_more(self, active: list[tuple[SpecRequest, int]], drafts: dict) -> torch.Tensor:
+        """One more token each: the draft just sampled, at the next position -> the next logits."""
+        step = [([drafts[r.seq_id][-1]], r.num_tokens + len(drafts[r.seq_id]) - 1) for r, _ in active]
+        logits = self.worker.execute(
+            ModelInput.build(step, [self.block_table(r) for r, _ in active], self.block_size, [1] * len(active))
+        )
+        for req, _ in active:
+            req.draft_num_computed += 1
+        return logits
 
     def _sample(self, active, logits: torch.Tensor, drafts: dict, probs: dict) -> None:
         """Each active request's next draft token (and the q it came from, unless plain greedy)."""

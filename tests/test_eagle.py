@@ -14,13 +14,10 @@ rejection sampler decides, so the output is the target's whatever the head is.
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from scipy.stats import chisquare
 from test_equivalence import eagle_checkpoint, kv_bytes
-from test_level4 import exact_sequence_probs, tiny_pair  # noqa: F401 (a fixture)
+from test_level4 import sequences_pvalue, tiny_pair  # noqa: F401 (a fixture)
 
 import level3_prefix
 import level4_speculative
@@ -157,16 +154,7 @@ def test_whole_sequences_follow_the_target_alone_with_a_head(tiny_pair, negative
                                  max_num_seqs=256)  # fmt: skip
     out = llm.generate([prompt], SamplingParams(n=N, max_tokens=length, temperature=1.0, seed=1234, ignore_eos=True),
                        progress=False)[0]  # fmt: skip
-    counts = {seq: 0 for seq in itertools.product(range(V), repeat=length)}
-    for c in out.outputs:
-        counts[tuple(c.token_ids)] += 1
-    exact = exact_sequence_probs(target, prompt, length, V)
-    big = [c for c in sorted(counts) if N * exact[c] >= 5]
-    observed, expected = [counts[c] for c in big], [N * exact[c] for c in big]
-    if len(big) < len(counts):
-        observed.append(N - sum(observed))
-        expected.append(N - sum(expected))
-    pvalue = chisquare(observed, expected).pvalue
+    pvalue = sequences_pvalue(out, target, prompt, length, V)
     stats = llm.spec_decode_stats()
     assert stats.num_draft_tokens > 0 and 0 < stats.acceptance_rate < 1
     if negative_control:

@@ -139,6 +139,22 @@ def exact_sequence_probs(path: Path, prompt: list[int], length: int, V: int) -> 
     return probs
 
 
+def sequences_pvalue(out, target: Path, prompt: list[int], length: int, V: int) -> float:
+    """Chi-square of the output's whole sequences against the target's exact probabilities (cells expected
+    fewer than 5 times pooled into one, as chi-square needs)."""
+    N = len(out.outputs)
+    counts = {seq: 0 for seq in itertools.product(range(V), repeat=length)}
+    for c in out.outputs:
+        counts[tuple(c.token_ids)] += 1
+    exact = exact_sequence_probs(target, prompt, length, V)
+    big = [c for c in sorted(counts) if N * exact[c] >= 5]
+    observed, expected = [counts[c] for c in big], [N * exact[c] for c in big]
+    if len(big) < len(counts):  # the rare sequences, pooled into one cell
+        observed.append(N - sum(observed))
+        expected.append(N - sum(expected))
+    return chisquare(observed, expected).pvalue
+
+
 @pytest.mark.parametrize("negative_control", [False, True])
 def test_whole_sequences_follow_the_target_alone(tiny_pair, negative_control, monkeypatch):
     """Four generated tokens (the first comes from the prefill; the next step drafts k = 2, the
@@ -151,16 +167,7 @@ def test_whole_sequences_follow_the_target_alone(tiny_pair, negative_control, mo
     llm = LLM(target, dtype="float64", speculative_config=spec(draft, k=2), max_num_seqs=256)
     params = SamplingParams(n=N, max_tokens=length, temperature=1.0, seed=1234, ignore_eos=True)
     out = llm.generate([prompt], params, progress=False)[0]
-    counts = {seq: 0 for seq in itertools.product(range(V), repeat=length)}
-    for c in out.outputs:
-        counts[tuple(c.token_ids)] += 1
-    exact = exact_sequence_probs(target, prompt, length, V)
-    big = [c for c in sorted(counts) if N * exact[c] >= 5]
-    observed, expected = [counts[c] for c in big], [N * exact[c] for c in big]
-    if len(big) < len(counts):  # the rare sequences, pooled into one cell
-        observed.append(N - sum(observed))
-        expected.append(N - sum(expected))
-    pvalue = chisquare(observed, expected).pvalue
+    pvalue = sequences_pvalue(out, target, prompt, length, V)
     stats = llm.spec_decode_stats()
     assert stats.num_draft_tokens > 0 and 0 < stats.acceptance_rate < 1  # speculation really ran, and rejected
     if negative_control:
