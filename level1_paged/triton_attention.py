@@ -312,6 +312,7 @@ def _check_fp64_supported() -> None:
 
 KV_QUANT = {"fp8": 1, "int8": 2}  # kv_cache_dtype -> the kernel's KV_QUANT
 FP8_CAPABILITY = (8, 9)  # the first GPUs (Ada, Hopper) whose Triton converts float8 e4m3 ("fp8e4nv")
+FP8_IN_TRITON = hasattr(tl, "float8e4nv")  # a Triton that knows the type at all (2.2 and later)
 
 
 def _launch(
@@ -339,6 +340,9 @@ def _launch(
     fp64 = q.dtype == torch.float64
     if fp64 and q.is_cuda:
         _check_fp64_supported()
+    if kv_quant == 1 and q.is_cuda and not FP8_IN_TRITON:
+        raise RuntimeError(f"an fp8 KV cache read by the Triton kernel needs a Triton with float8e4nv (installed: "
+                           f"{triton.__version__}); use kv_cache_dtype='int8'")  # fmt: skip
     if kv_quant == 1 and q.is_cuda and torch.cuda.get_device_capability(q.device) < FP8_CAPABILITY:
         raise RuntimeError(
             f"an fp8 KV cache read by the Triton kernel needs a GPU of compute capability >= 8.9 (this one: "
@@ -406,8 +410,11 @@ def paged_attention_triton_8bit(
 
 def reads_in_place(q: torch.Tensor, kind: str) -> bool:
     """Whether paged_attention_triton_8bit takes this step: any dtype, but fp8 only where Triton converts e4m3
-    (an A100 does not: there an fp8 cache goes through the dequantized copy, features/quantization/kv.py)."""
-    return kind != "fp8" or not q.is_cuda or torch.cuda.get_device_capability(q.device) >= FP8_CAPABILITY
+    (not on an A100, nor with a Triton too old to know the type: there an fp8 cache goes through the
+    dequantized copy, features/quantization/kv.py)."""
+    if kind != "fp8" or not q.is_cuda:
+        return True
+    return FP8_IN_TRITON and torch.cuda.get_device_capability(q.device) >= FP8_CAPABILITY
 
 
 paged_attention_triton.quantized = paged_attention_triton_8bit  # what an 8-bit cache's reader asks for (duck-typed)

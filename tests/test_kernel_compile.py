@@ -128,6 +128,24 @@ def test_the_launch_refuses_an_fp8_cache_on_a_gpu_before_sm89(monkeypatch):
         assert not ta.reads_in_place(q, "fp8") and ta.reads_in_place(q, "int8")
 
 
+def test_the_launch_refuses_an_fp8_cache_with_a_triton_too_old_for_it(monkeypatch):
+    """A Triton without float8e4nv (before 2.2): the kernel refuses in one line, and the cache's reader does not
+    ask it (the copy reads the cache), even on an H100."""
+    from virtual_gpu import on_cuda, virtual_gpu
+
+    monkeypatch.setattr(ta, "FP8_IN_TRITON", False)
+    monkeypatch.setattr(ta.triton, "__version__", "2.1.0")
+    with virtual_gpu(monkeypatch) as mode:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        q, k_cache, v_cache = on_cuda(mode, (torch.zeros(1, 2, 16, dtype=torch.bfloat16),
+                                             *(torch.zeros(2, 4, 1, 16, dtype=torch.uint8) for _ in range(2))))
+        meta = on_cuda(mode, (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                              torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
+        with pytest.raises(RuntimeError, match=r"needs a Triton with float8e4nv \(installed: 2\.1\.0\)"):
+            ta.paged_attention_triton_8bit(q, k_cache, v_cache, *meta, 0.25, "fp8")
+        assert not ta.reads_in_place(q, "fp8") and ta.reads_in_place(q, "int8")
+
+
 def test_an_oversized_tile_is_reported_over_the_limit(results):
     r = results[OVERSIZED]
     assert r.error is None, r.error
