@@ -340,14 +340,8 @@ def _launch(
     fp64 = q.dtype == torch.float64
     if fp64 and q.is_cuda:
         _check_fp64_supported()
-    if kv_quant == 1 and q.is_cuda and not FP8_IN_TRITON:
-        raise RuntimeError(f"an fp8 KV cache read by the Triton kernel needs a Triton with float8e4nv (installed: "
-                           f"{triton.__version__}); use kv_cache_dtype='int8'")  # fmt: skip
-    if kv_quant == 1 and q.is_cuda and torch.cuda.get_device_capability(q.device) < FP8_CAPABILITY:
-        raise RuntimeError(
-            f"an fp8 KV cache read by the Triton kernel needs a GPU of compute capability >= 8.9 (this one: "
-            f"{torch.cuda.get_device_name(q.device)}); use kv_cache_dtype='int8'"
-        )
+    if kv_quant == 1 and (why := _fp8_refused(q)):
+        raise RuntimeError(f"an fp8 KV cache read by the Triton kernel needs {why}; use kv_cache_dtype='int8'")
     scale_t = torch.full((1,), scale, dtype=torch.float64 if fp64 else torch.float32, device=q.device)
     # fp8's K and V scales, each [1] (torch.full: filled on the device, no copy from the host, so no wait for it)
     k_scale_t, v_scale_t = (
@@ -408,13 +402,22 @@ def paged_attention_triton_8bit(
     return _launch(q, k, v, query_start_loc, seq_lens, block_tables, scale, 32, KV_QUANT[kind], k_scale, v_scale)
 
 
+def _fp8_refused(q: torch.Tensor) -> str | None:
+    """What this GPU and Triton lack to read an fp8 cache (None: nothing; the interpreter converts on any CPU)."""
+    if not q.is_cuda:
+        return None
+    if not FP8_IN_TRITON:
+        return f"a Triton with float8e4nv (installed: {triton.__version__})"
+    if torch.cuda.get_device_capability(q.device) < FP8_CAPABILITY:
+        return f"a GPU of compute capability >= 8.9 (this one: {torch.cuda.get_device_name(q.device)})"
+    return None
+
+
 def reads_in_place(q: torch.Tensor, kind: str) -> bool:
     """Whether paged_attention_triton_8bit takes this step: any dtype, but fp8 only where Triton converts e4m3
     (not on an A100, nor with a Triton too old to know the type: there an fp8 cache goes through the
     dequantized copy, features/quantization/kv.py)."""
-    if kind != "fp8" or not q.is_cuda:
-        return True
-    return FP8_IN_TRITON and torch.cuda.get_device_capability(q.device) >= FP8_CAPABILITY
+    return kind != "fp8" or _fp8_refused(q) is None
 
 
 paged_attention_triton.quantized = paged_attention_triton_8bit  # what an 8-bit cache's reader asks for (duck-typed)

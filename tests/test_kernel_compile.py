@@ -113,35 +113,25 @@ def test_fp8_kv_compiles_exactly_where_the_engine_allows_it(results):
             assert r.shared and not r.over_limit, (config, r.shared)
 
 
-def test_the_launch_refuses_an_fp8_cache_on_a_gpu_before_sm89(monkeypatch):
+@pytest.mark.parametrize("capability, triton_knows_fp8, refusal", [
+    ((8, 0), True, r"a GPU of compute capability >= 8\.9 \(this one: virtual GPU\)"),  # an A100
+    ((9, 0), False, r"a Triton with float8e4nv \(installed: 2\.1\.0\)"),  # an H100, a Triton before 2.2
+])  # fmt: skip
+def test_the_launch_refuses_an_fp8_cache_where_triton_cannot_convert_it(monkeypatch, capability, triton_knows_fp8,
+                                                                       refusal):  # fmt: skip
+    """The kernel refuses in one line, naming what is missing and kv_cache_dtype='int8'; and the cache's reader does
+    not ask it there (features/quantization/kv.py then reads through the copy), while int8 is read in place."""
     from virtual_gpu import on_cuda, virtual_gpu
 
-    with virtual_gpu(monkeypatch) as mode:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
-        q, k_cache, v_cache = on_cuda(mode, (torch.zeros(1, 2, 16, dtype=torch.bfloat16),
-                                             *(torch.zeros(2, 4, 1, 16, dtype=torch.uint8) for _ in range(2))))
-        meta = on_cuda(mode, (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                              torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
-        with pytest.raises(RuntimeError, match=r"fp8 KV cache .* compute capability >= 8\.9 .*kv_cache_dtype='int8'"):
-            ta.paged_attention_triton_8bit(q, k_cache, v_cache, *meta, 0.25, "fp8")
-        # the cache's reader does not ask it there (features/quantization/kv.py then reads through the copy)
-        assert not ta.reads_in_place(q, "fp8") and ta.reads_in_place(q, "int8")
-
-
-def test_the_launch_refuses_an_fp8_cache_with_a_triton_too_old_for_it(monkeypatch):
-    """A Triton without float8e4nv (before 2.2): the kernel refuses in one line, and the cache's reader does not
-    ask it (the copy reads the cache), even on an H100."""
-    from virtual_gpu import on_cuda, virtual_gpu
-
-    monkeypatch.setattr(ta, "FP8_IN_TRITON", False)
+    monkeypatch.setattr(ta, "FP8_IN_TRITON", triton_knows_fp8)
     monkeypatch.setattr(ta.triton, "__version__", "2.1.0")
     with virtual_gpu(monkeypatch) as mode:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
         q, k_cache, v_cache = on_cuda(mode, (torch.zeros(1, 2, 16, dtype=torch.bfloat16),
                                              *(torch.zeros(2, 4, 1, 16, dtype=torch.uint8) for _ in range(2))))
         meta = on_cuda(mode, (torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
                               torch.tensor([[0]], dtype=torch.int32)))  # fmt: skip
-        with pytest.raises(RuntimeError, match=r"needs a Triton with float8e4nv \(installed: 2\.1\.0\)"):
+        with pytest.raises(RuntimeError, match=rf"fp8 KV cache .* needs {refusal}; use kv_cache_dtype='int8'"):
             ta.paged_attention_triton_8bit(q, k_cache, v_cache, *meta, 0.25, "fp8")
         assert not ta.reads_in_place(q, "fp8") and ta.reads_in_place(q, "int8")
 
