@@ -37,7 +37,6 @@ hidden states in, the head's own KV cache, drafts after sampling), `model_execut
 
 from __future__ import annotations
 
-import itertools
 import json
 from pathlib import Path
 
@@ -154,10 +153,7 @@ class EagleProposer(DraftModelProposer):
                 reqs.append((req, 0))
                 req.draft_num_computed = end
         if chunks:
-            w = self.head.fc.weight
-            self.head.features = torch.cat(feats).to(device=w.device, dtype=w.dtype)
-            tables = [self.block_table(r) for r, _ in reqs]
-            self.worker.execute(ModelInput.build(chunks, tables, self.block_size, [0] * len(chunks)))
+            self._run(chunks, feats, reqs, sample=False)
 
     def _features(self, req: SpecRequest, first: int, n: int) -> torch.Tensor:
         """The target's features at positions first - 1 .. first + n - 2 (zeros where not filed)."""
@@ -193,15 +189,15 @@ class EagleProposer(DraftModelProposer):
         self.g.update({r.seq_id: row for (r, _), row in zip(active, g_rows)})
         return logits
 
-    def _run(self, chunks, feats, reqs) -> tuple[torch.Tensor, torch.Tensor]:
+    def _run(self, chunks, feats, reqs, sample: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of the head over `chunks` (their features beside them) -> each chunk's last row's logits
-        [D, V] and g [D, H] (what its next row reads)."""
+        [D, V] and g [D, H] (what its next row reads); `sample=False`: the rows' K/V only (no logits row)."""
         w = self.head.fc.weight
         self.head.features = torch.cat(feats).to(device=w.device, dtype=w.dtype)  # [T, H]
         tables = [self.block_table(r) for r, _ in reqs]
-        logits = self.worker.execute(ModelInput.build(chunks, tables, self.block_size, [1] * len(chunks)))
-        last = torch.tensor(list(itertools.accumulate(len(toks) for toks, _ in chunks)), device=w.device) - 1
-        return logits, self.worker.runner.hidden[last]
+        batch = ModelInput.build(chunks, tables, self.block_size, [int(sample)] * len(chunks))
+        logits = self.worker.execute(batch)
+        return logits, self.worker.runner.hidden[batch.logits_indices.to(w.device)]  # (the rows the logits are of)
 
     @staticmethod
     def _forget(req: SpecRequest) -> None:
