@@ -27,7 +27,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ladder.models import train_tiny_module
+from ladder.models import train_eagle_module, train_tiny_module
 
 pytestmark = pytest.mark.models
 
@@ -335,19 +335,13 @@ def test_the_mixture_writes_words_and_uses_every_expert(tokenizer):
 EAGLE = REPO / "models" / "tiny-shakespeare-eagle"
 
 
-def train_eagle():
-    from ladder.models import train_eagle_module
-
-    return train_eagle_module()
-
-
 def test_eagle_training_is_reproducible(tmp_path):
     """Same seed, same weights, bit for bit (three steps of 2 x 32 bytes over the real target); another seed, others."""
     import argparse
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(HELD_OUT * 4)
-    te = train_eagle()
+    te = train_eagle_module()
 
     def weights(seed: int) -> dict:
         args = argparse.Namespace(seed=seed, target=str(TARGET), corpus=str(corpus), lr=2e-3, steps=3, batch_size=2,
@@ -377,7 +371,7 @@ def test_the_committed_eagle_head_drafts_what_the_target_writes(target, draft, r
     that over a chain of its own features; a head that ignores what it reads agrees almost never (checked: the
     same head with its fc zeroed). Measured: the head's first draft 0.789 right (then 0.769, 0.725 along its
     chain: 2.84 tokens a step with 3 drafts), the draft model's 0.749, the zeroed head's 0.0."""
-    te = train_eagle()
+    te = train_eagle_module()
     head = te.load_head(EAGLE, target)
     prompt_len, out = romeo
     got = te.acceptance_on(target, head, out, prompt_len, k=3)

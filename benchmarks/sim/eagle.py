@@ -49,8 +49,9 @@ def eagle_shape(target: ModelShape) -> ModelShape:
     return replace(target, name="eagle head", num_layers=1)
 
 
-def run_one(target: str, gpu_name: str, draft: ModelShape | None, alpha, k: int, prompt: int, output: int) -> float:
-    """Output tokens per second of the modelled clock for one request, alone."""
+def run_one(target: str, gpu_name: str, draft: ModelShape | None, alpha, k: int, prompt: int,
+            output: int) -> tuple[float, float]:  # fmt: skip
+    """(output tokens per second of the modelled clock, mean tokens a step) for one request, alone."""
     clock = SimClock()
     common = dict(hardware=gpu(gpu_name), clock=clock, kv_cache_memory=8 << 30)
     if draft is None:
