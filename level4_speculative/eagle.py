@@ -122,9 +122,9 @@ class EagleProposer(DraftModelProposer):
 
     def __init__(self, worker: Worker, target_runner, block_table, block_size: int, sampler: Sampler):
         super().__init__(worker, block_table, block_size, sampler)
-        self.target_runner = target_runner  # its `hidden` [T, H] after each forward (keep_hidden)
+        self.target_runner = target_runner  # its `hidden` [T, H] after each forward: the target's features
         self.head = worker.model
-        worker.runner.keep_hidden = True  # the head's own g of its sampled rows
+        target_runner.keep_hidden = worker.runner.keep_hidden = True  # (the head's: its own g of its last rows)
         self.g: dict[int, torch.Tensor] = {}  # during `propose`: each drafting request's last g [H]
 
     def prefill(self, sched) -> None:

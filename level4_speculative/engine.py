@@ -177,7 +177,6 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.speculative_config.method == "eagle":
             from .eagle import EagleProposer
 
-            self.worker.runner.keep_hidden = True  # the target's features, for the head's rows
             return EagleProposer(draft_worker, self.worker.runner, self.kv.block_table, c.block_size, self.sampler)
         return DraftModelProposer(draft_worker, self.kv.block_table, c.block_size, self.sampler)
 
