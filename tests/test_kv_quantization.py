@@ -33,6 +33,27 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+TOLERANCE = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 5e-3, torch.bfloat16: 2e-2}  # in place vs copy
+
+
+def read_both_ways(fmt, attend, dtype: torch.dtype, g: torch.Generator, D: int):
+    """An 8-bit cache written at random (slots out of order), read by `attend`'s in-place reader and by the torch
+    backend over the dequantized copy: decodes and a 3-token chunk, GQA (4 query heads on 2), blocks out of order.
+    -> (format, caches, meta, q, in place [5, Hq, D], copy)."""
+    from level1_paged.attention_ref import paged_attention_torch
+
+    f, (N, bs, H, Hq) = fmt(), (12, 4, 2, 4)
+    caches = [torch.zeros(N, bs, H, f.head_bytes(D), dtype=torch.uint8) for _ in range(2)]
+    write, in_place = f.wrap(attend)
+    _, copied = f.wrap(paged_attention_torch)
+    write(*(torch.randn(N * bs, H, D, generator=g).to(dtype) * 3 for _ in range(2)), *caches,
+          torch.randperm(N * bs, generator=g))  # fmt: skip
+    meta = (torch.tensor([0, 1, 4, 5], dtype=torch.int32), torch.tensor([9, 13, 2], dtype=torch.int32),
+            torch.tensor([[7, 1, 2, 0], [3, 11, 5, 6], [9, 0, 0, 0]], dtype=torch.int32))  # fmt: skip
+    q = torch.randn(5, Hq, D, generator=g).to(dtype)
+    return f, caches, meta, q, in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
+
+
 # CPU tensors through Triton's interpreter, which a CUDA machine's process does not run (its triton is compiled):
 # there tests/test_level1_kernel.py's test_triton_8bit_kv_native_gpu runs the kernel for real instead.
 on_the_interpreter = pytest.mark.skipif(torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
@@ -268,27 +289,16 @@ def test_the_triton_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
     dequantized copy: decodes and a 3-token chunk, GQA, blocks out of order, head_dim 16 and 20 (int8's scale at
     byte 20 of a 24-byte slot), fp8 with its calibrated scales (not 1.0, so a kernel that forgot them fails)."""
     pytest.importorskip("triton", reason="the Triton kernel needs triton (Linux)")
-    from level1_paged.attention_ref import paged_attention_torch
     from level1_paged.triton_attention import paged_attention_triton
 
     assert paged_attention_triton.quantized is not None  # so wrap() reads in place, not through the copy
     g = torch.Generator().manual_seed(0)
     for D in (16, 20):
-        f, (N, bs, H, Hq) = fmt(), (12, 4, 2, 4)
-        caches = [torch.zeros(N, bs, H, f.head_bytes(D), dtype=torch.uint8) for _ in range(2)]
-        write, in_place = f.wrap(paged_attention_triton)
-        _, copied = f.wrap(paged_attention_torch)
-        write(*(torch.randn(N * bs, H, D, generator=g).to(dtype) * 3 for _ in range(2)), *caches,
-              torch.randperm(N * bs, generator=g))  # fmt: skip
+        f, caches, _, _, fast, ref = read_both_ways(fmt, paged_attention_triton, dtype, g, D)
         if f.name == "fp8":
             assert all(abs(f.scale(c) - 1.0) > 0.01 for c in caches)
-        meta = (torch.tensor([0, 1, 4, 5], dtype=torch.int32), torch.tensor([9, 13, 2], dtype=torch.int32),
-                torch.tensor([[7, 1, 2, 0], [3, 11, 5, 6], [9, 0, 0, 0]], dtype=torch.int32))  # fmt: skip
-        q = torch.randn(5, Hq, D, generator=g).to(dtype)
-        fast, ref = in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
         # fp32/fp64: the same products in the same dtype; fp16/bf16: the copy rounds K and V to 16 bits, the kernel not
-        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
-        assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
+        assert (fast.double() - ref.double()).abs().max() <= TOLERANCE[dtype] * ref.double().abs().max(), (D, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=dtype_name)
@@ -320,22 +330,10 @@ def test_the_compiled_kernel_reads_8_bits_in_place_as_the_copy_does(fmt, dtype):
 
     if not cpu.available():
         pytest.skip(f"the CPU kernel does not build here: {cpu.build_error()}")
-    from level1_paged.attention_ref import paged_attention_torch
-
     g = torch.Generator().manual_seed(0)
     for D in (16, 20):
-        f, (N, bs, H, Hq) = fmt(), (12, 4, 2, 4)
-        caches = [torch.zeros(N, bs, H, f.head_bytes(D), dtype=torch.uint8) for _ in range(2)]
-        write, in_place = f.wrap(cpu.paged_attention_cpu)
-        _, copied = f.wrap(paged_attention_torch)
-        write(*(torch.randn(N * bs, H, D, generator=g).to(dtype) * 3 for _ in range(2)), *caches,
-              torch.randperm(N * bs, generator=g))  # fmt: skip
-        meta = (torch.tensor([0, 1, 4, 5], dtype=torch.int32), torch.tensor([9, 13, 2], dtype=torch.int32),
-                torch.tensor([[7, 1, 2, 0], [3, 11, 5, 6], [9, 0, 0, 0]], dtype=torch.int32))  # fmt: skip
-        q = torch.randn(5, Hq, D, generator=g).to(dtype)
-        fast, ref = in_place(q, *caches, *meta, 0.25), copied(q, *caches, *meta, 0.25)
-        tol = {torch.float32: 1e-5, torch.float64: 1e-12, torch.bfloat16: 2e-2}[dtype]
-        assert (fast.double() - ref.double()).abs().max() <= tol * ref.double().abs().max(), (D, dtype)
+        f, caches, meta, q, fast, ref = read_both_ways(fmt, cpu.paged_attention_cpu, dtype, g, D)
+        assert (fast.double() - ref.double()).abs().max() <= TOLERANCE[dtype] * ref.double().abs().max(), (D, dtype)
         if dtype != torch.bfloat16:  # bit for bit: the same kernel's float walk over the dequantized cache
             k, v = (f.dequantize(c, dtype, c).contiguous() for c in caches)
             assert torch.equal(fast, cpu.paged_attention_cpu(q, k, v, *meta, 0.25)), (D, dtype)
