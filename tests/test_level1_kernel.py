@@ -330,24 +330,37 @@ def test_cpu_kernel_mutant_and_auto():
 @needs_cpu_kernel
 def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
     """The C code trusts its metadata; the range checks run once per step's tensors (a step's
-    layers reuse them), and again for a new tensor or one written in place since."""
+    layers reuse them), and again for a new tensor or one written in place since; an engine's
+    metadata, made in inference mode (no version to watch), is remembered as the very object."""
     w = make_workload([1, 1], [9, 12], 8, 2, 64, 8, torch.float32, seed=2)
     args = lambda tables: (w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens, tables, w.scale)  # noqa: E731
     tables = w.block_tables.clone()
-    memo, shape = cpu_attention._ATTENTION_CHECKED, tuple(w.k_cache.shape[:2])
+    memo, shape = cpu_attention._ATTENTION_META, tuple(w.k_cache.shape[:2])
+    key = lambda tables: (w.query_start_loc, w.seq_lens, tables)  # noqa: E731
     cpu_attention.kernel(*args(tables))  # checked and remembered
-    lens = w.seq_lens.to(torch.int32).contiguous()  # the same object the kernel saw (already int32)
-    assert memo.seen((tables, lens), shape)  # the next layer of this step skips the checks
+    assert memo.seen(key(tables), shape)  # the next layer of this step skips the checks
+    assert not memo.seen(key(tables), (shape[0] - 1, shape[1]))  # (a smaller cache: checked again)
     cpu_attention.kernel(*args(tables))
     tables[0, 0] = w.k_cache.shape[0]  # one past the last block, written in place: its version moves
-    assert not memo.seen((tables, lens), shape)
+    assert not memo.seen(key(tables), shape)
     with pytest.raises(IndexError, match="block ids outside"):
         cpu_attention.kernel(*args(tables))
     bad = w.block_tables.clone()
     bad[1, 0] = -1  # a new tensor, never checked
     with pytest.raises(IndexError, match="block ids outside"):
         cpu_attention.kernel(*args(bad))
+    with torch.inference_mode():  # as an engine's step makes them: each new tensor checked, then remembered
+        good, bad = w.block_tables.clone(), w.block_tables.clone()
+        bad[0, 1] = w.k_cache.shape[0]
+        torch.testing.assert_close(cpu_attention.kernel(*args(good)), cpu_attention.kernel(*args(w.block_tables)))
+        assert memo.seen(key(w.block_tables), shape) and not memo.seen(key(good), shape)
+        with pytest.raises(IndexError, match="block ids outside"):
+            cpu_attention.kernel(*args(bad))
+        assert not memo.seen(key(bad), shape)  # (a failed check remembers nothing)
+        slots = torch.tensor([0, 1])
     k, v = torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)
+    cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
+    assert cpu_attention._SLOTS.seen((slots,), shape)
     slots = torch.tensor([0, 1])
     cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
     slots[1] = w.k_cache.shape[0] * w.k_cache.shape[1]  # past the last slot
