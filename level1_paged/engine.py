@@ -101,11 +101,6 @@ def compilation_for(config, parallel: bool = False) -> object:
         if part.asked:
             raise ValueError("compilation_config with enable_lora=True is not built: use enforce_eager=True")
         return None
-    spec = getattr(config, "speculative", None)
-    if spec is not None and spec.method == "eagle":  # (the head reads the runner's hidden states: not a graph output)
-        if part.asked:
-            raise ValueError("compilation_config with speculative_config method 'eagle' is not built: use enforce_eager=True")
-        return None
     if getattr(config.model, "quantization", None) is not None:  # (quantized weights: objects a graph cannot hold)
         if part.asked:
             raise ValueError("compilation_config with quantization is not built: use enforce_eager=True")

@@ -28,8 +28,11 @@ head's cache holds it, as for a draft model) but not the target's feature at the
 first computed token: that row reads zeros (only its own K/V is the poorer for it; the output, which
 the verification decides, is the target's either way).
 
-What it is not: EAGLE-2's draft trees or EAGLE-3's fused features; the head on level 5's ranks (refused);
-the compiled step with EAGLE (refused: the runner's hidden states are not a graph output).
+With the compiled step (features/compilation, a CPU's default) the target runs compiled and its hidden
+states are the graph's output, kept the same way; the head runs eager: its second input, the features,
+is not one the compiled runner passes (it traces `model(input_ids, positions)`), and it is one layer.
+
+What it is not: EAGLE-2's draft trees or EAGLE-3's fused features; the head on level 5's ranks (refused).
 
 Reference: Li et al., "EAGLE" (ICML 2024); vLLM `v1/spec_decode/eagle.py` (EagleProposer: the target's
 hidden states in, the head's own KV cache, drafts after sampling), `model_executor/models/llama_eagle.py`.

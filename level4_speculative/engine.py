@@ -171,10 +171,11 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.draft.config.max_position_embeddings < self.max_model_len:
             raise ValueError(f"speculative_config.model {self.speculative_config.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
-        c = self.config.cache
+        c, eagle = self.config.cache, self.speculative_config.method == "eagle"
+        compilation = None if eagle else compilation_for(self.config)  # (the head: eager, eagle.py says why)
         draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend,
-                              self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
-        if self.speculative_config.method == "eagle":
+                              self.config.model.batch_invariant, compilation)  # fmt: skip
+        if eagle:
             from .eagle import EagleProposer
 
             return EagleProposer(draft_worker, self.worker.runner, self.kv.block_table, c.block_size, self.sampler)

@@ -17,7 +17,7 @@ import torch
 from conftest import VOCAB
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_equivalence import AllAccepted, Staggered, WarmCache, kv_bytes, workloads
+from test_equivalence import AllAccepted, Staggered, WarmCache, eagle_checkpoint, kv_bytes, workloads
 
 import level1_paged
 import level2_continuous
@@ -246,6 +246,35 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
         torch.testing.assert_close(cb, ca, rtol=1e-4, atol=1e-5)
         # slot 11 (after the 3 real rows' slots) and block 0 (a padding row's position 0) untouched
         assert cb[2, 3].abs().sum() == 0 and cb[0].abs().sum() == 0
+
+
+@pytest.mark.level4
+def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
+    """The head drafts from the target's hidden states, the compiled graph's output when the target is
+    compiled: every forward of the head gets the same features as over the eager target (float64, but
+    for the RoPE angles' rounding), so it drafts as many tokens, and the output is the same."""
+    spec = {"method": "eagle", "model": str(eagle_checkpoint(llama_dir)), "num_speculative_tokens": 3}
+    prompts, seen = [[1, 2, 3, 4, 5], [9, 8, 7], [4] * 11], {}
+    for name, extra in (("eager", {"enforce_eager": True}), ("compiled", {"compilation_config": 3})):
+        llm = level4_speculative.LLM(llama_dir, dtype="float64", block_size=4, speculative_config=spec, **extra)
+        proposer = llm.llm_engine.proposer
+        head, run, features = proposer.head, proposer._run, []
+
+        def spy(*args, _run=run, _head=head, _features=features, **kwargs):
+            out = _run(*args, **kwargs)
+            _features.append(_head.features.clone())
+            return out
+
+        proposer._run = spy
+        seen[name] = (greedy(llm, prompts, 10), features, llm.spec_decode_stats().num_draft_tokens)
+    runner = runner_of(llm)
+    assert runner.eager_reason is None and runner.backend.counters.graphs == 2  # the target really ran compiled
+    (tokens, eager_features, drafts), (compiled_tokens, compiled_features, compiled_drafts) = seen["eager"], seen["compiled"]
+    assert compiled_tokens == tokens and compiled_drafts == drafts > 0
+    assert len(compiled_features) == len(eager_features) > 3
+    for a, b in zip(compiled_features, eager_features):  # (the compiled RoPE's cos and sin are float32's: 1e-7 apart)
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        assert a.abs().sum() > 0  # (features, not the zeros a missing one reads)
 
 
 @pytest.mark.level3

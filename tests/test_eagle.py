@@ -172,6 +172,3 @@ def test_a_head_that_does_not_fit_is_a_one_line_error(checkpoint_factory):
         level4_speculative.LLM(path, dtype="float64", speculative_config=eagle(other))
     with pytest.raises(ValueError, match=r"speculative_config.model is required for method 'eagle'"):
         level4_speculative.LLM(path, speculative_config={"method": "eagle", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match=r"compilation_config with speculative_config method 'eagle' is not built"):
-        level4_speculative.LLM(path, dtype="float64", speculative_config=eagle(eagle_checkpoint(path)),
-                               compilation_config=3)  # fmt: skip

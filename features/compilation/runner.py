@@ -24,7 +24,8 @@ Dynamo cannot trace, a recompile limit) the runner says why in one log line and 
 What it is not: a second model (the same modules and weights), or a cache of compiled code of
 our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
 level 5), or with `batch_invariant=True` (refused). Level 4's draft model has a runner of its own,
-compiled too. It changes Dynamo's recompile limits for the whole process (`_allow_many_engines`).
+compiled too; EAGLE's head runs eager over the compiled target, whose hidden states this runner keeps
+as the eager one does (`keep_hidden`: the graph's output, the real rows). It changes Dynamo's recompile limits for the whole process (`_allow_many_engines`).
 
 Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
 the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
@@ -106,6 +107,11 @@ class CompiledRunner:
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model(input_ids, positions, OPAQUE)  # [Tp, hidden]; what Dynamo traces
 
+    # keep_hidden / hidden: the eager runner's (model_runner.py), whichever way the step ran
+    keep_hidden = property(lambda self: self.runner.keep_hidden,
+                           lambda self, on: setattr(self.runner, "keep_hidden", on))  # fmt: skip
+    hidden = property(lambda self: self.runner.hidden)
+
     def padded(self, n: int) -> int:
         """The capture size a batch of n tokens runs at (n itself above the largest, or with none)."""
         i = bisect.bisect_left(self.capture_sizes, n)
@@ -123,6 +129,8 @@ class CompiledRunner:
         except COMPILE_ERRORS as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
             self._fall_back(e)
             return self.runner.forward(batch, attn)
+        if self.runner.keep_hidden:  # (EAGLE's features: the real rows, copied out before the next replay)
+            self.runner.hidden = hidden[: batch.input_ids.shape[0]]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]: real rows only
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
