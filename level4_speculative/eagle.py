@@ -32,7 +32,14 @@ With the compiled step (features/compilation, a CPU's default) the target runs c
 states are the graph's output, kept the same way; the head runs eager: its second input, the features,
 is not one the compiled runner passes (it traces `model(input_ids, positions)`), and it is one layer.
 
-What it is not: EAGLE-2's draft trees or EAGLE-3's fused features; the head on level 5's ranks (refused).
+Over level 5's tensor-parallel ranks the head runs on the driver, as a draft model does there, beside a
+copy of the target's two ends (`target_ends`: embeddings and LM head, read from the checkpoint; the
+driver holds no other target weights), and reads the hidden states of the driver's own rank: every TP
+rank holds them whole after the last layer's all-reduce, so they cost no message. Not on every rank:
+the head's cache and sampling would then be repeated tp times for the same drafts.
+
+What it is not: EAGLE-2's draft trees or EAGLE-3's fused features; the head with pipeline parallelism
+(refused: the last stage's hidden states would have to travel to the driver too).
 
 Reference: Li et al., "EAGLE" (ICML 2024); vLLM `v1/spec_decode/eagle.py` (EagleProposer: the target's
 hidden states in, the head's own KV cache, drafts after sampling), `model_executor/models/llama_eagle.py`.
@@ -41,6 +48,7 @@ hidden states in, the head's own KV cache, drafts after sampling), `model_execut
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -49,6 +57,7 @@ from torch import nn
 from ladder.models import resolve_path
 from level0_naive.loader import LoadedModel, model_config_from_hf
 from level0_naive.model import DecoderLayer, Linear, ModelConfig, RMSNorm, Transformer, rope_inv_freq
+from level0_naive.ops import DEFAULT_OPS, Ops
 from level0_naive.sampler import Sampler
 from level1_paged.model_input import ModelInput
 from level1_paged.worker import Worker
@@ -85,7 +94,33 @@ class EagleModel(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
-def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device) -> LoadedModel:
+def target_ends(target: LoadedModel, dtype: torch.dtype, device, ops: Ops) -> Transformer:
+    """The target's two ends alone, a model of no layers: its embeddings and LM head (and final norm) read from
+    its checkpoint, every other tensor left unread. What the head shares when the target's layers live in other
+    processes (level 5's ranks), so that the driver, where the head runs, holds these two and nothing more."""
+    from safetensors import safe_open
+
+    from level0_naive.loader import checkpoint_name
+
+    path, cfg = Path(target.path), target.config
+    index = path / "model.safetensors.index.json"
+    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    with torch.device("meta"):
+        ends = Transformer(replace(cfg, num_layers=0), ops)
+    state = {}
+    for name in ends.state_dict():
+        if cfg.tie_word_embeddings and name == "lm_head.weight":
+            continue
+        stored = checkpoint_name(name, target.hf_config.get("model_type", ""))
+        with safe_open(str(path / (files[stored] if files else "model.safetensors")), "pt") as f:
+            state[name] = f.get_tensor(stored).to(dtype=dtype, device=device)
+    ends.load_state_dict(state, strict=False, assign=True)
+    if cfg.tie_word_embeddings:
+        ends.lm_head.weight = ends.model.embed_tokens.weight
+    return ends.eval()
+
+
+def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device, ops: Ops = DEFAULT_OPS) -> LoadedModel:
     """The head's checkpoint (config.json + model.safetensors, models/train_eagle.py's `save`) over `target`,
     checked: its hidden size and vocabulary must be the target's (it reads the target's features and shares
     its embeddings and LM head)."""
@@ -100,9 +135,9 @@ def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device) -> Lo
     if (cfg.hidden_size, cfg.vocab_size) != (tcfg.hidden_size, tcfg.vocab_size):
         raise ValueError(f"the EAGLE head {name!r} has hidden size {cfg.hidden_size} and a vocabulary of "
                          f"{cfg.vocab_size}; the target's are {tcfg.hidden_size} and {tcfg.vocab_size}")  # fmt: skip
-    if target.model is None:
-        raise ValueError("method 'eagle' needs the target's weights in this process (not built over level 5's ranks)")
-    model = EagleModel(cfg, target.model)  # (its embeddings and LM head: the target's modules)
+    # (its embeddings and LM head: the target's modules; over level 5's ranks, where this process holds no
+    # target weights, a copy of those two read from the target's checkpoint)
+    model = EagleModel(cfg, target.model if target.model is not None else target_ends(target, dtype, device, ops))
     # A checkpoint may carry copies of the target's embeddings or LM head (some published heads do): they are
     # dropped, never loaded, since loading them would write into the target's own modules, which the head shares
     state = {k: v.to(dtype) for k, v in load_file(str(Path(path) / "model.safetensors")).items()
@@ -115,7 +150,7 @@ def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device) -> Lo
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32, as the target's (.to(dtype) rounded it)
     for module in model.modules():  # the target's ops (ops.py: batch-invariant ones, say) for the head's layer too
         if hasattr(module, "ops"):
-            module.ops = target.model.ops
+            module.ops = target.model.ops if target.model is not None else ops
     return LoadedModel(model, cfg, None, [], Path(path), hf, {})
 
 

@@ -139,7 +139,7 @@ class SpeculativeEngine(PrefixCachingEngine):
         if self.speculative_config is not None and self.speculative_config.method == "eagle":
             from .eagle import load_eagle  # a head over the target's own features (eagle.py)
 
-            self.draft = load_eagle(self.speculative_config.model, target, self.dtype, self.device)
+            self.draft = load_eagle(self.speculative_config.model, target, self.dtype, self.device, self.ops)
         if self.speculative_config is not None and self.speculative_config.method == "draft_model":
             self.draft = load_model(self.speculative_config.model, self.dtype, self.device, self.ops)
             tv, dv = target.config.vocab_size, self.draft.config.vocab_size

@@ -98,7 +98,11 @@ class ParallelEngine(SpeculativeEngine):
                 f"tensor_parallel_size={self.tp} must divide num_attention_heads={loaded.config.num_heads}"
             )
         partition_layers(loaded.config.num_layers, self.pp, self.config.parallel.pipeline_partition)
-        self.load_draft(loaded)  # level 4: the draft lives with the driver, whole
+        spec = self.config.speculative
+        if spec is not None and spec.method == "eagle" and self.pp > 1:
+            raise ValueError("speculative_config method 'eagle' at pipeline_parallel_size > 1 is not built (the head, "
+                             "on the driver, reads the last stage's hidden states, which stay on that stage's ranks)")  # fmt: skip
+        self.load_draft(loaded)  # level 4: the draft (or EAGLE's head, with the target's two ends) lives with the driver
         return loaded
 
     def kv_bytes_per_token(self) -> int:

@@ -184,6 +184,12 @@ class MultiprocExecutor:
         self.vocab_size = self.worker.model.full_config.vocab_size
         self.logits_dtype = torch.promote_types(spec.dtype, torch.float32)
 
+    @property
+    def runner(self):
+        """The driver's own rank's runner: where level 4's EAGLE proposer finds the step's hidden states (the
+        driver is TP rank 0 of the last stage when pipeline_parallel_size is 1, the only layout it is built for)."""
+        return self.worker.runner
+
     # --- the Executor Protocol -----------------------------------------------------------------------
     def execute(self, model_input: ModelInput) -> torch.Tensor:
         """One micro-batch, start to end (tensor parallelism only, or an idle pipeline)."""

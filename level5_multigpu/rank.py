@@ -143,6 +143,8 @@ class RankWorker(Worker):
         mi = model_input.to(self.device)
         out = self.model(mi.input_ids, mi.positions, mi.attention_backend(self.cache, self.impl, self.scale), hidden=hidden)
         if self.model.last:
+            if self.runner.keep_hidden:  # (level 4's EAGLE head, on the driver: the last stage's hidden states)
+                self.runner.hidden = out
             out = self.model.compute_logits(out[mi.logits_indices])
         self.timeline.events.append((mb, t0, time.perf_counter()))
         return out

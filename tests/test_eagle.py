@@ -105,6 +105,48 @@ def test_a_random_head_gives_level_3s_tokens_under_preemption_chunks_and_hits(ar
     assert engine.spec_stats.num_draft_tokens > 0
 
 
+def spy_on_features(llm) -> list:
+    """Every forward's features of the engine's head, as it reads them (a copy each)."""
+    proposer, seen = llm.llm_engine.proposer, []
+    run = proposer._run
+
+    def spied(*args, **kwargs):
+        out = run(*args, **kwargs)
+        seen.append(proposer.head.features.clone())
+        return out
+
+    proposer._run = spied
+    return seen
+
+
+@pytest.mark.level5
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_over_tensor_parallel_ranks_the_head_on_the_driver_reads_the_same_features(arch, checkpoint_factory):
+    """tensor_parallel_size=2: the head runs on the driver with a copy of the target's two ends (embeddings, LM
+    head), reading the hidden states the driver's own rank computed (every TP rank holds them whole after the
+    last all-reduce): the same features, drafts and tokens as in one process; pipeline parallelism is refused."""
+    import level5_multigpu
+
+    path = checkpoint_factory(arch)
+    spec = eagle(eagle_checkpoint(path), 3)
+    prompts, params = [[5, 6, 7, 8, 9], [30, 31] * 5, [3] * 9], SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    one = level4_speculative.LLM(path, dtype="float64", block_size=4, speculative_config=spec)
+    one_features = spy_on_features(one)
+    want = [o.outputs[0].token_ids for o in one.generate(prompts, params, progress=False)]
+    with level5_multigpu.LLM(path, dtype="float64", block_size=4, speculative_config=spec, tensor_parallel_size=2,
+                             distributed_timeout_s=60) as llm:  # fmt: skip
+        assert llm.llm_engine.draft.model.lm_head is not one.llm_engine.draft.model.lm_head  # (a copy: no target here)
+        features = spy_on_features(llm)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, progress=False)] == want
+        assert llm.spec_decode_stats().num_draft_tokens == one.spec_decode_stats().num_draft_tokens > 0
+    assert len(features) == len(one_features) > 3
+    for a, b in zip(features, one_features):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)  # (the ranks' halves summed: float64's rounding)
+        assert a.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"method 'eagle' at pipeline_parallel_size > 1 is not built"):
+        level5_multigpu.LLM(path, dtype="float64", speculative_config=spec, pipeline_parallel_size=2)
+
+
 def test_a_request_that_never_drafts_still_names_its_prompts_blocks(checkpoint_factory):
     """The head's rows over a prompt chunk are computed right after the target's forward (as a draft model's
     prefill keeps up), so a block is named at once: one token each, the same prompt again hits every full block."""
