@@ -39,6 +39,7 @@ from __future__ import annotations
 import threading
 import weakref
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -135,17 +136,38 @@ def _version(t: torch.Tensor) -> int | None:
     return None if t.is_inference() else t._version
 
 
-_ATTENTION_META, _ROUTES, _SLOTS = _StepMemo(), _StepMemo(), _StepMemo()
+_ATTENTION_META, _SLOTS = _StepMemo(), _StepMemo()
 
 
-def _checked_metadata(query_start_loc, seq_lens, block_tables, num_blocks: int, block_size: int):
-    """-> (query_start_loc, seq_lens, block_tables) as int32 contiguous tensors, their ranges checked."""
+class _Metadata(NamedTuple):
+    """One step's attention metadata as the C code takes it, checked: int32 contiguous tensors (kept here
+    so their memory outlives the calls) and the arguments made of them."""
+
+    tensors: tuple[torch.Tensor, ...]  # query_start_loc, seq_lens, block_tables
+    args: tuple  # their pointers, the number of sequences, the block tables' width
+    route: tuple | None  # paged_attention_cpu's split (`_route`), None: every sequence to the kernel
+
+
+def _checked_metadata(query_start_loc, seq_lens, block_tables, num_blocks: int, block_size: int) -> _Metadata:
+    """The step's metadata as int32 contiguous tensors, their ranges checked, and how it is routed."""
     qsl, lens, tables = (t.to(torch.int32).contiguous() for t in (query_start_loc, seq_lens, block_tables))
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise IndexError(f"block_tables hold block ids outside 0..{num_blocks - 1}")
     if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
         raise IndexError("a seq_len is longer than its block table covers")
-    return qsl, lens, tables
+    args = (qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(), len(lens))
+    return _Metadata((qsl, lens, tables), args + (tables.shape[1],), _route(query_start_loc, seq_lens))
+
+
+def _metadata(query_start_loc, seq_lens, block_tables, k_cache) -> _Metadata:
+    """The step's `_Metadata`, made once for all its layers (_StepMemo)."""
+    shape = k_cache.shape
+    return _ATTENTION_META.get((query_start_loc, seq_lens, block_tables), (shape[0], shape[1]),
+                               lambda: _checked_metadata(query_start_loc, seq_lens, block_tables, shape[0], shape[1]))  # fmt: skip
+
+
+def _function(name: str):
+    return LIBRARY.function(name, "attention_backend='cpu'")
 
 
 def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: float, kind: str | None = None,
@@ -155,9 +177,17 @@ def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: 
     level 1's ``model_input.ModelInput`` builds it; anything else is converted first). `kind`:
     an 8-bit cache of bytes ("int8": [N, bs, Hkv, D + 4], "fp8": [N, bs, Hkv, D] and its layer's
     `k_scale`, `v_scale`), read in place."""
-    lib = require()
     if q.dtype not in SUFFIX:
         raise TypeError(f"the CPU kernel takes {', '.join(map(str, SUFFIX))}, not {q.dtype}")
+    # The C code trusts its metadata: an out-of-range entry would read memory torch indexing would refuse.
+    # Checked (and made int32) once for a step's layers (_StepMemo).
+    return _launch(q, k_cache, v_cache, _metadata(query_start_loc, seq_lens, block_tables, k_cache), scale, kind,
+                   k_scale, v_scale)  # fmt: skip
+
+
+def _launch(q, k_cache, v_cache, md: _Metadata, scale: float, kind: str | None = None, k_scale: float = 1.0,
+            v_scale: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """`kernel` once its step's metadata is checked (`md`): the caches checked, and one call of the C code."""
     cache_dtype = q.dtype if kind is None else torch.uint8
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.dtype != cache_dtype or not t.is_contiguous() or t.device.type != "cpu":
@@ -165,21 +195,15 @@ def kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale: 
     if kind is not None and (k_cache.shape[1] > 1024 or k_cache.shape[3] != q.shape[2] + (4 if kind == "int8" else 0)):
         raise ValueError(f"an {kind} cache of block_size <= 1024 and {q.shape[2]} values a head, not {tuple(k_cache.shape)}")
     q = q.contiguous()
-    # The C code trusts its metadata: an out-of-range entry would read memory torch indexing would refuse.
-    # Checked (and made int32) once for a step's layers (_StepMemo).
-    qsl, lens, tables = _ATTENTION_META.get(
-        (query_start_loc, seq_lens, block_tables), tuple(k_cache.shape[:2]),
-        lambda: _checked_metadata(query_start_loc, seq_lens, block_tables, k_cache.shape[0], k_cache.shape[1]),
-    )  # fmt: skip
+    qsl, lens, tables, num_seqs, width = md.args
     out = torch.empty_like(q)  # [T, Hq, D]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    head_dim = q.shape[2]
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl.data_ptr(), lens.data_ptr(), tables.data_ptr(),
-            len(lens), q.shape[1], num_kv_heads, head_dim, block_size, tables.shape[1], scale)  # fmt: skip
+    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1], num_kv_heads,
+            q.shape[2], block_size, width, scale)  # fmt: skip
     if kind is None:
-        getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}")(*args, out.data_ptr())
+        _function(f"paged_attention_{SUFFIX[q.dtype]}")(*args, out.data_ptr())
     else:
-        getattr(lib, f"paged_attention_{SUFFIX[q.dtype]}_{KINDS[kind]}")(*args, k_scale, v_scale, out.data_ptr())
+        _function(f"paged_attention_{SUFFIX[q.dtype]}_{KINDS[kind]}")(*args, k_scale, v_scale, out.data_ptr())
     return out
 
 
@@ -198,10 +222,10 @@ def paged_attention_cpu(q, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     """
     if q.dtype not in SUFFIX:  # float16: the torch backend
         return paged_attention_torch(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    route = _ROUTES.get((query_start_loc, seq_lens), (), lambda: _route(query_start_loc, seq_lens))
-    if route is None:  # every decode and verification step, and prefills from the start
-        return kernel(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale)
-    starts, lens, chunk = route
+    md = _metadata(query_start_loc, seq_lens, block_tables, k_cache)
+    if md.route is None:  # every decode and verification step, and prefills from the start
+        return _launch(q, k_cache, v_cache, md, scale)
+    starts, lens, chunk = md.route
     out = torch.empty_like(q)  # [T, Hq, D]
     for group, attend in (([i for i, c in enumerate(chunk) if c], paged_attention_torch),
                           ([i for i, c in enumerate(chunk) if not c and lens[i]], kernel)):  # fmt: skip
@@ -233,12 +257,12 @@ paged_attention_cpu_8bit.accepts = lambda q, kind: q.dtype in (torch.float32, to
 def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
     """Level 1's ``kv_cache.write_kv_cache`` in one C++ call: k, v [T, Hkv, D] (each row's Hkv x D
     values contiguous; rows may be further apart) into their slots of [N, bs, Hkv, D]."""
-    rows_ok = all(t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (k, v))
+    rows_ok = k.dim() == v.dim() == 3 and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
     if k.dtype not in SUFFIX or not rows_ok or slot_mapping.dtype != torch.int64:
         return write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    slots = _SLOTS.get((slot_mapping,), tuple(k_cache.shape[:2]),
+    slots = _SLOTS.get((slot_mapping,), (k_cache.shape[0], k_cache.shape[1]),
                        lambda: _checked_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1]))  # once a step (_StepMemo)
-    getattr(require(), f"write_kv_{SUFFIX[k.dtype]}")(
+    _function(f"write_kv_{SUFFIX[k.dtype]}")(
         k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots),
         k_cache.shape[2] * k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(),
     )  # fmt: skip

@@ -89,6 +89,7 @@ class NativeLibrary:
         self.error: str | None = None  # why it could not be built, once tried and failed
         self._lib: ctypes.CDLL | None = None
         self._lock = threading.Lock()  # two threads asking at once build it once
+        self._functions: dict = {}  # name -> the loaded library's entry point (`function`)
 
     def build(self) -> ctypes.CDLL:
         """Compile (unless this exact build is cached) and load; raises on any failure."""
@@ -145,10 +146,18 @@ class NativeLibrary:
             raise RuntimeError(f"{asked_for}: the compiled kernel could not be built ({self.error})")
         return lib
 
+    def function(self, name: str, asked_for: str):
+        """The entry point `name`, looked up once (a step calls a few of them a layer: `require`'s lock and the
+        lookup each time would cost more than some of the calls), or `require`'s RuntimeError."""
+        fn = self._functions.get(name)
+        if fn is None:
+            fn = self._functions[name] = getattr(self.require(asked_for), name)
+        return fn
+
     def reset(self) -> None:
         """Forget the library and any failure (tests: try the build again)."""
         with self._lock:
-            self._lib, self.error = None, None
+            self._lib, self.error, self._functions = None, None, {}
 
 
 __all__ = ["NativeLibrary", "cache_dir", "CFLAGS"]
