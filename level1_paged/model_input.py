@@ -51,12 +51,16 @@ class ModelInput(FlatBatch):
         """chunks[i] = (new tokens of sequence i, position of the first); tables[i] its blocks,
         covering at least those positions; num_logits[i] how many of its last rows to sample."""
         width = max(len(t) for t in tables)
-        return cls(
-            **FlatBatch.geometry(chunks, num_logits),
-            seq_lens=torch.tensor([start + len(toks) for toks, start in chunks], dtype=torch.int32),  # [B]
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),  # [B, W]
-            slot_mapping=torch.tensor(slot_mapping(chunks, tables, block_size), dtype=torch.long),  # [T]
-        )
+        # Normal tensors even inside an engine step's inference mode: a normal tensor's version moves when it
+        # is written in place, so a backend that checks the metadata once for all of a step's layers (the CPU
+        # kernel's) can tell it was not; an inference tensor has no version, and would be checked every layer
+        with torch.inference_mode(False):
+            return cls(
+                **FlatBatch.geometry(chunks, num_logits),
+                seq_lens=torch.tensor([start + len(toks) for toks, start in chunks], dtype=torch.int32),  # [B]
+                block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),  # [B, W]
+                slot_mapping=torch.tensor(slot_mapping(chunks, tables, block_size), dtype=torch.long),  # [T]
+            )
 
     def attention_backend(self, cache: PagedKVCache, impl: AttentionImpl, scale: float) -> PagedAttention:
         """The backend that runs this input over `cache` (this input already on the cache's device)."""

@@ -56,6 +56,7 @@ from level1_paged.attention_backend import attention_impl  # noqa: E402
 from level1_paged.attention_ref import paged_attention_ref, paged_attention_torch  # noqa: E402
 from level1_paged.attention_split import paged_attention_split  # noqa: E402
 from level1_paged.kv_cache import write_kv_cache  # noqa: E402
+from level1_paged.model_input import ModelInput  # noqa: E402
 from level1_paged.triton_attention import (  # noqa: E402
     _launch,
     paged_attention_triton,
@@ -330,8 +331,9 @@ def test_cpu_kernel_mutant_and_auto():
 @needs_cpu_kernel
 def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
     """The C code trusts its metadata; the range checks run once per step's tensors (a step's
-    layers reuse them), and again for a new tensor or one written in place since; an engine's
-    metadata, made in inference mode (no version to watch), is remembered as the very object."""
+    layers reuse them), and again for a new tensor or one written in place since; a tensor made in
+    inference mode (no version to watch) at every call, and an engine's input, built in inference
+    mode, is made of normal tensors."""
     w = make_workload([1, 1], [9, 12], 8, 2, 64, 8, torch.float32, seed=2)
     args = lambda tables: (w.q, w.k_cache, w.v_cache, w.query_start_loc, w.seq_lens, tables, w.scale)  # noqa: E731
     tables = w.block_tables.clone()
@@ -349,20 +351,31 @@ def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
     bad[1, 0] = -1  # a new tensor, never checked
     with pytest.raises(IndexError, match="block ids outside"):
         cpu_attention.kernel(*args(bad))
-    with torch.inference_mode():  # as an engine's step makes them: each new tensor checked, then remembered
-        good, bad = w.block_tables.clone(), w.block_tables.clone()
-        bad[0, 1] = w.k_cache.shape[0]
-        torch.testing.assert_close(cpu_attention.kernel(*args(good)), cpu_attention.kernel(*args(w.block_tables)))
-        assert memo.seen(key(w.block_tables), shape) and not memo.seen(key(good), shape)
+    with torch.inference_mode():
+        # an inference tensor has no version to watch: never remembered, checked at every call, so a write
+        # to it in place is caught at the next call
+        tables = w.block_tables.clone()
+        cpu_attention.kernel(*args(tables))
+        assert not memo.seen(key(tables), shape)
+        tables[0, 1] = w.k_cache.shape[0]
         with pytest.raises(IndexError, match="block ids outside"):
-            cpu_attention.kernel(*args(bad))
-        assert not memo.seen(key(bad), shape)  # (a failed check remembers nothing)
+            cpu_attention.kernel(*args(tables))
+        # an engine's step, in inference mode, builds its input as normal tensors: remembered, and a write moves
+        # their version
+        mi = ModelInput.build([([1], 8), ([2], 11)], w.block_tables.tolist(), w.k_cache.shape[1], [1, 1])
+        assert not mi.block_tables.is_inference()
+        cpu_attention.kernel(w.q, w.k_cache, w.v_cache, mi.query_start_loc, mi.seq_lens, mi.block_tables, w.scale)
+        assert memo.seen((mi.query_start_loc, mi.seq_lens, mi.block_tables), shape)
+        mi.block_tables[1, 0] = -1
+        with pytest.raises(IndexError, match="block ids outside"):
+            cpu_attention.kernel(w.q, w.k_cache, w.v_cache, mi.query_start_loc, mi.seq_lens, mi.block_tables, w.scale)
         slots = torch.tensor([0, 1])
     k, v = torch.zeros(2, 2, 64), torch.zeros(2, 2, 64)
     cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
-    assert cpu_attention._SLOTS.seen((slots,), shape)
+    assert not cpu_attention._SLOTS.seen((slots,), shape)  # (an inference tensor)
     slots = torch.tensor([0, 1])
     cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)
+    assert cpu_attention._SLOTS.seen((slots,), shape)
     slots[1] = w.k_cache.shape[0] * w.k_cache.shape[1]  # past the last slot
     with pytest.raises(IndexError, match="slots outside"):
         cpu_attention.write_kv_cpu(k, v, w.k_cache, w.v_cache, slots)

@@ -105,13 +105,12 @@ class _StepMemo(threading.local):
     the very same tensors, and calls it again for any other.
 
     "The same" is the very object (a weak reference: a new step's tensor is a new object, even at
-    the same address) against a cache of the same shape (`limit`), at the same version where the
-    tensor has one (an in-place write bumps it). A tensor made in inference mode, as an engine's
-    step makes its metadata, has no version counter: it is the same while it is the same object,
-    which holds because nothing writes a step's metadata after building it (`ModelInput.build`
-    makes fresh tensors every step). Code that rewrites one in place between two calls must make
-    a new tensor instead, or the check would not see the new values. One memo per thread: two engines
-    stepping on two threads (two servers in a test) never get each other's tensors back."""
+    the same address) at the same version (an in-place write bumps it) against a cache of the same
+    shape (`limit`). A tensor made in inference mode has no version counter, so a write to it could
+    not be seen: it is never remembered, and checked at every call. An engine's step runs in
+    inference mode but builds its metadata as normal tensors (level 1's `ModelInput.build`) for this
+    reason. One memo per thread: two engines stepping on two threads (two servers in a test) never
+    get each other's tensors back."""
 
     def __init__(self):
         self.refs: tuple = ()
@@ -121,19 +120,17 @@ class _StepMemo(threading.local):
         return (
             len(self.refs) == len(tensors) + 1
             and self.refs[-1] == limit
-            and all(r() is t and v == _version(t) for (r, v), t in zip(self.refs, tensors))
+            and all(r() is t and v == t._version for (r, v), t in zip(self.refs, tensors))
         )
 
     def get(self, tensors: tuple[torch.Tensor, ...], limit: tuple, make):
-        if not self.seen(tensors, limit):
-            self.refs, self.value = (), None  # (make() may raise: then nothing is remembered)
-            self.value = make()
-            self.refs = (*((weakref.ref(t), _version(t)) for t in tensors), limit)
-        return self.value
-
-
-def _version(t: torch.Tensor) -> int | None:
-    return None if t.is_inference() else t._version
+        if self.seen(tensors, limit):
+            return self.value
+        self.refs, self.value = (), None  # (make() may raise: then nothing is remembered)
+        value = make()
+        if not any(t.is_inference() for t in tensors):  # (no version to watch: made again next call)
+            self.refs, self.value = (*((weakref.ref(t), t._version) for t in tensors), limit), value
+        return value
 
 
 _ATTENTION_META, _SLOTS = _StepMemo(), _StepMemo()

@@ -151,7 +151,11 @@ class NativeLibrary:
         lookup each time would cost more than some of the calls), or `require`'s RuntimeError."""
         fn = self._functions.get(name)
         if fn is None:
-            fn = self._functions[name] = getattr(self.require(asked_for), name)
+            lib = self.require(asked_for)
+            fn = getattr(lib, name)
+            with self._lock:
+                if self._lib is lib:  # (not a library a reset() has just forgotten)
+                    self._functions[name] = fn
         return fn
 
     def reset(self) -> None:
