@@ -4,12 +4,20 @@ What it is: `speculative_config={"method": "eagle", "model": "tiny-shakespeare-e
 names). The head (models/train_eagle.py trains it; models/README.md is its card) is `EagleModel`: an
 fc over [the token's embedding ; the target's feature at the position before], one decoder layer of
 level 0's, a norm, and the target's own embeddings and LM head (shared, not copied). It runs through
-its own `Worker`, so it has its own paged KV cache (one layer) on the target's block tables, exactly
-as the draft model's does (proposers.py), and `draft_num_computed` counts its positions the same way.
+its own `Worker`, so it has its own paged KV cache (one layer) on the target's block tables, as the
+draft model's does (proposers.py).
 
-    token position p:        0    1    2   ...  L-1  |  L        L+1   (drafting)
-    the head's row at p:     -   [e(t1); f0] ...  [e(t_{L-1}); f_{L-2}] | [e(d1); g_{L-1}] ...
+    token position p:        0    1              2              ...  L-1                    |  L   (drafting)
+    the head's row for p:    -   [e(t1); f0]    [e(t2); f1]     ...  [e(t_{L-1}); f_{L-2}]  |  [e(d1); g_{L-1}] ...
+    written at slot:         -    0              1              ...  L-2                    |  L-1
     its output g_p           -> lm_head -> the token at p + 1 (d1 from g_{L-1}, d2 from g_L, ...)
+
+Position 0 has no feature before it, so no row (the head was never trained on one). Row p is written at
+slot p - 1, and rotated at position p - 1 (RoPE is relative: moving every row by one changes nothing a
+row sees), so the head's slots fill from 0 with no gap and none holds what an earlier request left
+there. `draft_num_computed` counts the head's slots (rows 1 .. d fill slots 0 .. d - 1), so a block is
+named only once the head holds it too, as for a draft model: that needs the row of the token after the
+block. This is vLLM's layout (its slot p holds the target's h_p beside the token t_{p+1}).
 
 f_p is the target's last hidden state (after its final norm) at position p: the target's runner keeps
 its step's rows (`ModelRunner.keep_hidden`), and `observe` files each scheduled request's rows by
@@ -17,16 +25,11 @@ position after the forward (a verification's rows past the accepted guesses are 
 the catch-up reads f only below the request's newest token), and runs the head over the step's prompt
 chunks at once (their tokens are known), as a draft model's prefill does, so that their blocks can be
 named even for a request that never drafts. `propose` then catches the head up to the newest token
-(rows from `draft_num_computed`, each reading the target's feature one position back), samples d_1
-from its last row, and runs k - 1 one-row passes, each reading the head's own g. Position 0 has no
-feature before it (the head was never trained on it): it is skipped, and its slot in the head's cache
-holds whatever it held (every row attends to it; measured, it moves the first guess's acceptance by
-about 0.01). A checkpoint's copy of the embeddings or LM head is dropped, never loaded into the target's
-modules the head shares. A request
-admitted on a prefix hit has the head's cache for the hit's blocks (a block is named only once the
-head's cache holds it, as for a draft model) but not the target's feature at the position before its
-first computed token: that row reads zeros (only its own K/V is the poorer for it; the output, which
-the verification decides, is the target's either way).
+(rows after its newest slot, each reading the target's feature one position back), samples d_1 from
+its last row, and runs k - 1 one-row passes, each reading the head's own g. A request admitted on a
+prefix hit of c tokens has the head's slots below c (the hit's blocks): its first row is c + 1, whose
+feature f_c this step's forward computes. A checkpoint's copy of the embeddings or LM head is dropped,
+never loaded into the target's modules the head shares.
 
 With the compiled step (features/compilation, a CPU's default) the target runs compiled and its hidden
 states are the graph's output, kept the same way; the head runs eager: its second input, the features,
@@ -184,12 +187,14 @@ class EagleProposer(DraftModelProposer):
             start, kept = filed
             req.eagle_features = [start, torch.cat([kept[: c - start], hidden[row : row + n]])]  # (verified rows kept)
             row += n
-            first, end = max(req.draft_num_computed, 1), min(c + n, len(req.prompt_token_ids))
-            if first < end:  # prompt positions the head has not computed yet
-                chunks.append((req.token_slice(first, end - first), first))
-                feats.append(self._features(req, first, end - first))
+            # the head's rows for the prompt's tokens after its newest slot, as far as both the token (the prompt's)
+            # and the feature before it (this step's at the latest) are known
+            first, last = req.draft_num_computed + 1, min(c + n, len(req.prompt_token_ids) - 1)
+            if first <= last:
+                chunks.append((req.token_slice(first, last - first + 1), first))
+                feats.append(self._features(req, first, last - first + 1))
                 reqs.append((req, 0))
-                req.draft_num_computed = end
+                req.draft_num_computed = last  # its slots 0 .. last - 1
         if chunks:
             self._run(chunks, feats, reqs, sample=False)
 
@@ -206,14 +211,14 @@ class EagleProposer(DraftModelProposer):
     def catch_up(self, drafting: list[tuple[SpecRequest, int]]) -> torch.Tensor:
         """The draft model's catch-up, each row beside its feature; keeps each one's last g for `one_more`."""
         chunks, feats = [], []
-        for req, _ in drafting:  # catch up to the newest token (position 0 has no feature: skipped)
-            start = max(req.draft_num_computed, 1)
+        for req, _ in drafting:  # catch up to the newest token's row (its slot: the position before it)
+            start = req.draft_num_computed + 1
             chunks.append((req.token_slice(start, req.num_tokens - start), start))
             feats.append(self._features(req, start, req.num_tokens - start))
             # Only these rows read the target's features: the guesses' rows below read the head's own, so
             # they are redone from the target's once verified (the count stays here, and the engine's cut
             # after a verification keeps it there)
-            req.draft_num_computed = req.num_tokens
+            req.draft_num_computed = req.num_tokens - 1
             self._forget(req)
         logits, g_rows = self._run(chunks, feats, drafting)  # [D, V], [D, H]
         self.g = {r.seq_id: row for (r, _), row in zip(drafting, g_rows)}  # each one's last row's g
@@ -233,7 +238,8 @@ class EagleProposer(DraftModelProposer):
         w = self.head.fc.weight
         self.head.features = torch.cat(feats).to(device=w.device, dtype=w.dtype)  # [T, H]
         tables = [self.block_table(r) for r, _ in reqs]
-        batch = ModelInput.build(chunks, tables, self.block_size, [int(sample)] * len(chunks))
+        slots = [(tokens, first - 1) for tokens, first in chunks]  # row p at slot (and RoPE position) p - 1
+        batch = ModelInput.build(slots, tables, self.block_size, [int(sample)] * len(chunks))
         logits = self.worker.execute(batch)
         return logits, self.worker.runner.hidden[batch.logits_indices.to(w.device)]  # (the rows the logits are of)
 

@@ -52,6 +52,25 @@ def test_the_built_in_head_gives_level_3s_tokens_and_drafts_as_its_card_says():
     assert stats["eagle"].mean_acceptance_length > stats["draft"].mean_acceptance_length
 
 
+def test_a_prefix_hit_drafts_exactly_what_computing_the_prefix_drafts():
+    """The head's slots fill from 0 with no gap (row p at slot p - 1), so the blocks of a hit hold exactly what
+    computing them would have written, and a hit's first row reads this step's feature: the same prompts again,
+    each on a hit of its first 64 tokens, get exactly the first pass's drafts accepted (float64, greedy)."""
+    prompts = [(p * 20)[:67] for p in PROMPTS]  # 67 characters (tokens): four full blocks of 16, three more
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = level4_speculative.LLM("tiny-shakespeare", dtype="float64", block_size=16, speculative_config=eagle(
+        "tiny-shakespeare-eagle"))  # fmt: skip
+    engine, passes = llm.llm_engine, []
+    for _ in range(2):
+        hits, st = engine.kv.hits, engine.spec_stats
+        drafted, accepted, per_position = st.num_draft_tokens, st.num_accepted_tokens, list(st.accepted_per_pos)
+        llm.generate(prompts, params, progress=False)
+        passes.append((engine.kv.hits - hits, st.num_draft_tokens - drafted, st.num_accepted_tokens - accepted,
+                       [a - b for a, b in zip(st.accepted_per_pos, per_position)]))  # fmt: skip
+    assert passes[0][0] == 0 and passes[1][0] == 64 * len(prompts)
+    assert passes[1][1:] == passes[0][1:] and passes[0][2] > 0, passes
+
+
 def causal(layer, q, k, v):
     """A plain causal attention backend (q [T, Hq, D], k, v [T, Hkv, D]): one sequence, no cache."""
     import torch.nn.functional as F
