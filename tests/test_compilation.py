@@ -269,7 +269,7 @@ def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
         seen[name] = (greedy(llm, prompts, 10), features, llm.spec_decode_stats().num_draft_tokens)
     runner = runner_of(llm)
     assert runner.eager_reason is None and runner.backend.counters.graphs == 2  # the target really ran compiled
-    (tokens, eager_features, drafts), (compiled_tokens, compiled_features, compiled_drafts) = seen["eager"], seen["compiled"]
+    (tokens, eager_features, drafts), (compiled_tokens, compiled_features, compiled_drafts) = seen.values()
     assert compiled_tokens == tokens and compiled_drafts == drafts > 0
     assert len(compiled_features) == len(eager_features) > 3
     for a, b in zip(compiled_features, eager_features):  # (the compiled RoPE's cos and sin are float32's: 1e-7 apart)
