@@ -166,6 +166,29 @@ def test_over_tensor_parallel_ranks_the_head_on_the_driver_reads_the_same_featur
         level5_multigpu.LLM(path, dtype="float64", speculative_config=spec, pipeline_parallel_size=2)
 
 
+@pytest.mark.parametrize("arch,sharded", [("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_the_target_ends_are_the_targets_embeddings_and_lm_head_alone(arch, sharded, checkpoint_factory, tmp_path):
+    """What the head shares where the target's layers live elsewhere (level 5): read alone from the checkpoint
+    (single file or shards, the LM head tied to the embeddings or not), the loaded model's very tensors."""
+    from level0_naive.loader import load_metadata, load_model
+    from level0_naive.ops import DEFAULT_OPS
+    from level4_speculative.eagle import target_ends
+
+    path = checkpoint_factory(arch)
+    if sharded:
+        from transformers import AutoModelForCausalLM
+
+        AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).save_pretrained(tmp_path, max_shard_size="20KB")
+        assert (tmp_path / "model.safetensors.index.json").exists()
+        path = tmp_path
+    whole, ends = load_model(path, torch.float64).model, target_ends(load_metadata(path), torch.float64, "cpu", DEFAULT_OPS)
+    assert len(ends.model.layers) == 0
+    assert torch.equal(ends.model.embed_tokens.weight, whole.model.embed_tokens.weight)
+    assert torch.equal(ends.lm_head.weight, whole.lm_head.weight)
+    tied = whole.config.tie_word_embeddings
+    assert tied == (arch == "qwen2") and (ends.lm_head.weight is ends.model.embed_tokens.weight) == tied
+
+
 def test_a_request_that_never_drafts_still_names_its_prompts_blocks(checkpoint_factory):
     """The head's rows over a prompt chunk are computed right after the target's forward (as a draft model's
     prefill keeps up), so a block is named at once: one token each, the same prompt again hits every full block."""
