@@ -98,8 +98,8 @@ class EagleModel(nn.Module):
 
 
 def target_ends(target: LoadedModel, dtype: torch.dtype, device, ops: Ops) -> Transformer:
-    """The target's two ends alone, a model of no layers: its embeddings and LM head (and final norm) read from
-    its checkpoint, every other tensor left unread. What the head shares when the target's layers live in other
+    """The target's two ends alone, a model of no layers: its embeddings and LM head (and its final norm, which
+    the head does not use) read from its checkpoint, every other tensor left unread. What the head shares when the target's layers live in other
     processes (level 5's ranks), so that the driver, where the head runs, holds these two and nothing more."""
     from safetensors import safe_open
 
@@ -120,6 +120,7 @@ def target_ends(target: LoadedModel, dtype: torch.dtype, device, ops: Ops) -> Tr
     ends.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         ends.lm_head.weight = ends.model.embed_tokens.weight
+    ends.inv_freq = rope_inv_freq(cfg).to(device)  # (built on "meta" above; unused, but no tensor is left without values)
     return ends.eval()
 
 

@@ -25,7 +25,8 @@ What it is not: a second model (the same modules and weights), or a cache of com
 our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
 level 5), or with `batch_invariant=True` (refused). Level 4's draft model has a runner of its own,
 compiled too; EAGLE's head runs eager over the compiled target, whose hidden states this runner keeps
-as the eager one does (`keep_hidden`: the graph's output, the real rows). It changes Dynamo's recompile limits for the whole process (`_allow_many_engines`).
+as the eager one does (`keep_hidden`: the graph's output, the real rows). It changes Dynamo's
+recompile limits for the whole process (`_allow_many_engines`).
 
 Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
 the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
