@@ -83,7 +83,8 @@ def ops(name: str, batch_invariant: bool, device, dtype):
 
 def attention(name: str, device, batch_invariant: bool):
     """`attention_backend=` on a CPU ("auto", "cpu") or with `batch_invariant=True` -> the compiled
-    kernel's (write_kv, attend), or None where "auto" finds no compiler (the level's torch backend)."""
+    kernel's (write_kv, attend) and, on a CPU, its plan (level 1's AttentionImpl), or None where "auto"
+    finds no compiler (the level's torch backend)."""
     if batch_invariant:
         return load("batch_invariance").invariant_attention(name, device)
     return load("cpu_kernels").attention_functions(name, device)

@@ -13,6 +13,12 @@ cache, two functions with the contracts of kv_cache.py's `write_kv_cache` and at
 On a CPU ("auto", "cpu") and for `batch_invariant=True` the registry (ladder/rooms.py) answers with a
 room's compiled kernel, and "auto" falls back to "torch" where it cannot be built.
 
+A backend may also `plan` (FlashInfer's plan and run; vLLM builds a step's attention metadata once,
+for all layers): `plan(cache, meta, scale)`, called once a step, works out what the step's layers
+share (checked metadata, the kernel's arguments) and returns the step's `run(layer, q, k, v)`, which
+must give what write then attend give; or None, when the step needs the two functions after all.
+The CPU room's does (a decode step of the built-in model spends less in Python between its graphs).
+
 What it is not: a backend (the files named above are), or the attention backend object the model
 calls per layer (kv_cache.py's `PagedAttention`, which calls these two functions).
 
@@ -32,10 +38,11 @@ from .kv_cache import write_kv_cache
 
 
 class AttentionImpl(NamedTuple):
-    """One attention backend's two functions."""
+    """One attention backend's two functions (and, if it has one, its plan: see the module docstring)."""
 
     write_kv: Callable  # (k [T, Hkv, D], v, k_cache [N, bs, Hkv, D], v_cache, slot_mapping [T]) -> None
     attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
+    plan: Callable | None = None  # (cache, meta, scale) -> run(layer, q, k, v) -> [T, Hq, D], or None
 
 
 def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:
@@ -43,7 +50,7 @@ def attention_impl(name: str, device: torch.device, batch_invariant: bool = Fals
     from .attention_ref import paged_attention_ref, paged_attention_torch  # (a kernel module is imported when chosen)
 
     if batch_invariant or name == "cpu" or (name == "auto" and device.type == "cpu"):
-        found = rooms.attention(name, device, batch_invariant)  # (write_kv, attend), or None
+        found = rooms.attention(name, device, batch_invariant)  # (write_kv, attend[, plan]), or None
         if found is not None:
             return AttentionImpl(*found)
         name = "torch"

@@ -67,11 +67,15 @@ class PagedAttention:
     whose steps need more around the write overrides `__call__` (level 3: copy-on-write copies)."""
 
     def __init__(self, cache: PagedKVCache, meta, impl, scale: float):
-        """`impl`: the backend's (write_kv, attend) functions (attention_backend.py's AttentionImpl)."""
+        """`impl`: the backend's (write_kv, attend) functions (attention_backend.py's AttentionImpl), and its plan,
+        if it has one: then the step's layers run what the plan returns (the same result, worked out once)."""
         self.cache, self.meta, self.scale = cache, meta, scale
         self.write_kv, self.attend = impl.write_kv, impl.attend
+        self.run = impl.plan(cache, meta, scale) if impl.plan is not None else None
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.run is not None:
+            return self.run(layer, q, k, v)
         m = self.meta
         k_cache, v_cache = self.cache.k[layer], self.cache.v[layer]  # [N, bs, Hkv, D]
         self.write_kv(k, v, k_cache, v_cache, m.slot_mapping)  # the new tokens' K/V, into their slots

@@ -235,7 +235,7 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
     assert runner_of(compiled).padded(3) == 4 and runner_of(compiled).padded(9) == 9
     mi = ModelInput.build([([5, 6, 7], 0)], [[2]], 4, [3])  # 3 tokens in block 2: slots 8, 9, 10
     worker, rows = compiled.llm_engine.worker, []
-    write, attend = worker.impl
+    write, attend = worker.impl.write_kv, worker.impl.attend
     worker.impl = AttentionImpl(lambda k, *a: (rows.append(k.shape[0]), write(k, *a))[1],
                                 lambda q, *a: (rows.append(q.shape[0]), attend(q, *a))[1])  # fmt: skip
     a, b = eager.llm_engine.worker.execute(mi), worker.execute(mi)

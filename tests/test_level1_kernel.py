@@ -382,6 +382,47 @@ def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
 
 
 @needs_cpu_kernel
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_cpu_plan_runs_what_the_two_functions_do(data):
+    """The CPU room's plan (level 1's AttentionImpl.plan): a step's run(layer, q, k, v) writes the same cache and
+    returns the same bits as write_kv_cpu then paged_attention_cpu, in every layer; a step with a long chunk over
+    a longer context (the routing's SDPA) gets no plan, and the layers call the two functions."""
+    from types import SimpleNamespace
+
+    dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), label="dtype")
+    bs, hkv, hq, d, layers, N = 4, 2, 4, 16, 2, 48
+    n = data.draw(st.integers(1, 4), label="sequences")
+    starts = data.draw(st.lists(st.integers(0, 40), min_size=n, max_size=n), label="context before the step")
+    lens = data.draw(st.lists(st.integers(1, 12), min_size=n, max_size=n), label="new tokens")
+    blocks = iter(torch.randperm(N, generator=torch.Generator().manual_seed(data.draw(st.integers(0, 99)))).tolist())
+    tables = [[next(blocks) for _ in range(-(-(a + b) // bs))] for a, b in zip(starts, lens)]
+    meta = ModelInput.build([([1] * b, a) for a, b in zip(starts, lens)], tables, bs, [1] * n)
+    T = sum(lens)
+    g = torch.Generator().manual_seed(1)
+    make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
+    caches = [SimpleNamespace(k=[make(N, bs, hkv, d) for _ in range(layers)], v=[make(N, bs, hkv, d) for _ in range(layers)])]
+    caches.append(SimpleNamespace(k=[t.clone() for t in caches[0].k], v=[t.clone() for t in caches[0].v]))
+    run = cpu_attention.plan_cpu(caches[0], meta, 0.25)
+    routed = any(b > cpu_attention.LONG_QUERY and a + b - b > b for a, b in zip(starts, lens))
+    assert (run is None) == routed
+    for layer in range(layers):
+        qkv = make(T, hq + 2 * hkv, d)  # one buffer, as a fused projection makes them: k and v are strided views
+        q, k, v = qkv[:, :hq], qkv[:, hq : hq + hkv], qkv[:, hq + hkv :]
+        if run is not None:
+            got = run(layer, q, k, v)
+        else:
+            cpu_attention.write_kv_cpu(k, v, caches[0].k[layer], caches[0].v[layer], meta.slot_mapping)
+            got = cpu_attention.paged_attention_cpu(q, caches[0].k[layer], caches[0].v[layer], meta.query_start_loc,
+                                                    meta.seq_lens, meta.block_tables, 0.25)  # fmt: skip
+        cpu_attention.write_kv_cpu(k, v, caches[1].k[layer], caches[1].v[layer], meta.slot_mapping)
+        want = cpu_attention.paged_attention_cpu(q, caches[1].k[layer], caches[1].v[layer], meta.query_start_loc,
+                                                 meta.seq_lens, meta.block_tables, 0.25)  # fmt: skip
+        assert torch.equal(got, want)
+        assert torch.equal(caches[0].k[layer], caches[1].k[layer]) and torch.equal(caches[0].v[layer], caches[1].v[layer])
+
+
+@needs_cpu_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_cpu_kernel_rows_are_batch_invariant(dtype):
     """Each row's output bits depend only on its own query, keys and values: one sequence's
