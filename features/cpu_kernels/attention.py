@@ -148,7 +148,8 @@ class _Metadata(NamedTuple):
 
 def _checked_metadata(query_start_loc, seq_lens, block_tables, num_blocks: int, block_size: int) -> _Metadata:
     """The step's metadata as int32 contiguous tensors, their ranges checked, and how it is routed."""
-    qsl, lens, tables = (t.to(torch.int32).contiguous() for t in (query_start_loc, seq_lens, block_tables))
+    # copies, always: what the C code reads is what was checked, whatever happens to the originals later
+    qsl, lens, tables = (t.to(torch.int32, copy=True).contiguous() for t in (query_start_loc, seq_lens, block_tables))
     if tables.numel() and (int(tables.min()) < 0 or int(tables.max()) >= num_blocks):
         raise IndexError(f"block_tables hold block ids outside 0..{num_blocks - 1}")
     if lens.numel() and int(lens.max()) > tables.shape[1] * block_size:
@@ -267,7 +268,7 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
 
 
 def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
-    slots = slot_mapping.contiguous()
+    slots = slot_mapping.clone(memory_format=torch.contiguous_format)  # (a copy: what is checked is what is read)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_slots):
         raise IndexError(f"slot_mapping holds slots outside 0..{num_slots - 1}")
     return slots
@@ -295,6 +296,7 @@ def plan_cpu(cache, meta, scale: float):
     def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         k_cache, v_cache = cache.k[layer], cache.v[layer]
         if not (q.dtype == k.dtype == k_cache.dtype and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d
+                and k.shape[0] == v.shape[0] == len(slots) == q.shape[0] and q.shape[2] == d
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):  # fmt: skip
             write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)  # (any other layout: the checked functions)
             return paged_attention_cpu(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
