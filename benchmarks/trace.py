@@ -130,6 +130,11 @@ def engine_kwargs(args) -> dict:
     return kw
 
 
+def attention_codes(impl) -> set:
+    """Where a step's layer attends: the backend's attention function, or its plan's call (a step the plan covers)."""
+    return {code(impl.attend)} | ({code(impl.plan.__call__)} if isinstance(impl.plan, type) else set())
+
+
 def trace_static(module, args) -> tuple[dict, str]:
     """Levels 0 and 1: the batch loop's second pass (the decode after the prefill)."""
     from ladder.progress import GenerateProgress
@@ -137,10 +142,10 @@ def trace_static(module, args) -> tuple[dict, str]:
     from level0_naive.sampler import Sampler
 
     engine = module.LLM(str(BUILTIN), **engine_kwargs(args)).llm_engine
-    attend = causal_attention if not hasattr(engine, "worker") else engine.worker.impl.attend
+    attention = {code(causal_attention)} if not hasattr(engine, "worker") else attention_codes(engine.worker.impl)
     layers = engine.model_config.num_layers
     seqs = engine.inputs.make_requests([PROMPT], module.SamplingParams(max_tokens=3, temperature=0))[0]
-    tracer = Tracer(code(type(engine)._run_batch), {"attention": {code(attend)}, "tokens": {code(Sampler.sample)}},
+    tracer = Tracer(code(type(engine)._run_batch), {"attention": attention, "tokens": {code(Sampler.sample)}},
                     skip={"attention": layers, "tokens": 1})  # fmt: skip
     with GenerateProgress(len(seqs), enabled=False) as bar:
         paths = tracer.run(lambda: engine.run(seqs, bar))
@@ -157,13 +162,13 @@ def trace_step(module, args) -> tuple[dict, str]:
         engine.step()  # the prefill (and, with a draft model, the first guesses)
         (req,) = engine.scheduler.running
         worker = getattr(engine, "executor", None)
-        attend = (worker.worker if worker is not None else engine.worker).impl.attend  # level 5: rank 0's
+        attention = attention_codes((worker.worker if worker is not None else engine.worker).impl)  # level 5: rank 0's
         tokens = {code(Sampler.sample)}
         if args.spec:
             from level4_speculative.rejection_sampler import verify
 
             tokens.add(code(verify))
-        targets = {"blocks": {code(type(engine.kv).allocate_slots)}, "attention": {code(attend)}, "tokens": tokens}
+        targets = {"blocks": {code(type(engine.kv).allocate_slots)}, "attention": attention, "tokens": tokens}
         tracer = Tracer(code(type(engine).step), targets)
         guesses = len(getattr(req, "spec_token_ids", []))
         paths = tracer.run(engine.step)

@@ -14,10 +14,10 @@ On a CPU ("auto", "cpu") and for `batch_invariant=True` the registry (ladder/roo
 room's compiled kernel, and "auto" falls back to "torch" where it cannot be built.
 
 A backend may also `plan` (FlashInfer's plan and run; vLLM builds a step's attention metadata once,
-for all layers): `plan(cache, meta, scale)`, called once a step, works out what the step's layers
-share (checked metadata, the kernel's arguments) and returns the step's `run(layer, q, k, v)`, which
-must give what write then attend give; or None, when the step needs the two functions after all.
-The CPU room's does (a decode step of the built-in model spends less in Python between its graphs).
+for all layers): `plan(cache, meta, scale)`, made once a step, works out what the step's layers share
+(checked metadata, the kernel's arguments), and called as `plan(layer, q, k, v)` must give what write
+then attend give; a plan that is false (the step needs the two functions after all) is not used. The
+CPU room's does (`StepPlan`: a decode step of the built-in model spends less in Python between its graphs).
 
 What it is not: a backend (the files named above are), or the attention backend object the model
 calls per layer (kv_cache.py's `PagedAttention`, which calls these two functions).
@@ -42,7 +42,7 @@ class AttentionImpl(NamedTuple):
 
     write_kv: Callable  # (k [T, Hkv, D], v, k_cache [N, bs, Hkv, D], v_cache, slot_mapping [T]) -> None
     attend: Callable  # (q [T, Hq, D], k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale) -> [T, Hq, D]
-    plan: Callable | None = None  # (cache, meta, scale) -> run(layer, q, k, v) -> [T, Hq, D], or None
+    plan: Callable | None = None  # (cache, meta, scale) -> plan; plan(layer, q, k, v) -> [T, Hq, D]; false: unused
 
 
 def attention_impl(name: str, device: torch.device, batch_invariant: bool = False) -> AttentionImpl:

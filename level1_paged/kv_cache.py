@@ -72,6 +72,7 @@ class PagedAttention:
         self.cache, self.meta, self.scale = cache, meta, scale
         self.write_kv, self.attend = impl.write_kv, impl.attend
         self.run = impl.plan(cache, meta, scale) if impl.plan is not None else None
+        self.run = self.run or None  # (a plan that is false: this step needs the two functions)
 
     def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.run is not None:

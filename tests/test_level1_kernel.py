@@ -385,9 +385,9 @@ def test_cpu_kernel_checks_its_metadata_once_a_step_and_again_when_it_changes():
 @settings(max_examples=25, deadline=None)
 @given(data=st.data())
 def test_cpu_plan_runs_what_the_two_functions_do(data):
-    """The CPU room's plan (level 1's AttentionImpl.plan): a step's run(layer, q, k, v) writes the same cache and
+    """The CPU room's plan (level 1's AttentionImpl.plan): a step's plan(layer, q, k, v) writes the same cache and
     returns the same bits as write_kv_cpu then paged_attention_cpu, in every layer; a step with a long chunk over
-    a longer context (the routing's SDPA) gets no plan, and the layers call the two functions."""
+    a longer context (the routing's SDPA) gets a false one, and the layers call the two functions."""
     from types import SimpleNamespace
 
     dtype = data.draw(st.sampled_from([torch.float32, torch.float64, torch.bfloat16]), label="dtype")
@@ -403,7 +403,7 @@ def test_cpu_plan_runs_what_the_two_functions_do(data):
     make = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
     caches = [SimpleNamespace(k=[make(N, bs, hkv, d) for _ in range(layers)], v=[make(N, bs, hkv, d) for _ in range(layers)])]
     caches.append(SimpleNamespace(k=[t.clone() for t in caches[0].k], v=[t.clone() for t in caches[0].v]))
-    run = cpu_attention.plan_cpu(caches[0], meta, 0.25)
+    run = cpu_attention.StepPlan(caches[0], meta, 0.25) or None
     routed = any(b > cpu_attention.LONG_QUERY and a + b - b > b for a, b in zip(starts, lens))
     assert (run is None) == routed
     for layer in range(layers):

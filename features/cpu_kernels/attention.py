@@ -57,7 +57,7 @@ __all__ = [
     "kernel",
     "paged_attention_cpu",
     "paged_attention_cpu_8bit",
-    "plan_cpu",
+    "StepPlan",
     "require",
     "write_kv_cpu",
 ]
@@ -274,46 +274,51 @@ def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
     return slots
 
 
-def plan_cpu(cache, meta, scale: float):
-    """Level 1's `AttentionImpl.plan`, once a step: the step's metadata and slots checked and made the C code's
-    arguments (the memos above), then `run(layer, q, k, v)` for each layer, the write and the attention as two
-    bare C calls: what write_kv_cpu then paged_attention_cpu give, without their Python each layer (about 0.2
-    ms of a 2.1 ms batch-1 step of the built-in model, compiled). None, where a step needs those two after all:
-    a dtype the kernel does not take, a chunk the routing sends to SDPA."""
-    k0 = cache.k[0]  # [N, bs, Hkv, D], every layer's alike
-    suffix = SUFFIX.get(k0.dtype)
-    if suffix is None or k0.device.type != "cpu" or meta.slot_mapping.dtype != torch.int64:
-        return None
-    md = _metadata(meta.query_start_loc, meta.seq_lens, meta.block_tables, k0)
-    if md.route is not None:
-        return None
-    N, bs, hkv, d = k0.shape
-    slots = _SLOTS.get((meta.slot_mapping,), (N, bs), lambda: _checked_slots(meta.slot_mapping, N * bs))
-    write, attend = _function(f"write_kv_{suffix}"), _function(f"paged_attention_{suffix}")
-    qsl, lens, tables, num_seqs, width = md.args
-    row = hkv * d  # a token's K (or V) values in a layer's cache
+class StepPlan:
+    """Level 1's `AttentionImpl.plan` on a CPU: made once a step, called once a layer.
 
-    def run(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k_cache, v_cache = cache.k[layer], cache.v[layer]
+    Made, it checks the step's metadata and slots and makes them the C code's arguments (the memos
+    above); called, `plan(layer, q, k, v)` writes the layer's new K/V and attends as two bare C
+    calls: what write_kv_cpu then paged_attention_cpu give, without their Python each layer (about
+    0.2 ms of a 2.1 ms batch-1 step of the built-in model, compiled). False (so unused) where a step
+    needs those two after all: a dtype the kernel does not take, a chunk the routing sends to SDPA."""
+
+    def __init__(self, cache, meta, scale: float):
+        self.cache, self.meta, self.scale = cache, meta, scale
+        k0 = cache.k[0]  # [N, bs, Hkv, D], every layer's alike
+        suffix = SUFFIX.get(k0.dtype)
+        self.ok = suffix is not None and k0.device.type == "cpu" and meta.slot_mapping.dtype == torch.int64
+        if self.ok:
+            self.md = _metadata(meta.query_start_loc, meta.seq_lens, meta.block_tables, k0)
+            self.ok = self.md.route is None
+        if not self.ok:
+            return
+        N, self.bs, self.hkv, self.d = k0.shape
+        self.slots = _SLOTS.get((meta.slot_mapping,), (N, self.bs), lambda: _checked_slots(meta.slot_mapping, N * self.bs))
+        self.write, self.attend = _function(f"write_kv_{suffix}"), _function(f"paged_attention_{suffix}")
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache, d, m = self.cache.k[layer], self.cache.v[layer], self.d, self.meta
         if not (q.dtype == k.dtype == k_cache.dtype and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == d
-                and k.shape[0] == v.shape[0] == len(slots) == q.shape[0] and q.shape[2] == d
+                and k.shape[0] == v.shape[0] == len(self.slots) == q.shape[0] and q.shape[2] == d
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):  # fmt: skip
-            write_kv_cpu(k, v, k_cache, v_cache, meta.slot_mapping)  # (any other layout: the checked functions)
-            return paged_attention_cpu(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
-        write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots), row, k_cache.data_ptr(),
-              v_cache.data_ptr())  # fmt: skip
+            write_kv_cpu(k, v, k_cache, v_cache, m.slot_mapping)  # (any other layout: the checked functions)
+            return paged_attention_cpu(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)
+        self.write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), self.slots.data_ptr(), len(self.slots),
+                   self.hkv * d, k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
         q = q.contiguous()  # [T, Hq, D]
         out = torch.empty_like(q)
-        attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1], hkv, d, bs,
-               width, scale, out.data_ptr())  # fmt: skip
+        qsl, lens, tables, num_seqs, width = self.md.args
+        self.attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1],
+                    self.hkv, d, self.bs, width, self.scale, out.data_ptr())  # fmt: skip
         return out
-
-    run.checked = (md, slots)  # (the step's checked tensors live as long as its layers may read them)
-    return run
 
 
 def attention_functions(name: str, device: torch.device):
-    """`attention_backend` "auto" or "cpu" on a CPU -> (write_kv_cpu, paged_attention_cpu, plan_cpu); "auto" where
+    """`attention_backend` "auto" or "cpu" on a CPU -> (write_kv_cpu, paged_attention_cpu, StepPlan); "auto" where
     the kernel cannot be built -> None (level 1 then uses its torch backend); "cpu" there -> the RuntimeError."""
     if name == "cpu":
         if device.type != "cpu":
@@ -321,4 +326,4 @@ def attention_functions(name: str, device: torch.device):
         require()  # built, or a RuntimeError with the reason
     elif not available():
         return None
-    return write_kv_cpu, paged_attention_cpu, plan_cpu
+    return write_kv_cpu, paged_attention_cpu, StepPlan
