@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from ladder import rooms
@@ -102,6 +103,17 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         qk_norm=extra.get("qk_norm", False),
         moe=None if room is None else room.config_from_hf(hf, mtype),
     )
+
+
+def tensor_files(path: Path) -> dict[str, Path]:
+    """Each tensor name of a checkpoint -> the safetensors file that holds it (one file, or the shards an
+    index names): what a reader of a few tensors needs, without loading any."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    single = path / "model.safetensors"
+    with safe_open(single, "pt") as f:
+        return dict.fromkeys(f.keys(), single)
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:

@@ -99,15 +99,14 @@ class EagleModel(nn.Module):
 
 def target_ends(target: LoadedModel, dtype: torch.dtype, device, ops: Ops) -> Transformer:
     """The target's two ends alone, a model of no layers: its embeddings and LM head (and its final norm, which
-    the head does not use) read from its checkpoint, every other tensor left unread. What the head shares when the target's layers live in other
-    processes (level 5's ranks), so that the driver, where the head runs, holds these two and nothing more."""
+    the head does not use) read from its checkpoint, every other tensor left unread. What the head shares when
+    the target's layers live in other processes (level 5's ranks), so that the driver, where the head runs,
+    holds these two and nothing more."""
     from safetensors import safe_open
 
-    from level0_naive.loader import checkpoint_name
+    from level0_naive.loader import checkpoint_name, tensor_files
 
-    path, cfg = Path(target.path), target.config
-    index = path / "model.safetensors.index.json"
-    files = json.loads(index.read_text())["weight_map"] if index.is_file() else None
+    cfg, files = target.config, tensor_files(Path(target.path))  # name -> its file
     with torch.device("meta"):
         ends = Transformer(replace(cfg, num_layers=0), ops)
     state = {}
@@ -115,7 +114,7 @@ def target_ends(target: LoadedModel, dtype: torch.dtype, device, ops: Ops) -> Tr
         if cfg.tie_word_embeddings and name == "lm_head.weight":
             continue
         stored = checkpoint_name(name, target.hf_config.get("model_type", ""))
-        with safe_open(str(path / (files[stored] if files else "model.safetensors")), "pt") as f:
+        with safe_open(str(files[stored]), "pt") as f:
             state[name] = f.get_tensor(stored).to(dtype=dtype, device=device)
     ends.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_word_embeddings:

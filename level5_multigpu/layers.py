@@ -40,7 +40,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from level0_naive.loader import checkpoint_name
+from level0_naive.loader import checkpoint_name, tensor_files
 from level0_naive.ops import DEFAULT_OPS
 
 from .parallel_state import Comm
@@ -51,13 +51,7 @@ class ShardReader:
     unless asked for one)."""
 
     def __init__(self, path: Path, dtype: torch.dtype, device):
-        index = path / "model.safetensors.index.json"
-        if index.is_file():
-            self.files = {k: path / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-        else:
-            single = path / "model.safetensors"
-            with safe_open(single, "pt") as f:
-                self.files = dict.fromkeys(f.keys(), single)
+        self.files = tensor_files(path)  # name -> its file
         self.dtype, self.device = dtype, device
 
         # Names are the model's (level 0's); a checkpoint that names some tensors its own way (Mixtral's
