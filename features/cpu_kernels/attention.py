@@ -193,16 +193,21 @@ def _launch(q, k_cache, v_cache, md: _Metadata, scale: float, kind: str | None =
             raise ValueError(f"{name} must be a contiguous CPU tensor of {cache_dtype}")
     if kind is not None and (k_cache.shape[1] > 1024 or k_cache.shape[3] != q.shape[2] + (4 if kind == "int8" else 0)):
         raise ValueError(f"an {kind} cache of block_size <= 1024 and {q.shape[2]} values a head, not {tuple(k_cache.shape)}")
+    if kind is None:
+        return _attend_c(_function(f"paged_attention_{SUFFIX[q.dtype]}"), q, k_cache, v_cache, md, scale)
+    fn = _function(f"paged_attention_{SUFFIX[q.dtype]}_{KINDS[kind]}")
+    return _attend_c(fn, q, k_cache, v_cache, md, scale, k_scale, v_scale)
+
+
+def _attend_c(fn, q, k_cache, v_cache, md: _Metadata, scale: float, *scales: float) -> torch.Tensor:
+    """One call of a C attention entry point `fn` over checked caches and metadata -> out [T, Hq, D]; `scales`:
+    an 8-bit cache's (k_scale, v_scale)."""
     q = q.contiguous()
-    qsl, lens, tables, num_seqs, width = md.args
     out = torch.empty_like(q)  # [T, Hq, D]
     _, block_size, num_kv_heads, _ = k_cache.shape
-    args = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1], num_kv_heads,
-            q.shape[2], block_size, width, scale)  # fmt: skip
-    if kind is None:
-        _function(f"paged_attention_{SUFFIX[q.dtype]}")(*args, out.data_ptr())
-    else:
-        _function(f"paged_attention_{SUFFIX[q.dtype]}_{KINDS[kind]}")(*args, k_scale, v_scale, out.data_ptr())
+    qsl, lens, tables, num_seqs, width = md.args
+    fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1], num_kv_heads,
+       q.shape[2], block_size, width, scale, *scales, out.data_ptr())  # fmt: skip
     return out
 
 
@@ -259,12 +264,19 @@ def write_kv_cpu(k, v, k_cache, v_cache, slot_mapping) -> None:
     rows_ok = k.dim() == v.dim() == 3 and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
     if k.dtype not in SUFFIX or not rows_ok or slot_mapping.dtype != torch.int64:
         return write_kv_cache(k, v, k_cache, v_cache, slot_mapping)
-    slots = _SLOTS.get((slot_mapping,), (k_cache.shape[0], k_cache.shape[1]),
-                       lambda: _checked_slots(slot_mapping, k_cache.shape[0] * k_cache.shape[1]))  # once a step (_StepMemo)
-    _function(f"write_kv_{SUFFIX[k.dtype]}")(
-        k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots),
-        k_cache.shape[2] * k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr(),
-    )  # fmt: skip
+    _write_c(_function(f"write_kv_{SUFFIX[k.dtype]}"), k, v, k_cache, v_cache, _slots(slot_mapping, k_cache))
+
+
+def _write_c(fn, k, v, k_cache, v_cache, slots: torch.Tensor) -> None:
+    """One call of a C write entry point `fn`: k, v's rows (each row's values contiguous) into checked `slots`."""
+    fn(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), slots.data_ptr(), len(slots),
+       k_cache.shape[2] * k_cache.shape[3], k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
+
+
+def _slots(slot_mapping: torch.Tensor, k_cache) -> torch.Tensor:
+    """The step's slot mapping, checked against the cache once for all its layers (_StepMemo)."""
+    N, bs = k_cache.shape[0], k_cache.shape[1]
+    return _SLOTS.get((slot_mapping,), (N, bs), lambda: _checked_slots(slot_mapping, N * bs))
 
 
 def _checked_slots(slot_mapping: torch.Tensor, num_slots: int) -> torch.Tensor:
@@ -293,8 +305,8 @@ class StepPlan:
             self.ok = self.md.route is None
         if not self.ok:
             return
-        N, self.bs, self.hkv, self.d = k0.shape
-        self.slots = _SLOTS.get((meta.slot_mapping,), (N, self.bs), lambda: _checked_slots(meta.slot_mapping, N * self.bs))
+        self.d = k0.shape[3]
+        self.slots = _slots(meta.slot_mapping, k0)
         self.write, self.attend = _function(f"write_kv_{suffix}"), _function(f"paged_attention_{suffix}")
 
     def __bool__(self) -> bool:
@@ -307,14 +319,8 @@ class StepPlan:
                 and k_cache.is_contiguous() and v_cache.is_contiguous()):  # fmt: skip
             write_kv_cpu(k, v, k_cache, v_cache, m.slot_mapping)  # (any other layout: the checked functions)
             return paged_attention_cpu(q, k_cache, v_cache, m.query_start_loc, m.seq_lens, m.block_tables, self.scale)
-        self.write(k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), self.slots.data_ptr(), len(self.slots),
-                   self.hkv * d, k_cache.data_ptr(), v_cache.data_ptr())  # fmt: skip
-        q = q.contiguous()  # [T, Hq, D]
-        out = torch.empty_like(q)
-        qsl, lens, tables, num_seqs, width = self.md.args
-        self.attend(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), qsl, lens, tables, num_seqs, q.shape[1],
-                    self.hkv, d, self.bs, width, self.scale, out.data_ptr())  # fmt: skip
-        return out
+        _write_c(self.write, k, v, k_cache, v_cache, self.slots)
+        return _attend_c(self.attend, q, k_cache, v_cache, self.md, self.scale)
 
 
 def attention_functions(name: str, device: torch.device):
