@@ -552,7 +552,7 @@ def test_goodput_is_a_rate_that_meets_the_slos_and_v0_stalls_decodes_for_prompts
 
 def test_the_summarization_workload_is_longbench_cut_as_distserve_cut_it():
     """Prompts mean 1,738 tokens and answers 91 (DistServe's figure 7), each prompt within the artifact's cut
-    (a random 1,900-2,048, and 2,040 - the answer); the default workload is serve.py's sharegpt trace."""
+    (a random 1,900-2,048, and 2,040 - the answer); the sharegpt workload is serve.py's sharegpt trace."""
     from benchmarks.sim.disagg import LONGBENCH, requests
 
     reqs = requests("summarization", 2000, 2.0, seed=5)
@@ -576,6 +576,86 @@ def test_the_summarization_comparison_runs_with_distserves_placements():
             a["decode_pp"]) == ("opt-66b", 15.0, 0.15, 4, 4, 2, 2)  # fmt: skip
     assert [r["gpus"] for r in out["rows"]] == [4, 4, 8]
     assert all(r["goodput_per_gpu"] > 0 and r["attainment"] >= 0.9 for r in out["rows"])
+
+
+def test_the_chatbot_workload_draws_distserves_sharegpt_lengths():
+    """Prompts and outputs drawn from the quantiles of DistServe's own ShareGPT requests: their means and medians
+    are the artifact's (759 and 186; 680 and 76), every request fits OPT's 2,048 positions."""
+    from benchmarks.sim.disagg import CHATBOT_OUTPUT, CHATBOT_PROMPT, quantile_draw, requests
+
+    reqs = requests("chatbot", 4000, 3.0, seed=2)
+    prompts, outputs = sorted(len(r.prompt) for r in reqs), sorted(r.output_len for r in reqs)
+    assert sum(prompts) / len(reqs) == pytest.approx(759, rel=0.03)
+    assert sum(outputs) / len(reqs) == pytest.approx(186, rel=0.06)
+    assert prompts[len(reqs) // 2] == pytest.approx(CHATBOT_PROMPT[10], rel=0.05)
+    assert outputs[len(reqs) // 2] == pytest.approx(CHATBOT_OUTPUT[10], rel=0.1)
+    assert max(len(r.prompt) + r.output_len for r in reqs) <= 2048 and min(outputs) >= 1
+    rng = random.Random(0)
+    assert {quantile_draw(rng, (5, 5)) for _ in range(20)} == {5}  # a point mass stays one
+
+
+def test_the_fit_recovers_the_speeds_that_made_the_latencies():
+    """distserve_fit on requests made by the cost model itself at known efficiencies and client time gives them
+    back; its reader takes a ground-truth file (a list, then a summary)."""
+    from benchmarks.sim.cost import step_time
+    from benchmarks.sim.distserve_fit import decode_load, fit, load
+
+    shape, true = model_shape("opt-13b"), replace(gpu("a100-80gb"), compute_efficiency=0.61, memory_efficiency=0.47)
+    rng = random.Random(4)
+    recs = [{"prompt_len": rng.randint(10, 2000), "output_len": rng.randint(2, 300)} for _ in range(300)]
+    context = round(sum(r["prompt_len"] for r in recs) / 300 + sum(r["output_len"] for r in recs) / 600)
+    tpot = step_time(true, shape, [(context, 1)] * 6, 6)
+    for r in recs:
+        r["ttft_ms"] = 1e3 * (0.017 + step_time(true, shape, [(0, r["prompt_len"])], 1, 2))
+        r["tpot_ms"] = 1e3 * tpot
+    rate = 6 / (sum((r["output_len"] - 1) * tpot for r in recs) / 300)
+    assert decode_load(recs, rate) == (pytest.approx(tpot), 6, context)
+    got = fit(recs, "opt-13b", gpu("a100-80gb"), 2, 1, rate)
+    assert (got["compute_efficiency"], got["memory_efficiency"]) == (0.61, 0.47)
+    assert got["client_s"] == pytest.approx(0.017) and got["prefill_rms"] < 1e-3
+    path = Path(__file__).parent / "tmp_fit.exp"
+    try:
+        path.write_text(repr(recs[:3]) + "\n{\n\tnum_requests: 3\n}")
+        assert load(path) == recs[:3]
+    finally:
+        path.unlink()
+
+
+def test_measured_speeds_slow_each_system_and_reach_its_clients_first_token():
+    """`--speeds measured`: colocated vLLM at vLLM's fitted speed, the pair at DistServe's; a request's TTFT
+    grows by the client's time and its TPOT does not (one request alone); the table says which speeds ran."""
+    from benchmarks.sim.disagg import MEASURED_SPEEDS, colocated, main, requests
+
+    (r,) = requests("chatbot", 1, 1.0, seed=1)
+    zero = dict(MEASURED_SPEEDS["vllm"], client_s=0.0)
+    plain, fitted, slow = (colocated([r], "opt-13b", "a100-80gb", speed=s)[0] for s in (None, zero, MEASURED_SPEEDS["vllm"]))
+    assert slow.ttft == pytest.approx(fitted.ttft + MEASURED_SPEEDS["vllm"]["client_s"]) and slow.tpot == fitted.tpot
+    assert fitted.ttft > plain.ttft and fitted.tpot > plain.tpot  # the fitted efficiencies are below the model's
+    out = main(["--workload", "chatbot", "--links", "nvlink", "--requests", "12", "--speeds", "measured"])
+    assert out["args"]["speeds"] == "measured" and [r["gpus"] for r in out["rows"]] == [1, 1, 3]
+    assert all(r["goodput_per_gpu"] > 0 and r["attainment"] >= 0.9 for r in out["rows"])
+    with pytest.raises(SystemExit):  # fitted on OPT-13B alone
+        main(["--workload", "summarization", "--speeds", "measured"])
+
+
+def test_validation_replays_each_measured_run_and_counts_its_attainment(tmp_path):
+    """distserve_fit --validate: each ground-truth file's requests (lengths, arrival times) on the simulator, the
+    measured attainment counted from the file, the simulated one from the replay, the rate per GPU of each."""
+    from benchmarks.sim.disagg import MEASURED_SPEEDS, attainment
+    from benchmarks.sim.distserve_fit import replay, validate
+
+    rng, written = random.Random(6), {}
+    for name in ("vllm-12-1.exp", "distserve-c21d11-12-3.exp"):
+        written[name] = recs = [{"prompt_len": rng.randint(5, 1900), "output_len": rng.randint(1, 60), "issue_time": 100 + i / 2,
+                 "ttft_ms": rng.choice([80.0, 300.0]), "tpot_ms": rng.choice([40.0, 120.0])} for i in range(12)]  # fmt: skip
+        (tmp_path / name).write_text(repr(recs) + "\n{\n\tnum_requests: 12\n}")
+    rows = validate(tmp_path, MEASURED_SPEEDS)
+    assert [(r["system"], r["requests"], r["rate_per_gpu"]) for r in rows] == [("vllm", 12, 1.0), ("distserve", 12, 1.0)]
+    for r, name in zip(rows, ("vllm-12-1.exp", "distserve-c21d11-12-3.exp")):
+        recs = written[name]
+        assert r["measured"] == sum(x["ttft_ms"] <= 250 and x["tpot_ms"] <= 100 for x in recs) / 12
+        sim = replay(recs, r["system"], MEASURED_SPEEDS[r["system"]])
+        assert r["simulated"] == attainment(sim, 0.25, 0.1) and [t.output_len for t in sim] == [x["output_len"] for x in recs]
 
 
 def test_a_host_tier_hands_a_chat_back_the_history_hbm_lost():

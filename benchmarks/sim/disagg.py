@@ -20,12 +20,15 @@ and the figure DistServe is about, **goodput**: the highest request rate per GPU
 mean gap between a request's tokens after its first). For OPT-13B on ShareGPT-like traffic
 DistServe's artifact uses TTFT <= 0.25 s, TPOT <= 0.1 s, and two prefill GPUs (TP=2) with one decode
 GPU against vLLM on one GPU (`evaluation/ae-scripts/e2e/_plot.py`, `2-start-api-server.py`); those
-are the defaults. The rate is searched by bisection on seeded Poisson traces (serve.py's
-`sharegpt`).
+are the defaults. The rate is searched by bisection on seeded Poisson traces.
 
 `--workload` picks DistServe's workload (its Table 1; the artifact's placements, `2-start-api-server.py`):
 
-    sharegpt        chatbot: OPT-13B, TTFT <= 0.25 s, TPOT <= 0.1 s; vLLM on 1 GPU, 2P (TP=2) + 1D
+    chatbot         OPT-13B, TTFT <= 0.25 s, TPOT <= 0.1 s; vLLM on 1 GPU, 2P (TP=2) + 1D; DistServe's own
+                    ShareGPT requests (their lengths' quantiles, `CHATBOT_PROMPT`: prompts mean 759 tokens,
+                    outputs 186)
+    sharegpt        the same on serve.py's `sharegpt` trace (the PagedAttention paper's statistics: prompts
+                    mean 161 tokens, outputs 338: the chatbot's work turned around)
     summarization   LongBench: OPT-66B, TTFT <= 15 s, TPOT <= 0.15 s; vLLM on 4 GPUs (TP=4) against a
                     prefill engine of TP=4 and a decode engine of TP=2 x PP=2 (8 GPUs). Prompts are
                     documents truncated as the artifact's `0-prepare-dataset.py` does (to a random
@@ -35,7 +38,10 @@ are the defaults. The rate is searched by bisection on seeded Poisson traces (se
                     cited for DistServe; its figure 7 draws the distributions as an image we could
                     not read, so they are not checked against it)
 
-The flags name the other settings; each left out takes the workload's.
+The flags name the other settings; each left out takes the workload's. `--speeds measured` plays each system
+at the speed DistServe's artifact measured for it (`MEASURED_SPEEDS`, fitted by distserve_fit.py to single
+requests: vLLM of 2023 for the colocated rows, DistServe's engine for the pair; OPT-13B on an A100-80GB
+only); the default gives every system the cost model's.
 
 The two engines run on two clocks, stepped in time order (always the one whose next step comes
 first), so a prefill that ends at t arrives at the decode engine at t + transfer, and a decode
@@ -86,9 +92,40 @@ class Workload:
     lo: float = 0.05  # the bisection's lowest rate per GPU
 
 
-WORKLOADS = {"sharegpt": Workload("opt-13b", 0.25, 0.1, 1, 2, 1),
+WORKLOADS = {"chatbot": Workload("opt-13b", 0.25, 0.1, 1, 2, 1),
+             "sharegpt": Workload("opt-13b", 0.25, 0.1, 1, 2, 1),
              "summarization": Workload("opt-66b", 15.0, 0.15, 4, 4, 2, 2, lo=0.005)}  # fmt: skip
 LONGBENCH = (1738.0, 91.0)  # mean prompt and answer tokens (not checked against DistServe's figure 7: an image)
+
+# DistServe's own ShareGPT requests (OPT's tokenizer), as its artifact served them: the 5 % quantiles (0 %, 5 %,
+# ..., 100 %) of the prompt and output lengths of the 1,600 requests in its simulator's ground truth,
+# simdistserve/benchmarks/alignment/data-ground-truth/opt-13b-sharegpt/distserve-c21d12-1600-16.exp (commit
+# 20a1633). Means 759 and 186 tokens, medians 680 and 76; the two are nearly independent (correlation -0.13).
+CHATBOT_PROMPT = (2, 25, 89, 165, 244, 311, 375, 453, 512, 600, 680, 768, 857, 947, 1042, 1147, 1272, 1420, 1543,
+                  1723, 2031)  # fmt: skip
+CHATBOT_OUTPUT = (1, 6, 9, 12, 15, 18, 22, 28, 36, 52, 76, 113, 158, 211, 258, 304, 349, 406, 507, 648, 1809)
+
+
+# Each system's speed as DistServe's artifact measured it on OPT-13B, A100-80GB (`python -m
+# benchmarks.sim.distserve_fit DIR` on its ground truth, see there): the cost model's efficiencies and the time a
+# request spends outside the engine before its first token (client, HTTP, tokenizer). `--speeds measured` plays
+# colocated vLLM at vLLM's and the disaggregated pair at DistServe's; `model` (the default) gives both cost.py's.
+MEASURED_SPEEDS = {"vllm": dict(compute_efficiency=0.60, memory_efficiency=0.49, client_s=0.014),
+                   "distserve": dict(compute_efficiency=0.52, memory_efficiency=0.53, client_s=0.005)}  # fmt: skip
+
+
+def hardware(gpu_name: str, speed: dict | None) -> tuple:
+    """(the GPU at a system's measured speed, or the model's, the client's seconds before the first token)."""
+    speed = dict(speed or {})
+    client_s = speed.pop("client_s", 0.0)
+    return gpu(gpu_name, **speed), client_s
+
+
+def quantile_draw(rng: random.Random, quantiles: tuple[int, ...]) -> int:
+    """A length drawn from a distribution given by evenly spaced quantiles (linear between them)."""
+    x = rng.random() * (len(quantiles) - 1)
+    i = min(int(x), len(quantiles) - 2)
+    return max(1, round(quantiles[i] + (x - i) * (quantiles[i + 1] - quantiles[i])))
 
 
 def cut_lengths(rng: random.Random, caps: list[int], mean: float, sigma: float) -> list[int]:
@@ -105,9 +142,17 @@ def requests(workload: str, num: int, rate: float, seed: int = 0, vocab: int = 5
     """`num` requests of the workload arriving as a Poisson process at `rate` per second."""
     if workload == "sharegpt":
         return trace("sharegpt", num, rate, seed)
-    if workload != "summarization":
+    if workload not in WORKLOADS:
         raise ValueError(f"unknown workload {workload!r}; known: {', '.join(WORKLOADS)}")
     rng = random.Random(seed)
+    if workload == "chatbot":  # DistServe's ShareGPT lengths; prompt + output within OPT's 2,048 positions
+        t, reqs = 0.0, []
+        for _ in range(num):
+            t += rng.expovariate(rate)
+            p = quantile_draw(rng, CHATBOT_PROMPT)
+            a = min(quantile_draw(rng, CHATBOT_OUTPUT), 2048 - p)
+            reqs.append(SimRequest(t, [rng.randrange(3, vocab) for _ in range(p)], a))
+        return reqs
     answers = lengths(rng, num, LONGBENCH[1], 0.8, 1024)
     caps = [min(rng.randint(1900, 2048), 2040 - a) for a in answers]  # the artifact's truncation
     prompts = cut_lengths(rng, caps, LONGBENCH[0], 0.9)
@@ -170,20 +215,23 @@ class Timing:
 
 
 def colocated(reqs: list[SimRequest], model: str, gpu_name: str, v0: bool = False, tp: int = 1,
-              v0_tokens: int = 2048) -> list[Timing]:  # fmt: skip
-    """vLLM on `tp` GPUs; `v0`: its 2023 schedule, whole prompts up to `v0_tokens` a step."""
-    engine = make_engine("vllm", model, gpu(gpu_name), SimClock(), tp=tp)
+              v0_tokens: int = 2048, speed: dict | None = None) -> list[Timing]:  # fmt: skip
+    """vLLM on `tp` GPUs; `v0`: its 2023 schedule, whole prompts up to `v0_tokens` a step; `speed`: a
+    `MEASURED_SPEEDS` entry (None: the cost model's)."""
+    hw, client_s = hardware(gpu_name, speed)
+    engine = make_engine("vllm", model, hw, SimClock(), tp=tp)
     if v0:  # the same engine's settings, its scheduler swapped
-        engine = SimulatedV0(model, hardware=gpu(gpu_name), clock=SimClock(), tp=tp, kv_cache_memory=engine.kv_budget,
+        engine = SimulatedV0(model, hardware=hw, clock=SimClock(), tp=tp, kv_cache_memory=engine.kv_budget,
                              max_num_seqs=256, block_size=16, max_num_batched_tokens=v0_tokens)  # fmt: skip
     seqs = play(engine, reqs, user_params(engine.max_model_len))
-    return [Timing(s.metrics.arrival_time, s.metrics.first_token_time, s.metrics.finished_time,
+    # (the client's time comes before the engine sees a request: its TTFT grows by it, its TPOT does not)
+    return [Timing(s.metrics.arrival_time - client_s, s.metrics.first_token_time, s.metrics.finished_time,
                    len(s.output_token_ids)) for s in seqs]  # fmt: skip
 
 
 def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str = "nvlink", prefill_tp: int = 1,
-                  decode_tp: int = 1, decode_pp: int = 1) -> list[Timing]:  # fmt: skip
-    hw = gpu(gpu_name)
+                  decode_tp: int = 1, decode_pp: int = 1, speed: dict | None = None) -> list[Timing]:  # fmt: skip
+    hw, client_s = hardware(gpu_name, speed)
     bandwidth, latency = LINKS[link]
     prefill = make_engine("vllm", model, hw, SimClock(), tp=prefill_tp)
     decode = make_engine("vllm-prefix", model, hw, SimClock(), tp=decode_tp, pp=decode_pp)
@@ -211,7 +259,7 @@ def disaggregated(reqs: list[SimRequest], model: str, gpu_name: str, link: str =
             rid = str(i)
             if side == "p":
                 e.targets[rid] = 1  # the prefill engine's one token: the client's first
-                timings[rid] = Timing(r.arrival, 0.0, 0.0, r.output_len)
+                timings[rid] = Timing(r.arrival - client_s, 0.0, 0.0, r.output_len)
             else:
                 e.targets[rid] = r.output_len - 1  # the rest, after the prompt's KV arrived
             e.add_request(rid, r.prompt, params(r), arrival_time=at)
@@ -267,7 +315,7 @@ def main(argv=None) -> dict:
 
     p = LadderParser(prog="python -m benchmarks.sim.disagg", description=__doc__,
                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    p.add_argument("--workload", default="sharegpt", choices=list(WORKLOADS),
+    p.add_argument("--workload", default="chatbot", choices=list(WORKLOADS),
                    help="DistServe's workload: its model, SLOs and placements unless flags say otherwise")  # fmt: skip
     p.add_argument("--model", help="a shipped shape (benchmarks/sim/models)")
     p.add_argument("--gpu", default="a100-80gb", help="a GPU of benchmarks/sim/gpus.json")
@@ -279,6 +327,9 @@ def main(argv=None) -> dict:
     p.add_argument("--decode-pp", type=positive_int, help="the decode engine's pipeline stages (its GPUs: tp x pp)")
     p.add_argument("--v0-tokens", type=positive_int, default=2048,
                    help="vLLM V0's prompt tokens a step (DistServe's artifact ran vLLM with 16384)")  # fmt: skip
+    p.add_argument("--speeds", default="model", choices=["model", "measured"],
+                   help="the cost model's speed for every system, or each system's as DistServe's artifact "
+                        "measured it (MEASURED_SPEEDS: OPT-13B on A100-80GB)")  # fmt: skip
     p.add_argument("--links", default=",".join(LINKS), help=f"comma-separated, of {', '.join(LINKS)}")
     p.add_argument("--requests", type=positive_int, default=400, help="requests per trace")
     p.add_argument("--seed", type=int, default=0, help="the traces' seed")
@@ -287,14 +338,19 @@ def main(argv=None) -> dict:
     for name in ("model", "ttft_slo", "tpot_slo", "colocated_tp", "prefill_tp", "decode_tp", "decode_pp"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(w, name))
+    if args.speeds != "model" and (args.model, args.gpu) != ("opt-13b", "a100-80gb"):
+        p.error(f"argument --speeds: {args.speeds} was measured for opt-13b on a100-80gb only, not {args.model} "
+                f"on {args.gpu}")  # fmt: skip
     links = [x.strip() for x in args.links.split(",")]
     if bad := [x for x in links if x not in LINKS]:
         p.error(f"argument --links: unknown {', '.join(bad)}; known: {', '.join(LINKS)}")
     search = dict(ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, num=args.requests, seed=args.seed, lo=w.lo,
                   workload=args.workload)  # fmt: skip
     ctp = args.colocated_tp
+    vllm, distserve = (MEASURED_SPEEDS[k] if args.speeds == "measured" else None for k in ("vllm", "distserve"))
     rows = [(f"vLLM{' V0' * v0}, colocated", ctp,
-             *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0, ctp, args.v0_tokens), ctp, **search))
+             *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0, ctp, args.v0_tokens, vllm), ctp,
+                      **search))
             for v0 in (False, True)]  # fmt: skip
     decode_gpus = args.decode_tp * args.decode_pp
     gpus = args.prefill_tp + decode_gpus
@@ -302,9 +358,10 @@ def main(argv=None) -> dict:
                                                      if args.decode_pp > 1 else "")  # fmt: skip
     placement = (args.prefill_tp, args.decode_tp, args.decode_pp)
     for link in links:
-        serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, *placement)  # noqa: E731
+        serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, *placement, distserve)  # noqa: E731
         rows.append((f"disaggregated {layout}, {link}", gpus, *goodput(serve, gpus, **search)))
-    label = {"sharegpt": "ShareGPT-like", "summarization": "LongBench-like"}[args.workload]
+    label = {"chatbot": "DistServe's ShareGPT", "sharegpt": "ShareGPT-like", "summarization": "LongBench-like"}[
+        args.workload] + (", measured speeds" if args.speeds == "measured" else "")
     table = Table("system", "GPUs", "goodput / GPU (req/s)", "attainment there", "/ vLLM V1", "/ vLLM V0",
                   title=f"{args.model} on {args.gpu}, {label}, TTFT <= {args.ttft_slo:g} s and TPOT <= "
                         f"{args.tpot_slo:g} s for 90 % of requests")  # fmt: skip
