@@ -25,8 +25,8 @@ are the defaults. The rate is searched by bisection on seeded Poisson traces.
 `--workload` picks DistServe's workload (its Table 1; the artifact's placements, `2-start-api-server.py`):
 
     chatbot         OPT-13B, TTFT <= 0.25 s, TPOT <= 0.1 s; vLLM on 1 GPU, 2P (TP=2) + 1D; DistServe's own
-                    ShareGPT requests (their lengths' quantiles, `CHATBOT_PROMPT`: prompts mean 759 tokens,
-                    outputs 186)
+                    ShareGPT requests (drawn from their lengths' quantiles, `CHATBOT_PROMPT`: prompts mean 759
+                    tokens, outputs 191 here and 186 in the data: the top twentieth is drawn evenly)
     sharegpt        the same on serve.py's `sharegpt` trace (the PagedAttention paper's statistics: prompts
                     mean 161 tokens, outputs 338: the chatbot's work turned around)
     summarization   LongBench: OPT-66B, TTFT <= 15 s, TPOT <= 0.15 s; vLLM on 4 GPUs (TP=4) against a
@@ -347,10 +347,12 @@ def main(argv=None) -> dict:
     search = dict(ttft_slo=args.ttft_slo, tpot_slo=args.tpot_slo, num=args.requests, seed=args.seed, lo=w.lo,
                   workload=args.workload)  # fmt: skip
     ctp = args.colocated_tp
-    vllm, distserve = (MEASURED_SPEEDS[k] if args.speeds == "measured" else None for k in ("vllm", "distserve"))
+    # whose speed each system runs at: vLLM's for the colocated rows, DistServe's engine's for the pair
+    speed = {k: (k if args.speeds == "measured" else "model") for k in ("vllm", "distserve")}
+    vllm, distserve = (MEASURED_SPEEDS.get(speed[k]) for k in ("vllm", "distserve"))
     rows = [(f"vLLM{' V0' * v0}, colocated", ctp,
              *goodput(lambda r, v0=v0: colocated(r, args.model, args.gpu, v0, ctp, args.v0_tokens, vllm), ctp,
-                      **search))
+                      **search), speed["vllm"])
             for v0 in (False, True)]  # fmt: skip
     decode_gpus = args.decode_tp * args.decode_pp
     gpus = args.prefill_tp + decode_gpus
@@ -359,18 +361,18 @@ def main(argv=None) -> dict:
     placement = (args.prefill_tp, args.decode_tp, args.decode_pp)
     for link in links:
         serve = lambda r, link=link: disaggregated(r, args.model, args.gpu, link, *placement, distserve)  # noqa: E731
-        rows.append((f"disaggregated {layout}, {link}", gpus, *goodput(serve, gpus, **search)))
+        rows.append((f"disaggregated {layout}, {link}", gpus, *goodput(serve, gpus, **search), speed["distserve"]))
     label = {"chatbot": "DistServe's ShareGPT", "sharegpt": "ShareGPT-like", "summarization": "LongBench-like"}[
         args.workload] + (", measured speeds" if args.speeds == "measured" else "")
     table = Table("system", "GPUs", "goodput / GPU (req/s)", "attainment there", "/ vLLM V1", "/ vLLM V0",
                   title=f"{args.model} on {args.gpu}, {label}, TTFT <= {args.ttft_slo:g} s and TPOT <= "
                         f"{args.tpot_slo:g} s for 90 % of requests")  # fmt: skip
-    for name, n, rate, att in rows:
+    for name, n, rate, att, _ in rows:
         ratios = [f"{rate / base:.2f}x" if base else "" for base in (rows[0][2], rows[1][2])]
         table.add_row(name, str(n), f"{rate:.2f}", f"{100 * att:.0f} %", *ratios)
     Console(width=130).print(table)
-    return {"args": vars(args), "rows": [{"system": n, "gpus": g, "goodput_per_gpu": r, "attainment": a}
-                                         for n, g, r, a in rows]}  # fmt: skip
+    return {"args": vars(args), "rows": [{"system": n, "gpus": g, "goodput_per_gpu": r, "attainment": a, "speed": s}
+                                         for n, g, r, a, s in rows]}  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -102,6 +102,7 @@ def fit(records: list[dict], model: str, hw: Hardware, prefill_tp: int, decode_t
         if (c_new, m_new) == (c, m):
             break
         c, m = c_new, m_new
+    err = prefill_err(replace(hw, compute_efficiency=c, memory_efficiency=m), client_s)  # (what is reported)
     return {"compute_efficiency": c, "memory_efficiency": m, "client_s": client_s,
             "prefill_rms": (err / len(points)) ** 0.5,
             "decode_error": decode_err(replace(hw, compute_efficiency=c, memory_efficiency=m)) ** 0.5,
