@@ -43,6 +43,8 @@ from pathlib import Path
 from statistics import median
 
 from .cost import Hardware, gpu, model_shape, step_time
+from .disagg import MEASURED_SPEEDS, colocated, disaggregated
+from .serve import SimRequest
 
 # What each system's fit reads: (its lowest-rate file, prefill TP, decode TP, requests/s its decode engine saw)
 SYSTEMS = {"vllm": ("vllm-100-1.exp", 1, 1, 1.0), "distserve": ("distserve-c21d11-300-3.exp", 2, 1, 3.0)}
@@ -88,16 +90,11 @@ def fit(records: list[dict], model: str, hw: Hardware, prefill_tp: int, decode_t
 
     # a short prompt's prefill reads the weights (memory) and a decode step does some FLOPs (compute): each
     # fit depends a little on the other's efficiency, so they take turns until neither moves
-    c, m, client_s, err = hw.compute_efficiency, hw.memory_efficiency, 0.0, 0.0
+    c, m, client_s = hw.compute_efficiency, hw.memory_efficiency, 0.0
     for _ in range(10):
         h = replace(hw, memory_efficiency=m)
-        best = None
-        for ms in range(0, 61):  # the client's time, 0-60 ms
-            e = min(grid, key=lambda e: prefill_err(replace(h, compute_efficiency=e), ms / 1e3))
-            err = prefill_err(replace(h, compute_efficiency=e), ms / 1e3)
-            if best is None or err < best[0]:
-                best = (err, e, ms / 1e3)
-        err, c_new, client_s = best
+        _, c_new, client_s = min((prefill_err(replace(h, compute_efficiency=e), s), e, s)
+                                   for s in (ms / 1e3 for ms in range(61)) for e in grid)  # (client: 0-60 ms)  # fmt: skip
         m_new = min(grid, key=lambda e: decode_err(replace(hw, compute_efficiency=c_new, memory_efficiency=e)))
         if (c_new, m_new) == (c, m):
             break
@@ -112,9 +109,6 @@ def fit(records: list[dict], model: str, hw: Hardware, prefill_tp: int, decode_t
 def replay(records: list[dict], system: str, speed: dict, vocab: int = 50272) -> list:
     """The measured requests (their lengths and arrival times) on the simulator: DistServe's artifact ran vLLM
     with 16,384 prompt tokens a step (V0's schedule) and DistServe as 2P (TP=2) + 1D."""
-    from .disagg import colocated, disaggregated
-    from .serve import SimRequest
-
     rng, t0 = random.Random(0), min(r["issue_time"] for r in records)
     reqs = [SimRequest(r["issue_time"] - t0, [rng.randrange(3, vocab) for _ in range(r["prompt_len"])],
                        r["output_len"]) for r in sorted(records, key=lambda r: r["issue_time"])]  # fmt: skip
@@ -153,8 +147,6 @@ def main(argv=None) -> dict:
         out[name] = fit(load(args.dir / file), args.model, gpu(args.gpu), ptp, dtp, rate)
         print(name, {k: round(v, 4) for k, v in out[name].items()})
     if args.validate:
-        from .disagg import MEASURED_SPEEDS
-
         out["validation"] = validate(args.dir, MEASURED_SPEEDS)
         print("system     requests  rate/GPU  attainment: measured  simulated   TTFT p50 (s)   TPOT p50 (s)")
         for r in out["validation"]:
