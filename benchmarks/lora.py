@@ -14,9 +14,12 @@ cost of an adapter does not depend on what it learned):
 Output tokens/s, best of `--repeats`, each request exactly `--max-tokens` tokens; and each repeat's own
 two ratios (its three runs side by side), whose spread says how far a best-of figure can be trusted.
 
-What it is not: a GPU figure. The engines use the CPU's default delta, the stacked one (every slot's
-shrink in one dense matmul, the other slots' columns masked): on a GPU a gathering kernel (Punica's
-BGMV) would read each slot once per block of rows instead.
+The LoRA engines run the default delta ("auto": on a CPU the compiled loop, features/lora/cpu_ops.py,
+where it builds). `--paths auto,stacked` runs both LoRA layouts once per path in every repeat (the
+same engines, their path switched), so the paths compare side by side; the headline ratios are the
+first path's.
+
+What it is not: a GPU figure (there the kernels would be Triton's, triton_ops.py, never run yet).
 """
 
 from __future__ import annotations
@@ -79,6 +82,8 @@ def main(argv=None) -> dict:
     p.add_argument("--requests", type=positive_int, default=64, help="requests, spread evenly (default 64)")
     p.add_argument("--max-tokens", type=positive_int, default=64, help="tokens per request (default 64)")
     p.add_argument("--repeats", type=positive_int, default=2, help="runs of each, the best kept (default 2)")
+    p.add_argument("--paths", default="auto", help="the LoRA engines' delta paths, comma-separated (default auto; "
+                   "features/lora/slots.py's DELTAS; the first gives the headline ratios)")
     p.add_argument("--out", default=None, help="where the JSON goes (default: the output folder)")
     args = p.parse_args(argv)
     base = str(resolve_path(args.model))
@@ -94,22 +99,33 @@ def main(argv=None) -> dict:
         one_llm = level3_prefix.LLM(base, enable_lora=True, max_loras=1, max_lora_rank=args.rank,
                                     max_cpu_loras=len(adapters), **settings)  # fmt: skip
         base_llm = level3_prefix.LLM(base, **settings)
-        runs = []
+        paths, names = args.paths.split(","), {}
+        for path in paths:  # refused here, in one line, not after the first runs; "auto" named by what it chose
+            lora_llm.llm_engine.lora.path = one_llm.llm_engine.lora.path = path
+            names[path] = path if path != "auto" else f"auto ({lora_llm.llm_engine.lora.path})"
+        runs, by_path = [], {path: [] for path in paths}
         for _ in range(args.repeats):  # alternating, so a busy moment hurts each layout alike
-            runs.append({"mixed": tokens_per_s(lora_llm, prompts, params, loras, False),
-                         "one_at_a_time": tokens_per_s(one_llm, prompts, params, loras, True),
-                         "base": tokens_per_s(base_llm, prompts, params, [None] * len(prompts), False)})  # fmt: skip
+            for path in paths:
+                lora_llm.llm_engine.lora.path = one_llm.llm_engine.lora.path = path
+                by_path[path].append({"mixed": tokens_per_s(lora_llm, prompts, params, loras, False),
+                                      "one_at_a_time": tokens_per_s(one_llm, prompts, params, loras, True)})  # fmt: skip
+            runs.append({**by_path[paths[0]][-1], "base": tokens_per_s(base_llm, prompts, params, [None] * len(prompts), False)})
     best = {k: max(r[k] for r in runs) for k in runs[0]}
     pairs = [(r["mixed"] / r["one_at_a_time"], r["mixed"] / r["base"]) for r in runs]  # each repeat's own ratios
     result = {"args": vars(args), "tokens_per_s": best, "mixed_over_one_at_a_time": best["mixed"] / best["one_at_a_time"],
               "lora_over_base": best["mixed"] / best["base"], "runs": runs,
-              "per_repeat": {"mixed_over_one_at_a_time": [a for a, _ in pairs], "lora_over_base": [b for _, b in pairs]}}  # fmt: skip
+              "per_repeat": {"mixed_over_one_at_a_time": [a for a, _ in pairs], "lora_over_base": [b for _, b in pairs]},
+              "by_path": {names[p]: {k: max(r[k] for r in rs) for k in rs[0]} for p, rs in by_path.items()}}  # fmt: skip
     Console().print(f"{args.requests} requests x {args.max_tokens} tokens over {len(adapters)} adapters of rank "
-                    f"{args.rank} ({args.model}, one thread): mixed {best['mixed']:.0f} tok/s, one adapter at a time "
+                    f"{args.rank} ({args.model}, one thread, the {names[paths[0]]} path): mixed {best['mixed']:.0f} tok/s, "
+                    f"one adapter at a time "
                     f"{best['one_at_a_time']:.0f} ({result['mixed_over_one_at_a_time']:.2f}x), base model "
                     f"{best['base']:.0f} (LoRA costs: {result['lora_over_base']:.2f}x); each repeat's own ratios: "
                     f"{min(a for a, _ in pairs):.2f}-{max(a for a, _ in pairs):.2f}x and "
                     f"{min(b for _, b in pairs):.2f}-{max(b for _, b in pairs):.2f}x")  # fmt: skip
+    if len(paths) > 1:
+        Console().print("mixed / one adapter at a time, tok/s (best of each), by path: " + "; ".join(
+            f"{name} {r['mixed']:.0f} / {r['one_at_a_time']:.0f}" for name, r in result["by_path"].items()))  # fmt: skip
     save_result(result, args.out, "lora.json")
     return result
 

@@ -150,9 +150,11 @@ def pytest_configure(config):
     runs, so no timed test or server start-up in a subprocess pays for the build."""
     from features.cpu_kernels import attention as cpu_attention
     from features.cpu_kernels import ops as cpu_ops
+    from features.lora import cpu_ops as lora_ops
 
     cpu_attention.available()
     cpu_ops.LIBRARY.available()
+    lora_ops.available()
 
 
 REPO = Path(__file__).resolve().parent.parent

@@ -24,7 +24,8 @@ import level1_paged
 import level2_continuous
 import level3_prefix
 import level4_speculative
-from features.lora import delta_gathered, delta_loop, delta_segmented, delta_stacked
+from features.lora import cpu_ops, delta_gathered, delta_loop, delta_segmented, delta_stacked
+from features.lora.slots import delta_cpu
 from level0_naive import SamplingParams
 from level3_prefix import LoRARequest  # (the room lends it to every level)
 
@@ -112,7 +113,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
     """Levels 2, 3 and 4 (n-gram or a draft model, which runs without adapters: the target verifies
     with them); requests on each adapter and on none; slots from 1 (every step one adapter) to
     all; a pool from the largest request alone (preemption), a drawn token budget (chunked prefill),
-    prefix hits (level 3, twice the same workload), arrivals at drawn steps; every torch delta path."""
+    prefix hits (level 3, twice the same workload), arrivals at drawn steps; every CPU delta path (the compiled loop and punica.py's)."""
     path, pool = checkpoint_factory(arch), adapters(arch)
     loras = data.draw(st.lists(st.sampled_from([None, *pool]), min_size=len(workload), max_size=len(workload)),
                       label="adapters")  # fmt: skip
@@ -129,7 +130,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
                              max_num_batched_tokens=data.draw(st.sampled_from([1, 5, 2048]), label="token budget"),
                              enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
                              max_lora_rank=8, **spec)  # fmt: skip
-    engine.lora.path = data.draw(st.sampled_from(["stacked", "segmented", "gathered", "loop"]), label="delta path")
+    engine.lora.path = data.draw(st.sampled_from(["cpu", "stacked", "segmented", "gathered", "loop"]), label="delta path")
     runner = Staggered(WithAdapters(engine, loras).engine, data)
     prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                  for _, n in workload]  # fmt: skip
@@ -138,7 +139,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
             assert out.outputs[0].token_ids == peft_oracle.greedy(path, lora and lora.lora_path, prompt, n)
 
 
-@pytest.mark.parametrize("path", ["loop", "gathered", "segmented", "stacked", "triton"])
+@pytest.mark.parametrize("path", ["loop", "gathered", "segmented", "stacked", "cpu", "triton"])
 def test_each_path_gives_peft_greedy_tokens_in_one_mixed_batch(path, checkpoint_factory, adapters, peft_oracle):
     """No draw: one batch of rows on every adapter and on none, neighbours on different adapters,
     two slots for three adapters (so slots are reused), on each delta path (lab 2c's check; the Triton
@@ -161,10 +162,54 @@ def test_every_delta_equals_the_loop(T, S, R, data):
     x, A, B = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((T, 6), (S, R, 6), (S, 5, R)))
     scale = torch.rand(S, generator=g, dtype=torch.float64)
     idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
-    loop, *others = (f(x, A, B, scale, idx) for f in (delta_loop, delta_gathered, delta_segmented, delta_stacked))
+    deltas = (delta_loop, delta_gathered, delta_segmented, delta_stacked, delta_cpu)
+    loop, *others = (f(x, A, B, scale, idx) for f in deltas)
     for other in others:
         torch.testing.assert_close(other, loop, rtol=1e-12, atol=1e-12)
     assert not loop[idx < 0].any()  # the base model's rows get nothing
+
+
+@given(T=st.integers(1, 70), S=st.integers(1, 5), R=st.integers(1, 20), n_in=st.integers(1, 150),
+       n_out=st.integers(1, 150), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), data=st.data())  # fmt: skip
+def test_the_compiled_delta_adds_the_loops_delta(T, S, R, n_in, n_out, dtype, data):
+    """cpu_ops.py's kernel, added into a base output, on rows not a multiple of its four, outputs not a multiple of
+    its chunk of 64, rows that are column slices of wider tensors (strided), rows on no adapter, slots no row uses:
+    y + the loop's delta, to rounding (bfloat16: computed in float32 and rounded once, as the kernel does)."""
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 1000), label="seed"))
+    pad = data.draw(st.integers(0, 3), label="columns around x's and y's rows")
+    wide_x, wide_y = (torch.randn(T, n + 2 * pad, generator=g).to(dtype) for n in (n_in, n_out))
+    x, y = wide_x[:, pad : pad + n_in], wide_y[:, pad : pad + n_out]  # [T, in], [T, out]: rows n + 2 pad apart
+    A = torch.randn(S, R, n_in, generator=g).to(dtype)
+    B = torch.randn(S, R, n_out, generator=g).to(dtype).transpose(1, 2)  # [S, out, R], as the slots keep it
+    scale = torch.rand(S, generator=g).to(dtype)
+    idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    want = (y.to(wide) + delta_loop(*(t.to(wide) for t in (x, A, B, scale)), idx)).to(dtype)
+    before = wide_y.clone()
+    kernel = cpu_ops.SlotKernel(A, B, scale)
+    assert kernel.takes(x, y)
+    assert kernel(x, idx, y) is y
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    torch.testing.assert_close(y, want, rtol=tol, atol=tol * (1 + want.abs().max().item()))
+    if pad:  # nothing outside the rows' own columns is touched
+        assert torch.equal(wide_y[:, :pad], before[:, :pad]) and torch.equal(wide_y[:, pad + n_out :], before[:, pad + n_out :])
+    assert torch.equal(y[idx < 0], before[:, pad : pad + n_out][idx < 0])  # the base model's rows: untouched
+
+
+def test_the_default_path_is_the_compiled_loop_where_it_builds(checkpoint_factory, monkeypatch):
+    """"auto": the compiled loop on a CPU with a compiler, the stacked matmuls without one (the same delta: the
+    engine still serves), and a float16 projection the kernel does not take goes the stacked way too."""
+    path = checkpoint_factory("llama")
+    llm = level2_continuous.LLM(path, dtype="float64", enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert llm.llm_engine.lora.path == "cpu"
+    kernel = next(iter(llm.llm_engine.lora.slots.kernels.values()))
+    assert not kernel.takes(torch.zeros(2, kernel.n_in, dtype=torch.float16), torch.zeros(2, kernel.n_out, dtype=torch.float16))
+    assert not kernel.takes(torch.zeros(kernel.n_in, 2, dtype=torch.float64).T, torch.zeros(2, kernel.n_out, dtype=torch.float64))
+    monkeypatch.setattr(cpu_ops, "available", lambda: False)
+    llm = level2_continuous.LLM(path, dtype="float64", enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert llm.llm_engine.lora.path == "stacked"
+    with pytest.raises(ValueError, match="LoRA path 'cpu' needs CPU tensors and a C\\+\\+ compiler"):
+        llm.llm_engine.lora.path = "cpu"
 
 
 STEMS = [[random.Random(i).randrange(VOCAB) for _ in range(12)] for i in range(2)]
@@ -249,7 +294,7 @@ def test_a_bad_adapter_or_a_wrong_engine_is_refused_in_one_line(checkpoint_facto
     with pytest.raises(ValueError, match="lora_int_id=1 is already"):  # a1 left the host cache, and its id stays a1's
         llm.generate([[1, 2]], SamplingParams(max_tokens=1), lora_request=LoRARequest("c", 1, a3.lora_path),
                      progress=False)  # fmt: skip
-    with pytest.raises(ValueError, match="LoRA path 'fast': one of stacked"):
+    with pytest.raises(ValueError, match="LoRA path 'fast': one of auto, cpu, stacked"):
         llm.llm_engine.lora.path = "fast"
     garbage = tmp_path / "garbage"
     garbage.mkdir()

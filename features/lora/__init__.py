@@ -6,7 +6,8 @@ small files:
     request.py   `LoRARequest` (a request's adapter), `LoRAConfig` (max_loras, max_lora_rank, max_cpu_loras)
     adapter.py   a PEFT checkpoint read and checked against the base model
     punica.py    the batch's delta, x A_i^T B_i^T per row i: a loop over the adapters, Punica's gathered
-                 way (BGMV), its segments (SGMV), and a stacked dense one (the default)
+                 way (BGMV), its segments (SGMV), and a stacked dense one (the default without a compiler)
+    cpu_ops.py   the same delta as one compiled C++ loop per projection (cpu_lora.cpp): the CPU's default
     layers.py    `LoRALinear`: a projection plus the delta of the step's adapters (a row-parallel one: before
                  its all-reduce)
     triton_ops.py  the same delta as two Triton kernels (Punica's BGMV: shrink, expand), opt-in: no GPU ran them
@@ -36,7 +37,7 @@ from .request import LoRAConfig, LoRARequest
 from .slots import LoRASlots, LoRAStep
 
 
-def make_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, path: str = "stacked"):
+def make_manager(model, max_loras: int, max_lora_rank: int, max_cpu_loras: int | None, path: str = "auto"):
     """The engine's LoRA settings -> a manager with its slots installed in `model` (every adapted projection)."""
     config = LoRAConfig(max_loras, max_lora_rank, max_cpu_loras)
     return LoRAManager(model.config, config, next(model.parameters()).dtype, LoRASlots(model, config, path))

@@ -12,8 +12,8 @@ the base model and once on each adapter, as one `generate` call: every step runs
 batch, each projection adding its row's own adapter (docs/lora.md). Printed: the four greedy
 continuations, the slots the adapters sat in and the last step's mapping (each row's slot, -1 for
 the base model), then the same four one at a time, to show that batching changed no token, and the
-batch on each of punica.py's paths (stacked, segmented, gathered, loop; the Triton kernels too on a
-GPU), timed
+batch on each path (cpu_ops.py's compiled loop, punica.py's stacked, segmented, gathered and loop; the
+Triton kernels too on a GPU), timed
 (in float64, where a near-tie that a batch's other rounding could flip is vanishingly rare). With
 `--tp N`, the batch once more over N ranks, each holding its shard of every adapter (sharded.py).
 
@@ -39,6 +39,14 @@ ADAPTERS = Path(__file__).resolve().parents[2] / "models" / "tiny-shakespeare-lo
 NAMES = ("verona", "richard", "capitals")
 
 
+def runnable() -> list[str]:
+    """The delta paths this machine runs in seconds: the compiled loop where it builds, the Triton kernels on a GPU
+    (on a CPU only Triton's interpreter runs them: minutes)."""
+    from . import cpu_ops
+
+    return [d for d in DELTAS if (d != "triton" or torch.cuda.is_available()) and (d != "cpu" or cpu_ops.available())]
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m features.lora.demo", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny Shakespeare model)")
@@ -46,8 +54,9 @@ def main(argv=None) -> dict:
     p.add_argument("--prompt", default="I pray you, sir, what news?\n\n",
                    help="the same for all four (default: a line and a blank one, so the next speaker is the model's)")
     p.add_argument("--max-tokens", type=int, default=100)
-    p.add_argument("--path", default="stacked", choices=[d for d in DELTAS if d != "triton" or torch.cuda.is_available()],
-                   help="the delta's way (punica.py; default stacked; triton on a GPU)")
+    p.add_argument("--path", default="auto", choices=["auto", *runnable()],
+                   help="the delta's way (punica.py, cpu_ops.py; default auto: the compiled loop on a CPU where it "
+                        "builds, else stacked; triton on a GPU)")  # fmt: skip
     p.add_argument("--quick", action="store_true", help="24 tokens")
     p.add_argument("--tp", type=int, default=1, help="also run the batch over this many tensor-parallel ranks")
     args = p.parse_args(argv)
@@ -63,7 +72,7 @@ def main(argv=None) -> dict:
     seconds = time.perf_counter() - t0
     manager = llm.llm_engine.lora
     mapping, slots = manager.slots.mapping.tolist(), {slot: i for i, slot in manager.slot_of.items()}
-    print(f"prompt: {args.prompt!r}   (the {args.path} path: {seconds:.2f} s for the batch)\n")
+    print(f"prompt: {args.prompt!r}   (the {manager.path} path: {seconds:.2f} s for the batch)\n")
     texts = {}
     for lora, out in zip(loras, batched):
         name = "base model" if lora is None else f"adapter {lora.lora_name}"
@@ -76,8 +85,7 @@ def main(argv=None) -> dict:
     same = alone == list(texts.values())
     print(f"one at a time, the same text as in one batch: {same}")
     times = {}
-    paths = [p for p in DELTAS if p != "triton" or torch.cuda.is_available()]  # (the kernels' interpreter: minutes)
-    for path in paths:  # the same batch on each path (its adapters already in their slots)
+    for path in runnable():  # the same batch on each path (its adapters already in their slots)
         llm.llm_engine.lora.path = path
         t0 = time.perf_counter()
         again = llm.generate([args.prompt] * len(loras), params, lora_request=loras, progress=False)

@@ -59,13 +59,14 @@ class LoRAManager:
 
     @property
     def path(self) -> str:
-        """The delta the projections use (slots.py's DELTAS); over ranks, theirs (the default)."""
-        return self.slots.path if self.slots is not None else "stacked"
+        """The delta the projections use (slots.py's DELTAS); over ranks "auto": each rank's default (slots.py's
+        `default_path`: the compiled loop on a CPU, the stacked matmuls under S-LoRA's split or on a GPU)."""
+        return self.slots.path if self.slots is not None else "auto"
 
     @path.setter
     def path(self, path: str) -> None:
         if self.slots is None:
-            raise ValueError("choosing the LoRA path over ranks is not built (every rank runs the stacked one)")
+            raise ValueError("choosing the LoRA path over ranks is not built (every rank runs its default: 'auto')")
         self.slots.path = path
 
     # --- requests ---------------------------------------------------------------------------------

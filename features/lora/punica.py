@@ -21,14 +21,16 @@ rows grouped by slot, each group one segment (a prefill's rows of one adapter ar
 padded to one length and multiplied in two batched matmuls over the slots present, so each slot's A
 and B are read once and every row meets only its own.
 
-`delta_stacked` is a fourth way, what a CPU does best at small ranks: every slot's shrink for every
-row in one dense matmul, the other slots' columns zeroed, one dense expand (S times the
-multiplications, no gather). The four agree to rounding (tested); the gathered one copies
+`delta_stacked` is a fourth way, what PyTorch's ops do best on a CPU at small ranks: every slot's
+shrink for every row in one dense matmul, the other slots' columns zeroed, one dense expand (S times
+the multiplications, no gather). (cpu_ops.py's compiled loop, the CPU's default, does better than all
+four: the multiplications each row needs and no copies, which no torch op expresses.) The four agree to rounding (tested); the gathered one copies
 T x R x (in + out) weights (each row's own A and B), which a GPU kernel (Punica's BGMV, S-LoRA's
 MBGMM, triton_ops.py) avoids by reading each row's slot's A and B where they lie.
 
-What it is not: a GPU kernel (triton_ops.py is one: BGMV's shrink and expand, reading each row's
-slot in place instead of gathering copies; SGMV as a kernel tiles each segment with tl.dot, not built).
+What it is not: a kernel (triton_ops.py is a GPU's: BGMV's shrink and expand, reading each row's slot
+in place instead of gathering copies; cpu_ops.py a CPU's; SGMV as a kernel, tiling each segment with
+tl.dot, is not built).
 
 Reference: Chen et al., "Punica: Multi-Tenant LoRA Serving" (MLSys 2024), BGMV and SGMV; Sheng et
 al., "S-LoRA" (MLSys 2024); vLLM `vllm/lora/ops/torch_ops/lora_ops.py` (bgmv_shrink, bgmv_expand).

@@ -45,6 +45,15 @@ from .punica import delta_gathered, delta_loop, delta_segmented, delta_stacked, 
 from .request import LoRAConfig
 
 
+def delta_cpu(x, A, B, scale, idx):
+    """Punica's BGMV as one compiled loop on a CPU (cpu_ops.py, cpu_lora.cpp): the multiplications each row
+    needs, nothing copied. The slots call it adding into the base output (`add_delta`); this is its twin for
+    the tests' and the demo's table of paths."""
+    from .cpu_ops import delta_cpu as kernel
+
+    return kernel(x, A, B, scale, idx)
+
+
 def delta_triton(x, A, B, scale, idx):
     """Punica's BGMV as two Triton kernels (triton_ops.py), imported on first use: triton is Linux-only,
     and its import chooses the interpreter on a machine without CUDA (slow: a test's, not a CPU's path)."""
@@ -53,10 +62,22 @@ def delta_triton(x, A, B, scale, idx):
     return kernels(x, A, B, scale, idx)
 
 
-# the slots' paths. The default is the stacked matmuls everywhere (punica.py says why on a CPU); the kernels are
-# opt-in (`llm.llm_engine.lora.path = "triton"`) until a GPU has run them
-DELTAS = {"stacked": delta_stacked, "segmented": delta_segmented, "gathered": delta_gathered, "loop": delta_loop,
-          "triton": delta_triton}  # fmt: skip
+# the slots' paths. The default ("auto", `default_path`) is the compiled loop on a CPU where it builds and the
+# stacked matmuls elsewhere (punica.py says why); the Triton kernels are opt-in (`llm.llm_engine.lora.path =
+# "triton"`) until a GPU has run them
+DELTAS = {"cpu": delta_cpu, "stacked": delta_stacked, "segmented": delta_segmented, "gathered": delta_gathered,
+          "loop": delta_loop, "triton": delta_triton}  # fmt: skip
+
+
+def default_path(device: torch.device, sharded: bool) -> str:
+    """What path="auto" means: the compiled loop (cpu_ops.py) on a CPU where it builds, unless S-LoRA's split
+    needs the shrink and the expand apart (sharded); else the stacked matmuls."""
+    if device.type == "cpu" and not sharded:
+        from . import cpu_ops
+
+        if cpu_ops.available():
+            return "cpu"
+    return "stacked"
 
 
 @dataclass(frozen=True)
@@ -115,7 +136,7 @@ class LoRASlots:
     """Every adapted layer's slots (the module docstring draws them), the delta path they use, and the step's
     mapping; `load` puts an adapter in a slot, `set_mapping` says which slot each row of the step reads."""
 
-    def __init__(self, model, config: LoRAConfig, path: str = "stacked", targets: dict | None = None):
+    def __init__(self, model, config: LoRAConfig, path: str = "auto", targets: dict | None = None):
         """`targets`: the adapted layers (None: a whole model's seven projections; level 5's ranks pass their
         stage's fused, sharded ones: sharded.py)."""
         self.model_config = getattr(model, "full_config", model.config)  # a rank's stage: the whole model's shapes
@@ -135,9 +156,9 @@ class LoRASlots:
             n_out, W = sum(p.rows[1] - p.rows[0] for p in t.pieces), len(t.pieces) * R
             Wa = len(t.pieces) * t.by_ranks.lora_ranks if t.by_ranks else W  # A's rows here
             self.A[key] = torch.zeros(S, Wa, n_in, dtype=self.dtype, device=self.device)
-            B_flat = torch.zeros(n_out, S * W, dtype=self.dtype, device=self.device)  # B's storage
-            self.B[key] = B_flat.view(n_out, S, W).permute(1, 0, 2)  # a view of it: [S, out, W]
-            self.flat[key] = (self.A[key].view(S * Wa, n_in).T, B_flat.T)  # views: a slot's load shows in them
+            Bt = torch.zeros(S, W, n_out, dtype=self.dtype, device=self.device)  # B's storage: each rank's outputs
+            self.B[key] = Bt.transpose(1, 2)  # a view of it: [S, out, W]
+            self.flat[key] = (self.A[key].view(S * Wa, n_in).T, Bt.view(S * W, n_out))  # views: a slot's load shows
             at = 0
             for j, piece in enumerate(t.pieces):
                 self.where[key[0], piece.module] = (key, j, at, piece)
@@ -146,7 +167,7 @@ class LoRASlots:
             setattr(t.owner, t.name, wrapper(getattr(t.owner, t.name), key, self))
         self.widths = sorted({A.shape[1] for A in self.A.values()})  # P*R of the layers: R, 2R, 3R at level 5
         self.scale = torch.zeros(S, dtype=self.dtype, device=self.device)
-        self.path = path  # which delta (punica.py, triton_ops.py) the projections use: checked by the setter
+        self.path = path  # which delta (punica.py, cpu_ops.py, triton_ops.py) the projections use: the setter checks it
         self.mapping: torch.Tensor | None = None  # [T] this step's slot per row
         self.keep: dict[int, torch.Tensor] = {}  # the stacked path's, per width W: [T, S*W] each row's slot's scale
         self.segs = None  # the segmented path's: punica.segments(mapping, scale), once per step
@@ -158,9 +179,13 @@ class LoRASlots:
         path. The stacked one is three ops (a projection's whole LoRA cost on a CPU, where each op's
         dispatch counts): the shrink, this step's row mask in place (computed once per width for every
         projection), and the expand added to y in the same call (addmm)."""
-        if self.path == "stacked":
+        if self._path == "cpu":
+            kernel = self.kernels[key]
+            if kernel.takes(x, y) and len(self.mapping) == len(x):  # (the mapping: int64, set_mapping's)
+                return kernel.run(x, self.mapping, y)  # y += the delta, in one compiled call
+        if self._path in ("stacked", "cpu"):  # (the compiled loop's strays: a dtype or layout it does not take)
             A_flat, B_flat = self.flat[key]  # [in, S*W], [S*W, out]
-            shrunk = (x @ A_flat).mul_(self.keep[self.A[key].shape[1]])  # [T, S*W]
+            shrunk = (x @ A_flat).mul_(self._masks()[self.A[key].shape[1]])  # [T, S*W]
             t = self.targets[key]
             if t.by_ranks is not None or t.by_outputs is not None:
                 return self._add_sharded(t, shrunk, B_flat, y)
@@ -185,25 +210,45 @@ class LoRASlots:
         y[:, o0:o1].addmm_(shrunk, B_flat)  # this rank's outputs; the layer's all-reduce adds the others'
         return y
 
+    def _masks(self) -> dict[int, torch.Tensor]:
+        """The stacked path's row masks, once a step: width W -> [T, S*W], each row's slot's scale in its slot's
+        W columns, zeros in the others' (the compiled loop makes them only for a projection it cannot take)."""
+        if not self.keep:
+            S, on = self.config.max_loras, torch.nonzero(self.mapping >= 0).squeeze(-1)
+            keep = torch.zeros(len(self.mapping), S, dtype=self.dtype, device=self.device)
+            keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
+            self.keep = {W: keep.repeat_interleave(W, dim=1) for W in self.widths}  # [T, S*W] each
+        return self.keep
+
     @property
     def path(self) -> str:
         return self._path
 
     @path.setter
     def path(self, path: str) -> None:
-        """Refused here, not in the first step's forward: an unknown path, or the Triton kernels on tensors no
-        kernel can launch on (a CPU without Triton's interpreter)."""
+        """"auto" is `default_path`'s choice. Refused here, not in the first step's forward: an unknown path, the
+        compiled loop where it cannot run (not a CPU, no compiler), or the Triton kernels on tensors no kernel can
+        launch on (a CPU without Triton's interpreter)."""
+        if path == "auto":
+            path = default_path(self.device, any(t.by_ranks or t.by_outputs for t in self.targets.values()))
         if path not in DELTAS:
-            raise ValueError(f"LoRA path {path!r}: one of {', '.join(DELTAS)}")
+            raise ValueError(f"LoRA path {path!r}: one of auto, {', '.join(DELTAS)}")
         if path != "stacked" and any(t.by_ranks or t.by_outputs for t in self.targets.values()):
             raise ValueError(f"LoRA path {path!r} with fully_sharded_loras: only the stacked path splits its shrink "
                              "from its expand for the messages between them")  # fmt: skip
+        if path == "cpu":
+            from . import cpu_ops  # (imported on first use: it builds a C++ file)
+
+            if self.device.type != "cpu" or not cpu_ops.available():
+                raise ValueError(f"LoRA path 'cpu' needs CPU tensors and a C++ compiler (here: {self.device.type}, "
+                                 f"{cpu_ops.LIBRARY.error or 'built'}); the others: stacked, segmented, gathered, loop")  # fmt: skip
+            self.kernels = {key: cpu_ops.SlotKernel(self.A[key], self.B[key], self.scale) for key in self.A}
         if path == "triton" and self.device.type != "cuda":
             from . import triton_ops
 
             if not triton_ops.interpreted():
                 raise ValueError("LoRA path 'triton' on a CPU needs Triton's interpreter (TRITON_INTERPRET=1 before "
-                                 "triton is first imported); the CPU's paths: stacked, segmented, gathered, loop")  # fmt: skip
+                                 "triton is first imported); the CPU's paths: cpu, stacked, segmented, gathered, loop")  # fmt: skip
         self._path = path
 
     # --- each step ------------------------------------------------------------------------------
@@ -217,10 +262,7 @@ class LoRASlots:
         self.active = any(r >= 0 for r in rows)
         self.keep, self.segs = {}, None
         if self.path == "stacked" and self.active:
-            S, on = self.config.max_loras, torch.nonzero(self.mapping >= 0).squeeze(-1)
-            keep = torch.zeros(len(rows), S, dtype=self.dtype, device=self.device)
-            keep[on, self.mapping[on]] = self.scale[self.mapping[on]]
-            self.keep = {W: keep.repeat_interleave(W, dim=1) for W in self.widths}  # [T, S*W] each
+            self._masks()
         if self.path == "segmented" and self.active:
             self.segs = segments(self.mapping, self.scale)
 
