@@ -1,8 +1,8 @@
 """Compiled CPU kernels: a C++ file built once with the system's compiler, loaded with ctypes.
 
 What it is: `NativeLibrary(source, signatures)`, the one way the ladder turns a small C++
-file into functions Python can call (this room's `cpu_ops.cpp` and `cpu_attention.cpp`, and
-`features/batch_invariance/invariant_ops.cpp`). The sources include no torch header (they take raw pointers
+file into functions Python can call (this room's `cpu_ops.cpp` and `cpu_attention.cpp`,
+`features/batch_invariance/invariant_ops.cpp` and `features/lora/cpu_lora.cpp`). The sources include no torch header (they take raw pointers
 and sizes; the one header they share is `bf16.h`, beside this file), so one `c++ -O3 -shared`
 call of about a second makes a shared library, named by a hash of the source and the shared
 header, the flags, the compiler and the CPU it was built for (`-march=native`:
