@@ -30,6 +30,9 @@ from level0_naive import SamplingParams
 from level3_prefix import LoRARequest  # (the room lends it to every level)
 
 pytestmark = pytest.mark.level3
+# the compiled loop (cpu_ops.py) where a C++ compiler builds it: the other paths are tested without one
+COMPILED = ["cpu"] if cpu_ops.available() else []
+needs_compiler = pytest.mark.skipif(not cpu_ops.available(), reason=f"cpu_lora.cpp did not build: {cpu_ops.LIBRARY.error}")
 
 # (seed, rank, alpha, targets, rslora) per adapter: every projection targeted by some adapter
 SPECS = [(1, 4, 8, ["q_proj", "v_proj", "down_proj"], False), (2, 8, 8, ["k_proj", "o_proj", "gate_proj", "up_proj"], False),
@@ -130,7 +133,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
                              max_num_batched_tokens=data.draw(st.sampled_from([1, 5, 2048]), label="token budget"),
                              enable_lora=True, max_loras=data.draw(st.integers(1, 3), label="max_loras"),
                              max_lora_rank=8, **spec)  # fmt: skip
-    engine.lora.path = data.draw(st.sampled_from(["cpu", "stacked", "segmented", "gathered", "loop"]), label="delta path")
+    engine.lora.path = data.draw(st.sampled_from([*COMPILED, "stacked", "segmented", "gathered", "loop"]), label="delta path")
     runner = Staggered(WithAdapters(engine, loras).engine, data)
     prompts, params = [p for p, _ in workload], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
                                                  for _, n in workload]  # fmt: skip
@@ -139,7 +142,7 @@ def test_mixed_adapters_give_peft_greedy_tokens(workload, arch, data, checkpoint
             assert out.outputs[0].token_ids == peft_oracle.greedy(path, lora and lora.lora_path, prompt, n)
 
 
-@pytest.mark.parametrize("path", ["loop", "gathered", "segmented", "stacked", "cpu", "triton"])
+@pytest.mark.parametrize("path", ["loop", "gathered", "segmented", "stacked", pytest.param("cpu", marks=needs_compiler), "triton"])
 def test_each_path_gives_peft_greedy_tokens_in_one_mixed_batch(path, checkpoint_factory, adapters, peft_oracle):
     """No draw: one batch of rows on every adapter and on none, neighbours on different adapters,
     two slots for three adapters (so slots are reused), on each delta path (lab 2c's check; the Triton
@@ -162,13 +165,14 @@ def test_every_delta_equals_the_loop(T, S, R, data):
     x, A, B = (torch.randn(*shape, generator=g, dtype=torch.float64) for shape in ((T, 6), (S, R, 6), (S, 5, R)))
     scale = torch.rand(S, generator=g, dtype=torch.float64)
     idx = torch.tensor(data.draw(st.lists(st.integers(-1, S - 1), min_size=T, max_size=T), label="slots"))
-    deltas = (delta_loop, delta_gathered, delta_segmented, delta_stacked, delta_cpu)
+    deltas = (delta_loop, delta_gathered, delta_segmented, delta_stacked, *([delta_cpu] if COMPILED else []))
     loop, *others = (f(x, A, B, scale, idx) for f in deltas)
     for other in others:
         torch.testing.assert_close(other, loop, rtol=1e-12, atol=1e-12)
     assert not loop[idx < 0].any()  # the base model's rows get nothing
 
 
+@needs_compiler
 @given(T=st.integers(1, 70), S=st.integers(1, 5), R=st.integers(1, 20), n_in=st.integers(1, 150),
        n_out=st.integers(1, 150), dtype=st.sampled_from([torch.float64, torch.float32, torch.bfloat16]), data=st.data())  # fmt: skip
 def test_the_compiled_delta_adds_the_loops_delta(T, S, R, n_in, n_out, dtype, data):
@@ -196,19 +200,34 @@ def test_the_compiled_delta_adds_the_loops_delta(T, S, R, n_in, n_out, dtype, da
     assert torch.equal(y[idx < 0], before[:, pad : pad + n_out][idx < 0])  # the base model's rows: untouched
 
 
-def test_the_default_path_is_the_compiled_loop_where_it_builds(checkpoint_factory, monkeypatch):
-    """"auto": the compiled loop on a CPU with a compiler, the stacked matmuls without one (the same delta: the
-    engine still serves), and a float16 projection the kernel does not take goes the stacked way too."""
-    path = checkpoint_factory("llama")
+@needs_compiler
+def test_the_default_path_is_the_compiled_loop_where_it_builds(checkpoint_factory, adapters, monkeypatch):
+    """"auto": the compiled loop on a CPU with a compiler, and in a step every projection runs it (none falls
+    back to the stacked matmuls); the stacked matmuls without a compiler and for float16 slots, which the
+    kernel does not take (the same delta: the engine still serves); a strided row goes the stacked way."""
+    path, (a1, a2, _) = checkpoint_factory("llama"), adapters("llama")
+    calls = []
+    monkeypatch.setattr(cpu_ops.SlotKernel, "run", lambda self, x, idx, out, run=cpu_ops.SlotKernel.run:
+                        calls.append(len(x)) or run(self, x, idx, out))  # fmt: skip
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
     llm = level2_continuous.LLM(path, dtype="float64", enable_lora=True, max_loras=2, max_lora_rank=8)
     assert llm.llm_engine.lora.path == "cpu"
+    outs = llm.generate([[1, 2, 3], [4, 5]], params, lora_request=[a1, a2], progress=False)
+    adapted = len(llm.llm_engine.lora.slots.kernels)  # projections with slots, every layer's
+    assert len(calls) == 3 * adapted and calls[:adapted] == [5] * adapted  # three steps (a prefill of 5 rows)
     kernel = next(iter(llm.llm_engine.lora.slots.kernels.values()))
-    assert not kernel.takes(torch.zeros(2, kernel.n_in, dtype=torch.float16), torch.zeros(2, kernel.n_out, dtype=torch.float16))
     assert not kernel.takes(torch.zeros(kernel.n_in, 2, dtype=torch.float64).T, torch.zeros(2, kernel.n_out, dtype=torch.float64))
+    half = level2_continuous.LLM(path, dtype="float16", enable_lora=True, max_loras=2, max_lora_rank=8)
+    assert half.llm_engine.lora.path == "stacked" and not hasattr(half.llm_engine.lora.slots, "kernels")
+    assert len(half.generate([[1, 2, 3]], params, lora_request=a1, progress=False)[0].outputs[0].token_ids) == 3
+    with pytest.raises(ValueError, match="LoRA path 'cpu' needs CPU tensors of float32, bfloat16 or float64"):
+        half.llm_engine.lora.path = "cpu"
     monkeypatch.setattr(cpu_ops, "available", lambda: False)
     llm = level2_continuous.LLM(path, dtype="float64", enable_lora=True, max_loras=2, max_lora_rank=8)
     assert llm.llm_engine.lora.path == "stacked"
-    with pytest.raises(ValueError, match="LoRA path 'cpu' needs CPU tensors and a C\\+\\+ compiler"):
+    assert [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], params, lora_request=[a1, a2],
+                                                         progress=False)] == [o.outputs[0].token_ids for o in outs]  # fmt: skip
+    with pytest.raises(ValueError, match="LoRA path 'cpu' needs CPU tensors .* C\\+\\+ compiler"):
         llm.llm_engine.lora.path = "cpu"
 
 

@@ -16,9 +16,12 @@ results (segmented, gathered). At 8 slots of rank 8 on the built-in model the st
 about half of the base model's own step; this costs about the arithmetic it needs
 (`python -m benchmarks.lora --paths`).
 
-What it is not: threaded (one core), or for tensors it was not written for: float16, a CPU
-without a compiler, strided rows inside a row, or S-LoRA's sharded split. `SlotKernel.takes` says when,
-and the slots fall back to the stacked path (the same delta).
+What it is not: threaded (one core), or for tensors it was not written for: float16 slots, a CPU
+without a compiler, or S-LoRA's sharded split ("auto" is then the stacked path), and a projection's
+input or output whose rows are not each contiguous (`SlotKernel.takes`: that projection goes the
+stacked way, the same delta). In bfloat16 it sums in float32 and rounds once, where the stacked path
+rounds its shrink to bfloat16 first, so greedy tokens may differ between the two there (both are
+within rounding of the exact delta).
 
 Reference: Chen et al., "Punica" (MLSys 2024), BGMV; vLLM `vllm/lora/ops/torch_ops/lora_ops.py`.
 """
@@ -55,6 +58,9 @@ class SlotKernel:
         Bt = B.transpose(1, 2)  # [S, W, out]: each rank's outputs side by side, as the kernel reads them
         if A.dtype not in SUFFIX or not (A.is_contiguous() and Bt.is_contiguous() and scale.is_contiguous()):
             raise ValueError(f"the CPU's LoRA kernel: {A.dtype} slots, A and B^T contiguous")
+        if A.dim() != 3 or Bt.dim() != 3 or Bt.shape[:2] != A.shape[:2] or scale.shape != A.shape[:1]:
+            raise ValueError(f"the CPU's LoRA kernel: A {tuple(A.shape)}, B {tuple(B.shape)} and scale {tuple(scale.shape)} "
+                             "do not agree on the slots and their ranks")  # fmt: skip
         if not all(t.dtype == A.dtype and t.device.type == "cpu" for t in (Bt, scale)):
             raise ValueError("the CPU's LoRA kernel: CPU tensors of one dtype")
         self.slots, self.width, self.n_in = A.shape

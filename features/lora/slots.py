@@ -69,13 +69,13 @@ DELTAS = {"cpu": delta_cpu, "stacked": delta_stacked, "segmented": delta_segment
           "loop": delta_loop, "triton": delta_triton}  # fmt: skip
 
 
-def default_path(device: torch.device, sharded: bool) -> str:
-    """What path="auto" means: the compiled loop (cpu_ops.py) on a CPU where it builds, unless S-LoRA's split
-    needs the shrink and the expand apart (sharded); else the stacked matmuls."""
+def default_path(device: torch.device, dtype: torch.dtype, sharded: bool) -> str:
+    """What path="auto" means: the compiled loop (cpu_ops.py) on a CPU where it builds, for the dtypes it takes,
+    unless S-LoRA's split needs the shrink and the expand apart (sharded); else the stacked matmuls."""
     if device.type == "cpu" and not sharded:
         from . import cpu_ops
 
-        if cpu_ops.available():
+        if dtype in cpu_ops.SUFFIX and cpu_ops.available():
             return "cpu"
     return "stacked"
 
@@ -226,11 +226,11 @@ class LoRASlots:
 
     @path.setter
     def path(self, path: str) -> None:
-        """"auto" is `default_path`'s choice. Refused here, not in the first step's forward: an unknown path, the
+        """`path="auto"` is `default_path`'s choice. Refused here, not in the first step's forward: an unknown path, the
         compiled loop where it cannot run (not a CPU, no compiler), or the Triton kernels on tensors no kernel can
         launch on (a CPU without Triton's interpreter)."""
         if path == "auto":
-            path = default_path(self.device, any(t.by_ranks or t.by_outputs for t in self.targets.values()))
+            path = default_path(self.device, self.dtype, any(t.by_ranks or t.by_outputs for t in self.targets.values()))
         if path not in DELTAS:
             raise ValueError(f"LoRA path {path!r}: one of auto, {', '.join(DELTAS)}")
         if path != "stacked" and any(t.by_ranks or t.by_outputs for t in self.targets.values()):
@@ -239,9 +239,10 @@ class LoRASlots:
         if path == "cpu":
             from . import cpu_ops  # (imported on first use: it builds a C++ file)
 
-            if self.device.type != "cpu" or not cpu_ops.available():
-                raise ValueError(f"LoRA path 'cpu' needs CPU tensors and a C++ compiler (here: {self.device.type}, "
-                                 f"{cpu_ops.LIBRARY.error or 'built'}); the others: stacked, segmented, gathered, loop")  # fmt: skip
+            if self.device.type != "cpu" or self.dtype not in cpu_ops.SUFFIX or not cpu_ops.available():
+                raise ValueError(f"LoRA path 'cpu' needs CPU tensors of float32, bfloat16 or float64 and a C++ compiler "
+                                 f"(here: {self.device.type}, {self.dtype}, {cpu_ops.LIBRARY.error or 'built'}); the "
+                                 "others: stacked, segmented, gathered, loop")  # fmt: skip
             self.kernels = {key: cpu_ops.SlotKernel(self.A[key], self.B[key], self.scale) for key in self.A}
         if path == "triton" and self.device.type != "cuda":
             from . import triton_ops
