@@ -10,9 +10,11 @@ cost of an adapter does not depend on what it learned):
     one at a time  the same requests, each adapter's as a batch of its own, one after another, on
                    an engine with one slot (`max_loras=1`): what serving without multi-LoRA does
     base           the same requests on the base model alone (an engine without LoRA)
+    base one at a time   the base model on the one-at-a-time batches: base / this is what batching
+                   alone buys, the most mixing could make if adapters cost nothing
 
 Output tokens/s, best of `--repeats`, each request exactly `--max-tokens` tokens; and each repeat's own
-two ratios (its three runs side by side), whose spread says how far a best-of figure can be trusted.
+two ratios (its runs side by side), whose spread says how far a best-of figure can be trusted.
 
 The LoRA engines run the default delta ("auto": on a CPU the compiled loop, features/lora/cpu_ops.py,
 where it builds). `--paths auto,stacked` runs both LoRA layouts once per path in every repeat (the
@@ -54,13 +56,14 @@ def make_adapters(base: str, n: int, rank: int) -> list[str]:
     return paths
 
 
-def tokens_per_s(llm, prompts, params, loras, one_at_a_time: bool) -> float:
+def tokens_per_s(llm, prompts, params, loras, one_at_a_time: bool, adapters: bool = True) -> float:
+    """`adapters=False`: the same batches on the base model (the engine has no LoRA): what batching alone buys."""
     t0 = time.perf_counter()
     if one_at_a_time:
         done = 0
         for lora in dict.fromkeys(loras):  # each adapter's requests as a batch of their own
-            mine = [p for p, q in zip(prompts, loras) if q == lora]
-            done += sum(len(o.outputs[0].token_ids) for o in llm.generate(mine, params, lora_request=lora, progress=False))
+            mine, ask = [p for p, q in zip(prompts, loras) if q == lora], lora if adapters else None
+            done += sum(len(o.outputs[0].token_ids) for o in llm.generate(mine, params, lora_request=ask, progress=False))
     else:
         done = sum(len(o.outputs[0].token_ids) for o in llm.generate(prompts, params, lora_request=loras, progress=False))
     return done / (time.perf_counter() - t0)
@@ -109,11 +112,13 @@ def main(argv=None) -> dict:
                 lora_llm.llm_engine.lora.path = one_llm.llm_engine.lora.path = path
                 by_path[path].append({"mixed": tokens_per_s(lora_llm, prompts, params, loras, False),
                                       "one_at_a_time": tokens_per_s(one_llm, prompts, params, loras, True)})  # fmt: skip
-            runs.append({**by_path[paths[0]][-1], "base": tokens_per_s(base_llm, prompts, params, [None] * len(prompts), False)})
+            runs.append({**by_path[paths[0]][-1], "base": tokens_per_s(base_llm, prompts, params, [None] * len(prompts), False),
+                         "base_one_at_a_time": tokens_per_s(base_llm, prompts, params, loras, True, adapters=False)})
     best = {k: max(r[k] for r in runs) for k in runs[0]}
     pairs = [(r["mixed"] / r["one_at_a_time"], r["mixed"] / r["base"]) for r in runs]  # each repeat's own ratios
     result = {"args": vars(args), "tokens_per_s": best, "mixed_over_one_at_a_time": best["mixed"] / best["one_at_a_time"],
               "lora_over_base": best["mixed"] / best["base"], "runs": runs,
+              "base_batching": best["base"] / best["base_one_at_a_time"],  # the most mixing could buy, adapters free
               "per_repeat": {"mixed_over_one_at_a_time": [a for a, _ in pairs], "lora_over_base": [b for _, b in pairs]},
               "by_path": {names[p]: {k: max(r[k] for r in rs) for k in rs[0]} for p, rs in by_path.items()}}  # fmt: skip
     Console().print(f"{args.requests} requests x {args.max_tokens} tokens over {len(adapters)} adapters of rank "
@@ -123,6 +128,8 @@ def main(argv=None) -> dict:
                     f"{best['base']:.0f} (LoRA costs: {result['lora_over_base']:.2f}x); each repeat's own ratios: "
                     f"{min(a for a, _ in pairs):.2f}-{max(a for a, _ in pairs):.2f}x and "
                     f"{min(b for _, b in pairs):.2f}-{max(b for _, b in pairs):.2f}x")  # fmt: skip
+    Console().print(f"the base model, the same batches one after another: {best['base_one_at_a_time']:.0f} tok/s, so batching "
+                    f"alone buys {result['base_batching']:.2f}x (what mixing would make if adapters cost nothing)")
     if len(paths) > 1:
         Console().print("mixed / one adapter at a time, tok/s (best of each), by path: " + "; ".join(
             f"{name} {r['mixed']:.0f} / {r['one_at_a_time']:.0f}" for name, r in result["by_path"].items()))  # fmt: skip

@@ -340,7 +340,8 @@ def test_the_lora_benchmark_runs_and_keeps_every_repeats_ratios(checkpoint_facto
     assert list(res["by_path"]) == [auto, "stacked"]  # the headline is the first path's
     assert res["by_path"][auto]["mixed"] == res["tokens_per_s"]["mixed"] != res["by_path"]["stacked"]["mixed"]
     assert saved["per_repeat"] == res["per_repeat"] and len(res["runs"]) == 2
-    assert set(res["tokens_per_s"]) == {"mixed", "one_at_a_time", "base"}
+    assert set(res["tokens_per_s"]) == {"mixed", "one_at_a_time", "base", "base_one_at_a_time"}
+    assert math.isclose(res["base_batching"], res["tokens_per_s"]["base"] / res["tokens_per_s"]["base_one_at_a_time"])
     assert all(v > 0 for run in res["runs"] for v in run.values())
     assert res["tokens_per_s"]["mixed"] == max(run["mixed"] for run in res["runs"])
     for (a, b), run in zip(zip(*res["per_repeat"].values()), res["runs"]):
