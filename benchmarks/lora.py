@@ -11,7 +11,7 @@ cost of an adapter does not depend on what it learned):
                    an engine with one slot (`max_loras=1`): what serving without multi-LoRA does
     base           the same requests on the base model alone (an engine without LoRA)
     base one at a time   the base model on the one-at-a-time batches: base / this is what batching
-                   alone buys, the most mixing could make if adapters cost nothing
+                   alone buys, what mixing would make if adapters cost nothing (per row they cost a small batch more)
 
 Output tokens/s, best of `--repeats`, each request exactly `--max-tokens` tokens; and each repeat's own
 two ratios (its runs side by side), whose spread says how far a best-of figure can be trusted.
@@ -118,7 +118,7 @@ def main(argv=None) -> dict:
     pairs = [(r["mixed"] / r["one_at_a_time"], r["mixed"] / r["base"]) for r in runs]  # each repeat's own ratios
     result = {"args": vars(args), "tokens_per_s": best, "mixed_over_one_at_a_time": best["mixed"] / best["one_at_a_time"],
               "lora_over_base": best["mixed"] / best["base"], "runs": runs,
-              "base_batching": best["base"] / best["base_one_at_a_time"],  # the most mixing could buy, adapters free
+              "base_batching": best["base"] / best["base_one_at_a_time"],  # mixing's ratio if adapters cost nothing
               "per_repeat": {"mixed_over_one_at_a_time": [a for a, _ in pairs], "lora_over_base": [b for _, b in pairs]},
               "by_path": {names[p]: {k: max(r[k] for r in rs) for k in rs[0]} for p, rs in by_path.items()}}  # fmt: skip
     Console().print(f"{args.requests} requests x {args.max_tokens} tokens over {len(adapters)} adapters of rank "
