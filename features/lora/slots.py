@@ -176,9 +176,9 @@ class LoRASlots:
     # --- the delta, every adapted layer's ---------------------------------------------------------
     def add_delta(self, key, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """y [T, out] (the base projection's output) plus this step's delta for x [T, in], by the slots'
-        path. The stacked one is three ops (a projection's whole LoRA cost on a CPU, where each op's
-        dispatch counts): the shrink, this step's row mask in place (computed once per width for every
-        projection), and the expand added to y in the same call (addmm)."""
+        path. The compiled loop (the CPU's default) is one C call that adds into y. The stacked one is three
+        ops (where each op's dispatch counts): the shrink, this step's row mask in place (computed once per
+        width for every projection), and the expand added to y in the same call (addmm)."""
         if self._path == "cpu":
             kernel = self.kernels[key]
             if kernel.takes(x, y) and len(self.mapping) == len(x):  # (the mapping: int64, set_mapping's)
@@ -226,9 +226,9 @@ class LoRASlots:
 
     @path.setter
     def path(self, path: str) -> None:
-        """`path="auto"` is `default_path`'s choice. Refused here, not in the first step's forward: an unknown path, the
-        compiled loop where it cannot run (not a CPU, no compiler), or the Triton kernels on tensors no kernel can
-        launch on (a CPU without Triton's interpreter)."""
+        """`path="auto"` is `default_path`'s choice. Refused here, not in the first step's forward: an unknown
+        path, the compiled loop where it cannot run (not a CPU, a dtype it does not take, no compiler), or the
+        Triton kernels on tensors no kernel can launch on (a CPU without Triton's interpreter)."""
         if path == "auto":
             path = default_path(self.device, self.dtype, any(t.by_ranks or t.by_outputs for t in self.targets.values()))
         if path not in DELTAS:
