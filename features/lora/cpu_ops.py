@@ -61,7 +61,7 @@ class SlotKernel:
         if A.dim() != 3 or Bt.dim() != 3 or Bt.shape[:2] != A.shape[:2] or scale.shape != A.shape[:1]:
             raise ValueError(f"the CPU's LoRA kernel: A {tuple(A.shape)}, B {tuple(B.shape)} and scale {tuple(scale.shape)} "
                              "do not agree on the slots and their ranks")  # fmt: skip
-        if not all(t.dtype == A.dtype and t.device.type == "cpu" for t in (Bt, scale)):
+        if not all(t.dtype == A.dtype and t.device.type == "cpu" for t in (A, Bt, scale)):
             raise ValueError("the CPU's LoRA kernel: CPU tensors of one dtype")
         self.slots, self.width, self.n_in = A.shape
         self.n_out, self.dtype = Bt.shape[2], A.dtype

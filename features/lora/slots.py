@@ -69,15 +69,17 @@ DELTAS = {"cpu": delta_cpu, "stacked": delta_stacked, "segmented": delta_segment
           "loop": delta_loop, "triton": delta_triton}  # fmt: skip
 
 
-def default_path(device: torch.device, dtype: torch.dtype, sharded: bool) -> str:
-    """What path="auto" means: the compiled loop (cpu_ops.py) on a CPU where it builds, for the dtypes it takes,
-    unless S-LoRA's split needs the shrink and the expand apart (sharded); else the stacked matmuls."""
-    if device.type == "cpu" and not sharded:
-        from . import cpu_ops
+def compiled_loop_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Can the compiled loop (cpu_ops.py) take these slots: CPU tensors of a dtype it has, and a compiler here?"""
+    from . import cpu_ops  # (imported on first use: it builds a C++ file)
 
-        if dtype in cpu_ops.SUFFIX and cpu_ops.available():
-            return "cpu"
-    return "stacked"
+    return device.type == "cpu" and dtype in cpu_ops.SUFFIX and cpu_ops.available()
+
+
+def default_path(device: torch.device, dtype: torch.dtype, sharded: bool) -> str:
+    """What path="auto" means: the compiled loop where it runs, unless S-LoRA's split needs the shrink and the
+    expand apart (sharded); else the stacked matmuls."""
+    return "cpu" if not sharded and compiled_loop_runs(device, dtype) else "stacked"
 
 
 @dataclass(frozen=True)
@@ -212,7 +214,8 @@ class LoRASlots:
 
     def _masks(self) -> dict[int, torch.Tensor]:
         """The stacked path's row masks, once a step: width W -> [T, S*W], each row's slot's scale in its slot's
-        W columns, zeros in the others' (the compiled loop makes them only for a projection it cannot take)."""
+        W columns, zeros in the others': made by the step's first projection that needs them (with the compiled
+        loop, only one it cannot take)."""
         if not self.keep:
             S, on = self.config.max_loras, torch.nonzero(self.mapping >= 0).squeeze(-1)
             keep = torch.zeros(len(self.mapping), S, dtype=self.dtype, device=self.device)
@@ -229,17 +232,18 @@ class LoRASlots:
         """`path="auto"` is `default_path`'s choice. Refused here, not in the first step's forward: an unknown
         path, the compiled loop where it cannot run (not a CPU, a dtype it does not take, no compiler), or the
         Triton kernels on tensors no kernel can launch on (a CPU without Triton's interpreter)."""
+        sharded = any(t.by_ranks or t.by_outputs for t in self.targets.values())
         if path == "auto":
-            path = default_path(self.device, self.dtype, any(t.by_ranks or t.by_outputs for t in self.targets.values()))
+            path = default_path(self.device, self.dtype, sharded)
         if path not in DELTAS:
             raise ValueError(f"LoRA path {path!r}: one of auto, {', '.join(DELTAS)}")
-        if path != "stacked" and any(t.by_ranks or t.by_outputs for t in self.targets.values()):
+        if path != "stacked" and sharded:
             raise ValueError(f"LoRA path {path!r} with fully_sharded_loras: only the stacked path splits its shrink "
                              "from its expand for the messages between them")  # fmt: skip
         if path == "cpu":
-            from . import cpu_ops  # (imported on first use: it builds a C++ file)
+            from . import cpu_ops
 
-            if self.device.type != "cpu" or self.dtype not in cpu_ops.SUFFIX or not cpu_ops.available():
+            if not compiled_loop_runs(self.device, self.dtype):
                 raise ValueError(f"LoRA path 'cpu' needs CPU tensors of float32, bfloat16 or float64 and a C++ compiler "
                                  f"(here: {self.device.type}, {self.dtype}, {cpu_ops.LIBRARY.error or 'built'}); the "
                                  "others: stacked, segmented, gathered, loop")  # fmt: skip
@@ -261,9 +265,7 @@ class LoRASlots:
         """Each row's slot for the next forward (-1: the base model), and what the path makes of it once."""
         self.mapping = torch.tensor(rows, dtype=torch.long, device=self.device)  # [T]
         self.active = any(r >= 0 for r in rows)
-        self.keep, self.segs = {}, None
-        if self.path == "stacked" and self.active:
-            self._masks()
+        self.keep, self.segs = {}, None  # (the stacked path's masks: made by its first projection, `_masks`)
         if self.path == "segmented" and self.active:
             self.segs = segments(self.mapping, self.scale)
 
