@@ -15,6 +15,13 @@ much less than absolutes), keeping each mode's best round and its median. The mo
 It prints ms per step, tokens/s, each mode's ratio to eager and its start-up (compile) seconds
 (Inductor's cache makes a second run's start much shorter than the first's).
 
+    python -m benchmarks.compiled_step --eagle               # EAGLE's head: eager against compiled
+
+times instead the passes of level 4's EAGLE head (one layer) at batch 1 on the built-in pair, over
+natural text, with the target compiled in both: the head as the default leaves it (eager) against the
+head compiled (compilation_config=3), in alternating rounds: microseconds a head forward, the number
+that decides the default (features/compilation/__init__.py).
+
 What it is not: the whole-engine benchmark (`benchmarks.throughput --engines
 level3_prefix,level3_prefix:compiled` runs the workloads), or a GPU measurement (CUDA graphs:
 `benchmarks/sim/gpu_check.sh`).
@@ -52,6 +59,47 @@ def decode_round(engine, batch: int, steps: int, params) -> float:
     return ms
 
 
+def eagle_passes(rounds: int, tokens: int = 200) -> dict:
+    """-> {mode: {"best_us", "median_us", "passes"}}: the EAGLE head's forward, eager and compiled (module docstring)."""
+    import os
+
+    import level4_speculative
+    from benchmarks.workloads import TEXTS
+
+    text = TEXTS.read_text()
+    prompts = [list(text[i * 90 : (i + 1) * 90].encode()) for i in range(4)]  # the built-in model reads bytes
+    params = level4_speculative.SamplingParams(max_tokens=tokens, min_tokens=tokens, ignore_eos=True, temperature=0)
+    spec = {"method": "eagle", "model": "tiny-shakespeare-eagle", "num_speculative_tokens": 2}
+    saved = os.environ.pop("LADDER_COMPILE_LEVEL", None)  # the default: the target compiled on a CPU, the head eager
+    try:
+        llms = {"eager head": level4_speculative.LLM("tiny-shakespeare", seed=0, speculative_config=spec),
+                "compiled head": level4_speculative.LLM("tiny-shakespeare", seed=0, speculative_config=spec,
+                                                        compilation_config=3)}  # fmt: skip
+    finally:
+        if saved is not None:
+            os.environ["LADDER_COMPILE_LEVEL"] = saved
+    times = {mode: [] for mode in llms}
+    for _ in range(rounds):
+        for mode, llm in llms.items():
+            worker, spent = llm.llm_engine.proposer.worker, [0.0, 0]
+            forward = worker.runner.forward
+
+            def timed(batch, attn, _forward=forward, _spent=spent):
+                t0 = time.perf_counter()
+                out = _forward(batch, attn)
+                _spent[0] += time.perf_counter() - t0
+                _spent[1] += 1
+                return out
+
+            worker.runner.forward = timed  # (an instance attribute: the runner's own method is untouched)
+            for prompt in prompts:
+                llm.generate([prompt], [params], progress=False)
+            del worker.runner.forward
+            times[mode].append((1e6 * spent[0] / spent[1], spent[1]))
+    return {mode: {"best_us": min(t for t, _ in r), "median_us": statistics.median(t for t, _ in r), "passes": r[0][1]}
+            for mode, r in times.items()}  # fmt: skip
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(prog="python -m benchmarks.compiled_step", description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="checkpoint (default: the built-in tiny Shakespeare model)")
@@ -61,8 +109,16 @@ def main(argv=None) -> dict:
     p.add_argument("--rounds", type=int, default=4, help="alternating rounds per batch (default 4)")
     p.add_argument("--dtype", default="float32", help="default float32")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    p.add_argument("--eagle", action="store_true", help="time EAGLE's head passes instead, eager against compiled")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.eagle:
+        heads = eagle_passes(args.rounds)
+        print(f"EAGLE's head at batch 1 (the built-in pair, the target compiled), us a forward; best of {args.rounds} "
+              "alternating rounds (median in brackets):")  # fmt: skip
+        for mode, r in heads.items():
+            print(f"  {mode:>13}  {r['best_us']:6.0f} us ({r['median_us']:.0f}) over {r['passes']} passes")
+        return {"eagle_head": heads}
     from level3_prefix import LLMEngine, SamplingParams
 
     model = args.model or str(default_model())

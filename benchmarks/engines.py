@@ -74,7 +74,7 @@ LABELS = {
 # `:compiled`: with compilation_config=3, torch.compile (docs/compiled_step.md; the default on a CPU, so
 # the same as the plain name there, and what a GPU run compares); `:eager`: with enforce_eager=True;
 # `:offload`: level 3 with the offloading connector's host tier (docs/kv_connectors.md); `:eagle`: level 4
-# with the built-in target's EAGLE head instead of the draft model (level4_speculative/eagle.py; the head eager, the target as the engine's)
+# with the built-in target's EAGLE head instead of the draft model (level4_speculative/eagle.py; the target as the engine's, the head eager by default)
 # Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
 # side by side (2026-12-02, Xeon, one thread: 1.48x / 1.40x / 1.37x / 1.34x level 3's tokens/s for
 # k = 2 / 3 / 4 / 5). On a CPU a verifying forward costs more per extra token than on a GPU (one

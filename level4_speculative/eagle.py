@@ -32,8 +32,12 @@ feature f_c this step's forward computes. A checkpoint's copy of the embeddings 
 never loaded into the target's modules the head shares.
 
 With the compiled step (features/compilation, a CPU's default) the target runs compiled and its hidden
-states are the graph's output, kept the same way; the head runs eager: its second input, the features,
-is not one the compiled runner passes (it traces `model(input_ids, positions)`), and it is one layer.
+states are the graph's output, kept the same way. The head runs eager by default: compiled, it was
+slower per pass on a CPU at batch 1 (624-638 against 565-584 us a forward, `python -m
+benchmarks.compiled_step --eagle`: one layer saves fewer dispatches than Dynamo's and the runner's
+per-call costs add). Asked for (`compilation_config`, on a GPU where its pieces are
+captured), it is compiled too, its features a graph input (`step_inputs`: the compiled runner passes
+them beside the tokens; an attribute read inside the graph would be a constant of it).
 
 Over level 5's tensor-parallel ranks the head runs on the driver, as a draft model does there, beside a
 copy of the target's two ends (`target_ends`: embeddings and LM head, read from the checkpoint; the
@@ -83,9 +87,28 @@ class EagleModel(nn.Module):
         self.embed_tokens, self.lm_head = target.model.embed_tokens, target.lm_head  # the target's own
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.features: torch.Tensor | None = None
+        self.ops = DEFAULT_OPS  # the head's own modules' (set_ops); the shared two keep the target's
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
-        x = self.fc(torch.cat([self.embed_tokens(input_ids), self.features], dim=-1))  # [T, 2H] -> [T, H]
+    def set_ops(self, ops: Ops) -> None:
+        """Route the head's own linears, norms and RoPE through `ops` (not the shared embeddings and LM head:
+        they are the target's, and follow its ops)."""
+        self.ops = ops
+        for module in (*self.fc.modules(), *self.layers.modules(), *self.norm.modules()):
+            if hasattr(module, "ops"):
+                module.ops = ops
+
+    def step_inputs(self, n: int | None = None) -> tuple[torch.Tensor, ...]:
+        """The per-token inputs besides the tokens and positions, for the compiled runner to pass into its graph
+        (an attribute read inside the graph would be a constant of it): this step's features [T, H]; `n`: zeros
+        for n rows instead (the runner's warm-up)."""
+        if n is None:
+            return (self.features,)
+        return (self.fc.weight.new_zeros(n, self.config.hidden_size),)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, features=None) -> torch.Tensor:
+        """`features` [T, H]: the compiled runner passes them (`step_inputs`); the eager one leaves `self.features`."""
+        features = self.features if features is None else features
+        x = self.fc(torch.cat([self.embed_tokens(input_ids), features], dim=-1))  # [T, 2H] -> [T, H]
         angles = positions.float()[:, None] * self.inv_freq.float()[None, :]  # [T, D/2]
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.layers:
@@ -151,9 +174,8 @@ def load_eagle(name: str, target: LoadedModel, dtype: torch.dtype, device, ops: 
         raise ValueError(f"the EAGLE head {name!r}: missing {sorted(set(missing) - shared)}, unexpected {unexpected}")
     model = model.to(device=device, dtype=dtype).eval()
     model.inv_freq = rope_inv_freq(cfg).to(device)  # float32, as the target's (.to(dtype) rounded it)
-    for module in model.modules():  # the target's ops (ops.py: batch-invariant ones, say) for the head's layer too
-        if hasattr(module, "ops"):
-            module.ops = target.model.ops if target.model is not None else ops
+    # the target's ops for the head's own modules (ops.py: batch-invariant ones, say)
+    model.set_ops(target.model.ops if target.model is not None else ops)
     return LoadedModel(model, cfg, None, [], Path(path), hf, {})
 
 

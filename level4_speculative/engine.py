@@ -172,9 +172,8 @@ class SpeculativeEngine(PrefixCachingEngine):
             raise ValueError(f"speculative_config.model {self.speculative_config.model!r} handles {self.draft.config.max_position_embeddings} "
                              f"positions, fewer than max_model_len={self.max_model_len}")  # fmt: skip
         c, eagle = self.config.cache, self.speculative_config.method == "eagle"
-        compilation = None if eagle else compilation_for(self.config)  # (the head: eager, eagle.py says why)
         draft_worker = Worker(self.draft.model, self.num_blocks, c.block_size, c.attention_backend,
-                              self.config.model.batch_invariant, compilation)  # fmt: skip
+                              self.config.model.batch_invariant, compilation_for(self.config))  # fmt: skip
         if eagle:
             from .eagle import EagleProposer
 

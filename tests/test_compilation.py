@@ -105,6 +105,18 @@ def test_by_default_an_moe_model_runs_eager_without_a_word(checkpoint_factory, m
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
+@pytest.mark.level4
+def test_by_default_eagles_head_runs_eager_beside_the_compiled_target(llama_dir, monkeypatch, caplog):
+    """The default compiles the target and leaves the head eager (compiled, it was slower per pass on a CPU:
+    features/compilation/__init__.py); asked for, both compile (the test above)."""
+    monkeypatch.delenv("LADDER_COMPILE_LEVEL")  # a user's default: compiled on this CPU
+    spec = {"method": "eagle", "model": str(eagle_checkpoint(llama_dir)), "num_speculative_tokens": 2}
+    llm = level4_speculative.LLM(llama_dir, dtype="float32", speculative_config=spec)
+    assert type(runner_of(llm)).__name__ == "CompiledRunner" and runner_of(llm).eager_reason is None
+    assert type(llm.llm_engine.proposer.worker.runner).__name__ == "ModelRunner"
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
 @pytest.mark.level5
 def test_level5_refuses_compiling_over_ranks_before_starting_any(llama_dir):
     import level5_multigpu
@@ -252,7 +264,9 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
 def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
     """The head drafts from the target's hidden states, the compiled graph's output when the target is
     compiled: every forward of the head gets the same features as over the eager target (float64, but
-    for the RoPE angles' rounding), so it drafts as many tokens, and the output is the same."""
+    for the RoPE angles' rounding), so it drafts as many tokens, and the output is the same. The head
+    runs compiled too, its features a graph input (not a constant baked into the graph: the drafts would
+    then all read the first step's)."""
     spec = {"method": "eagle", "model": str(eagle_checkpoint(llama_dir)), "num_speculative_tokens": 3}
     prompts, seen = [[1, 2, 3, 4, 5], [9, 8, 7], [4] * 11], {}
     for name, extra in (("eager", {"enforce_eager": True}), ("compiled", {"compilation_config": 3})):
@@ -267,8 +281,9 @@ def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
 
         proposer._run = spy
         seen[name] = (greedy(llm, prompts, 10), features, llm.spec_decode_stats().num_draft_tokens)
-    runner = runner_of(llm)
+    runner, head_runner = runner_of(llm), llm.llm_engine.proposer.worker.runner
     assert runner.eager_reason is None and runner.backend.counters.graphs == 2  # the target really ran compiled
+    assert head_runner.eager_reason is None and head_runner.backend.counters.graphs == 2  # and the head
     (tokens, eager_features, drafts), (compiled_tokens, compiled_features, compiled_drafts) = seen.values()
     assert compiled_tokens == tokens and compiled_drafts == drafts > 0
     assert len(compiled_features) == len(eager_features) > 3

@@ -24,9 +24,11 @@ Dynamo cannot trace, a recompile limit) the runner says why in one log line and 
 What it is not: a second model (the same modules and weights), or a cache of compiled code of
 our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
 level 5), or with `batch_invariant=True` (refused). Level 4's draft model has a runner of its own,
-compiled too; EAGLE's head runs eager over the compiled target, whose hidden states this runner keeps
-as the eager one does (`keep_hidden`: the graph's output, the real rows). It changes Dynamo's
-recompile limits for the whole process (`_allow_many_engines`).
+compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
+does (`keep_hidden`: the graph's output, the real rows); compiled (when asked for: the room's
+`compiled_runner` says why not by default), its features are a graph input: a model's other per-token
+inputs (`model.step_inputs`) are passed and padded beside the tokens. It changes Dynamo's recompile
+limits for the whole process (`_allow_many_engines`).
 
 Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
 the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
@@ -105,8 +107,14 @@ class CompiledRunner:
         self.compiled = torch.compile(self._model_forward, backend=self.backend, dynamic=False, fullgraph=True)
         self.startup_s = self.warm_up()
 
-    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model(input_ids, positions, OPAQUE)  # [Tp, hidden]; what Dynamo traces
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, *side: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids, positions, OPAQUE, *side)  # [Tp, hidden]; what Dynamo traces
+
+    def _side(self, n: int | None = None) -> tuple[torch.Tensor, ...]:
+        """A model's per-token inputs besides tokens and positions (`model.step_inputs`: EAGLE's head, its
+        features [T, H]), each [T, ...]; `n`: zeros of n rows, for the warm-up. Most models have none."""
+        step_inputs = getattr(self.model, "step_inputs", None)
+        return () if step_inputs is None else step_inputs(n)
 
     # keep_hidden / hidden: the eager runner's (model_runner.py), whichever way the step ran
     keep_hidden = property(lambda self: self.runner.keep_hidden,
@@ -126,7 +134,7 @@ class CompiledRunner:
             # run under one, so this one step runs eager, and the next compiled again)
             return self.runner.forward(batch, attn)
         try:
-            hidden = self._run(batch.input_ids, batch.positions, attn)  # [Tp, hidden]
+            hidden = self._run(batch.input_ids, batch.positions, attn, self._side())  # [Tp, hidden]
         except COMPILE_ERRORS as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
             self._fall_back(e)
             return self.runner.forward(batch, attn)
@@ -134,19 +142,20 @@ class CompiledRunner:
             self.runner.hidden = hidden[: batch.input_ids.shape[0]]
         return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]: real rows only
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, side: tuple = ()) -> torch.Tensor:
         n = input_ids.shape[0]
-        if not input_ids.is_inference():  # made outside inference mode (a CPU batch as the engine built it):
-            input_ids, positions = input_ids.clone(), positions.clone()  # Dynamo guards on the kind: one kind
+        inputs = [input_ids, positions, *side]  # each [T, ...]
+        # one made outside inference mode (a CPU batch as the engine built it) is cloned into an inference
+        # tensor: Dynamo guards on the kind, so one kind
+        inputs = [t if t.is_inference() else t.clone() for t in inputs]
         tp = self.padded(n)
-        if tp != n:  # padding rows: token 0 at position 0, their attention writes nowhere (attention_op.py)
-            input_ids = torch.nn.functional.pad(input_ids, (0, tp - n))
-            positions = torch.nn.functional.pad(positions, (0, tp - n))
+        if tp != n:  # padding rows: token 0 at position 0 (and zero side inputs), their attention writes nowhere
+            inputs = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, tp - n)) for t in inputs]
         if tp >= 2:  # one graph for every T >= 2 (T = 1 is always specialised)
-            torch._dynamo.mark_dynamic(input_ids, 0)
-            torch._dynamo.mark_dynamic(positions, 0)
+            for t in inputs:
+                torch._dynamo.mark_dynamic(t, 0)
         with set_forward_context(attn, n, tp):
-            return self.compiled(input_ids, positions)
+            return self.compiled(*inputs)
 
     def _fall_back(self, error: Exception) -> None:
         root = error
@@ -173,7 +182,7 @@ class CompiledRunner:
                     pos = torch.arange(tp, dtype=torch.long, device=self.device)
                     runs = 2 if self.backend.wrap_piece is not None else 1  # a captured size: run, then capture
                     for _ in range(runs):
-                        self._run(ids, pos, _WriteNowhere())
+                        self._run(ids, pos, _WriteNowhere(), self._side(tp))
                     bar.advance()
         except Exception as e:
             self._fall_back(e)
