@@ -18,9 +18,10 @@ It prints ms per step, tokens/s, each mode's ratio to eager and its start-up (co
     python -m benchmarks.compiled_step --eagle               # EAGLE's head: eager against compiled
 
 times instead the passes of level 4's EAGLE head (one layer) at batch 1 on the built-in pair, over
-natural text, with the target compiled in both: the head as the default leaves it (eager) against the
-head compiled (compilation_config=3), in alternating rounds: microseconds a head forward, the number
-that decides the default (features/compilation/__init__.py).
+natural text, on the CPU, with the target compiled in both: the head as the default leaves it (eager)
+against the head compiled (compilation_config=3), in alternating rounds (`--rounds`; `--model`,
+`--dtype`, `--batches` and `--steps` do not apply): microseconds a head forward, the number that
+decides the default (features/compilation/__init__.py).
 
 What it is not: the whole-engine benchmark (`benchmarks.throughput --engines
 level3_prefix,level3_prefix:compiled` runs the workloads), or a GPU measurement (CUDA graphs:
@@ -72,9 +73,11 @@ def eagle_passes(rounds: int, tokens: int = 200) -> dict:
     spec = {"method": "eagle", "model": "tiny-shakespeare-eagle", "num_speculative_tokens": 2}
     saved = os.environ.pop("LADDER_COMPILE_LEVEL", None)  # the default: the target compiled on a CPU, the head eager
     try:
-        llms = {"eager head": level4_speculative.LLM("tiny-shakespeare", seed=0, speculative_config=spec),
-                "compiled head": level4_speculative.LLM("tiny-shakespeare", seed=0, speculative_config=spec,
-                                                        compilation_config=3)}  # fmt: skip
+        kw = dict(seed=0, speculative_config=spec, device="cpu")  # (a CPU's default compiles; a wall clock times it)
+        llms = {
+            "eager head": level4_speculative.LLM("tiny-shakespeare", **kw),
+            "compiled head": level4_speculative.LLM("tiny-shakespeare", compilation_config=3, **kw),
+        }
     finally:
         if saved is not None:
             os.environ["LADDER_COMPILE_LEVEL"] = saved

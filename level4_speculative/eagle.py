@@ -33,7 +33,7 @@ never loaded into the target's modules the head shares.
 
 With the compiled step (features/compilation, a CPU's default) the target runs compiled and its hidden
 states are the graph's output, kept the same way. The head runs eager by default: compiled, it was
-slower per pass on a CPU at batch 1 (624-638 against 565-584 us a forward, `python -m
+slower per pass on a CPU at batch 1 (624-690 against 565-594 us a forward, `python -m
 benchmarks.compiled_step --eagle`: one layer saves fewer dispatches than Dynamo's and the runner's
 per-call costs add). Asked for (`compilation_config`, on a GPU where its pieces are
 captured), it is compiled too, its features a graph input (`step_inputs`: the compiled runner passes
@@ -76,6 +76,8 @@ from .request import SpecRequest
 class EagleModel(nn.Module):
     """`EagleModel(cfg, target)(input_ids [T], positions [T], attn) -> g [T, H]`, reading `self.features` [T, H]
     (row i: the feature at the position before input i's), which the proposer sets before each forward."""
+
+    compile_by_default = False  # the compiled step's room leaves it eager unless compilation is asked for (why: above)
 
     def __init__(self, cfg: ModelConfig, target: Transformer):
         super().__init__()

@@ -264,12 +264,15 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
 def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
     """The head drafts from the target's hidden states, the compiled graph's output when the target is
     compiled: every forward of the head gets the same features as over the eager target (float64, but
-    for the RoPE angles' rounding), so it drafts as many tokens, and the output is the same. The head
-    runs compiled too, its features a graph input (not a constant baked into the graph: the drafts would
-    then all read the first step's)."""
+    for the RoPE angles' rounding; the check that has teeth: this random head's drafts are rarely accepted,
+    so equal tokens and counts alone would not catch stale features), and the output is the same. Asked for, the head runs compiled too, its features a graph input (not a constant baked into
+    the graph: the drafts would then all read the first step's), padded with the tokens to a capture
+    size where there are some (the eager backend's run: batches of 3 and 9 rows run at 4 and 16)."""
     spec = {"method": "eagle", "model": str(eagle_checkpoint(llama_dir)), "num_speculative_tokens": 3}
     prompts, seen = [[1, 2, 3, 4, 5], [9, 8, 7], [4] * 11], {}
-    for name, extra in (("eager", {"enforce_eager": True}), ("compiled", {"compilation_config": 3})):
+    modes = {"eager": {"enforce_eager": True}, "compiled": {"compilation_config": 3},
+             "padded": {"compilation_config": {"backend": "eager", "cudagraph_capture_sizes": [4, 8, 16]}}}  # fmt: skip
+    for name, extra in modes.items():
         llm = level4_speculative.LLM(llama_dir, dtype="float64", block_size=4, speculative_config=spec, **extra)
         proposer = llm.llm_engine.proposer
         head, run, features = proposer.head, proposer._run, []
@@ -280,16 +283,22 @@ def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
             return out
 
         proposer._run = spy
-        seen[name] = (greedy(llm, prompts, 10), features, llm.spec_decode_stats().num_draft_tokens)
-    runner, head_runner = runner_of(llm), llm.llm_engine.proposer.worker.runner
-    assert runner.eager_reason is None and runner.backend.counters.graphs == 2  # the target really ran compiled
-    assert head_runner.eager_reason is None and head_runner.backend.counters.graphs == 2  # and the head
-    (tokens, eager_features, drafts), (compiled_tokens, compiled_features, compiled_drafts) = seen.values()
-    assert compiled_tokens == tokens and compiled_drafts == drafts > 0
-    assert len(compiled_features) == len(eager_features) > 3
-    for a, b in zip(compiled_features, eager_features):  # (the compiled RoPE's cos and sin are float32's: 1e-7 apart)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-        assert a.abs().sum() > 0  # (features, not the zeros a missing one reads)
+        stats = lambda s: (s.num_draft_tokens, s.num_accepted_tokens)  # noqa: E731
+        seen[name] = (greedy(llm, prompts, 10), features, stats(llm.spec_decode_stats()))
+        if name != "eager":
+            runner, head_runner = runner_of(llm), llm.llm_engine.proposer.worker.runner
+            graphs = 1 if name == "padded" else 2  # (padded, one token runs at 4: no graph of its own for T = 1)
+            assert runner.eager_reason is None and runner.backend.counters.graphs == graphs  # the target ran compiled
+            assert head_runner.eager_reason is None and head_runner.backend.counters.graphs == graphs  # and the head
+            assert head_runner.padded(3) == (4 if name == "padded" else 3)
+    tokens, eager_features, counts = seen.pop("eager")
+    assert counts[0] > 0  # (drafted, accepted)
+    for compiled_tokens, compiled_features, compiled_counts in seen.values():
+        assert compiled_tokens == tokens and compiled_counts == counts
+        assert len(compiled_features) == len(eager_features) > 3
+        for a, b in zip(compiled_features, eager_features):  # (compiled RoPE's cos, sin: float32's, 1e-7 apart)
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            assert a.abs().sum() > 0  # (features, not the zeros a missing one reads)
 
 
 @pytest.mark.level3

@@ -18,11 +18,12 @@ this room. The lesson is docs/compiled_step.md.
 On by default on a CPU (level1_paged/engine.py's CompilationSettings says where not), except for a
 mixture-of-experts model: its routing sizes each expert's batch from the data, which Dynamo cannot
 trace (vLLM makes the fused MoE a custom op, as attention here: not built), so by default it runs
-eager without a word, and asked for, it tries and falls back in one log line. And except for EAGLE's
-head (level 4): compiled, its features a graph input (`step_inputs`), it was slower per pass than
-eager on this CPU at batch 1 (624-638 against 565-584 us a forward, `python -m benchmarks.compiled_step
---eagle`: one layer saves fewer dispatches than Dynamo's and the runner's per-call costs add), so by
-default it runs eager; asked for (on a GPU, where its pieces are captured), it is compiled.
+eager without a word, and asked for, it tries and falls back in one log line. And except for a model
+that declines (`compile_by_default = False`): EAGLE's head (level 4). Compiled, its features a graph
+input (`step_inputs`), it was slower per pass than eager on this CPU at batch 1 (624-690 against
+565-594 us a forward, `python -m benchmarks.compiled_step --eagle`: one layer saves fewer dispatches
+than Dynamo's and the runner's per-call costs add), so by default it runs eager; asked for (on a GPU,
+where its pieces are captured), it is compiled.
 
 What it is not: a faster attention (the engine's own kernel is the op). Measured: docs/compiled_step.md.
 
@@ -37,9 +38,9 @@ def compiled_runner(runner, config: CompilationConfig):
     """Level 0's `ModelRunner` and a config that compiles (ladder/rooms.py passes no other) -> the
     compiled runner the worker uses (level 0's runner itself for an MoE model or EAGLE's head by default: see
     above)."""
-    eagle_head = hasattr(runner.model, "step_inputs")
+    declined = not getattr(runner.model, "compile_by_default", True)  # (EAGLE's head says so)
     moe = any(hasattr(m, "experts") for m in runner.model.modules())
-    if getattr(config, "by_default", False) and (eagle_head or moe):
+    if getattr(config, "by_default", False) and (declined or moe):
         return runner
     wrap = None
     if config.graphs_captured(runner.device.type):

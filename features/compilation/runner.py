@@ -5,7 +5,7 @@ What it is: `CompiledRunner(runner, config)`, what level 1's worker holds instea
 
     batch (T tokens) --pad to a capture size--> input_ids, positions [Tp]       (on a CPU by default: Tp = T)
         set_forward_context(this step's attention backend, T)                    (attention_op.py)
-        compiled(input_ids, positions) -> hidden [Tp, hidden]                     (the graph; pieces: piecewise.py)
+        compiled(input_ids, positions, *side) -> hidden [Tp, hidden]              (the graph; pieces: piecewise.py)
         logits of the rows batch.logits_indices names (real rows only)           (eager: one matmul)
 
 Dynamo traces the model once on the first call and Inductor compiles it; the token count is
@@ -144,6 +144,9 @@ class CompiledRunner:
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, side: tuple = ()) -> torch.Tensor:
         n = input_ids.shape[0]
+        if any(t.shape[0] != n for t in side):  # (marked dynamic with the tokens below: a row per token)
+            shapes = [tuple(t.shape) for t in side]
+            raise ValueError(f"a model's step inputs have a row per token: {shapes} for {n} tokens")
         inputs = [input_ids, positions, *side]  # each [T, ...]
         # one made outside inference mode (a CPU batch as the engine built it) is cloned into an inference
         # tensor: Dynamo guards on the kind, so one kind
