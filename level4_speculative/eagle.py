@@ -35,9 +35,9 @@ With the compiled step (features/compilation, a CPU's default) the target runs c
 states are the graph's output, kept the same way. The head runs eager by default: compiled, it was
 slower per pass on a CPU at batch 1 (624-690 against 565-594 us a forward, `python -m
 benchmarks.compiled_step --eagle`: one layer saves fewer dispatches than Dynamo's and the runner's
-per-call costs add). Asked for (`compilation_config`, on a GPU where its pieces are
-captured), it is compiled too, its features a graph input (`step_inputs`: the compiled runner passes
-them beside the tokens; an attribute read inside the graph would be a constant of it).
+per-call costs add). Asked for (`compilation_config`, on a GPU where its pieces are captured), it is
+compiled too, its features a graph input (`step_inputs`: the compiled runner passes them beside the
+tokens; an attribute read inside the graph would be a constant of it).
 
 Over level 5's tensor-parallel ranks the head runs on the driver, as a draft model does there, beside a
 copy of the target's two ends (`target_ends`: embeddings and LM head, read from the checkpoint; the
