@@ -155,8 +155,16 @@ class SpeculativeEngine(PrefixCachingEngine):
         return super().kv_bytes_per_token() + self.draft_kv_bytes_per_token()
 
     def draft_kv_bytes_per_token(self) -> int:
-        """What one token costs in the draft's cache (0 without a draft model)."""
-        return kv_bytes_per_token(self.draft.config, self.dtype) if self.draft else 0
+        """What one token costs in the draft's cache (0 without a draft model). EAGLE's head also keeps the
+        target's feature of each token it has not read yet (eagle.py files them): a row of the hidden size,
+        counted per token too, since while a crowded batch does not draft (`disable_by_batch_size`) the head
+        does not catch up and a running request's rows wait for it, one per token it holds in the cache."""
+        if self.draft is None:
+            return 0
+        cache = kv_bytes_per_token(self.draft.config, self.dtype)
+        if self.speculative_config.method == "eagle":
+            cache += self.draft.config.hidden_size * self.dtype.itemsize  # (the features: the target's dtype)
+        return cache
 
     def __init__(self, model: str, **kwargs):
         super().__init__(model, **kwargs)  # level 2: the target's worker, the KV manager, the scheduler

@@ -20,6 +20,9 @@ docs/batch_invariance.md), or a speed test.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import VOCAB
@@ -65,9 +68,10 @@ def engine_kwargs(level: str, need: int, data, draft, target=None) -> dict:
         if proposer == "draft model":
             kw["speculative_config"] = {"model": str(draft), "num_speculative_tokens": k}
             kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1, kv_heads=2, head_dim=8)
-        elif proposer == "eagle":  # its one layer has the target's shape
+        elif proposer == "eagle":  # its one layer has the target's shape; and a feature filed per token
             kw["speculative_config"] = {"method": "eagle", "model": str(eagle_checkpoint(target)), "num_speculative_tokens": k}
-            kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1)
+            hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
+            kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1) + blocks * bs * hidden * 4
         else:
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     return kw

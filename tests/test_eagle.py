@@ -202,6 +202,29 @@ def test_a_request_that_never_drafts_still_names_its_prompts_blocks(checkpoint_f
     assert hits == [0, 20], hits
 
 
+def test_the_features_the_head_waits_for_are_counted_in_the_kv_budget(checkpoint_factory):
+    """While a crowded batch does not draft (`disable_by_batch_size`), the head does not catch up, and each running
+    request's filed features grow a row a step: never more rows than the tokens it holds in the cache, which is
+    why the engine's budget counts a row of the hidden size per token beside the head's own cache."""
+    path = checkpoint_factory("llama")
+    head = eagle_checkpoint(path)
+    llm = level4_speculative.LLM(path, dtype="float64", block_size=4,
+                                 speculative_config={**eagle(head, 2), "disable_by_batch_size": 1})  # fmt: skip
+    engine = llm.llm_engine
+    assert engine.draft_kv_bytes_per_token() == kv_bytes(head, 1)  # its one layer's K and V, and the feature
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    for i, prompt in enumerate([[3, 4, 5], [6, 7, 8, 9], [10, 11]]):
+        engine.add_request(str(i), prompt, params)
+    most = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        for req in engine.scheduler.running:
+            start, kept = getattr(req, "eagle_features", None) or (0, [])
+            assert len(kept) <= req.num_computed_tokens
+            most = max(most, len(kept))
+    assert most >= 15 and engine.spec_stats.num_draft_tokens == 0  # three running, none drafted: the rows waited
+
+
 def test_a_heads_copy_of_the_embeddings_never_reaches_the_target(checkpoint_factory, tmp_path):
     """Some published heads carry the target's embeddings or LM head: they are dropped, never loaded into the
     modules the head shares with the target (a zeroed copy here: the target's tokens stay level 3's)."""

@@ -45,9 +45,14 @@ def register(name: str, make) -> None:
 
 
 def kv_bytes(path: Path, tokens: int, dtype_bytes: int = 8) -> int:
+    """What `tokens` cost in the cache of the checkpoint at `path`; for an EAGLE head, also the target's feature
+    it files per token (level 4's `draft_kv_bytes_per_token`)."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    return tokens * 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    per_token = 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+    if "EagleLlamaForCausalLM" in (cfg.get("architectures") or []):
+        per_token += cfg["hidden_size"] * dtype_bytes
+    return tokens * per_token
 
 
 def make_level0(path, need_tokens, data):
