@@ -25,8 +25,9 @@ position after the forward (a verification's rows past the accepted guesses are 
 the catch-up reads f only below the request's newest token), and runs the head over the step's prompt
 chunks at once (their tokens are known), as a draft model's prefill does, so that their blocks can be
 named even for a request that never drafts. The filed rows wait until the head has read them (a crowded
-batch that does not draft leaves a row per token), so the engine's KV budget counts one per token
-(engine.py's `draft_kv_bytes_per_token`). `propose` then catches the head up to the newest token
+batch that does not draft leaves a row per token the request holds in the cache), so the engine's KV
+budget counts one per token (engine.py's `draft_kv_bytes_per_token`), and they go with the request's
+blocks (preempted, finished: kv_cache_manager.py). `propose` then catches the head up to the newest token
 (rows after its newest slot, each reading the target's feature one position back), samples d_1 from
 its last row, and runs k - 1 one-row passes, each reading the head's own g. A request admitted on a
 prefix hit of c tokens has the head's slots below c (the hit's blocks): its first row is c + 1, whose

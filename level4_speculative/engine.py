@@ -158,7 +158,8 @@ class SpeculativeEngine(PrefixCachingEngine):
         """What one token costs in the draft's cache (0 without a draft model). EAGLE's head also keeps the
         target's feature of each token it has not read yet (eagle.py files them): a row of the hidden size,
         counted per token too, since while a crowded batch does not draft (`disable_by_batch_size`) the head
-        does not catch up and a running request's rows wait for it, one per token it holds in the cache."""
+        does not catch up and a running request's rows wait for it, one per token it holds in the cache (and
+        none once its blocks are freed: kv_cache_manager.py drops them)."""
         if self.draft is None:
             return 0
         cache = kv_bytes_per_token(self.draft.config, self.dtype)

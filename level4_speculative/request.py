@@ -35,6 +35,9 @@ class SpecRequest(PrefixRequest):
     draft_num_computed: int = 0
     spec_token_ids: list[int] = field(default_factory=list)  # d_1 .. d_k, verified next step
     spec_probs: torch.Tensor | None = None  # q [k, V] they were drawn from; None: greedy, or a point mass
+    # EAGLE's: the target's features its head has not read yet, [first position, rows [n, H]] (eagle.py files
+    # them), dropped with the request's blocks (kv_cache_manager.py)
+    eagle_features: list | None = None
 
     @property
     def num_uncomputed_tokens(self) -> int:

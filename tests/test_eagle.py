@@ -204,25 +204,30 @@ def test_a_request_that_never_drafts_still_names_its_prompts_blocks(checkpoint_f
 
 def test_the_features_the_head_waits_for_are_counted_in_the_kv_budget(checkpoint_factory):
     """While a crowded batch does not draft (`disable_by_batch_size`), the head does not catch up, and each running
-    request's filed features grow a row a step: never more rows than the tokens it holds in the cache, which is
-    why the engine's budget counts a row of the hidden size per token beside the head's own cache."""
+    request's filed features grow a row a step: never more rows than the tokens it holds in the cache, and none
+    once its blocks are freed (preempted, finished), so all of them together never exceed the pool's slots: why
+    the engine's budget counts a row of the hidden size per token beside the head's own cache."""
     path = checkpoint_factory("llama")
     head = eagle_checkpoint(path)
-    llm = level4_speculative.LLM(path, dtype="float64", block_size=4,
+    budget = kv_bytes(path, 48) + kv_bytes(head, 48)  # 12 blocks of 4, for three requests of 24 tokens: preemption
+    llm = level4_speculative.LLM(path, dtype="float64", block_size=4, kv_cache_memory=budget,
                                  speculative_config={**eagle(head, 2), "disable_by_batch_size": 1})  # fmt: skip
     engine = llm.llm_engine
     assert engine.draft_kv_bytes_per_token() == kv_bytes(head, 1)  # its one layer's K and V, and the feature
+    assert engine.num_blocks == 12
     params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
-    for i, prompt in enumerate([[3, 4, 5], [6, 7, 8, 9], [10, 11]]):
+    for i, prompt in enumerate([[3, 4, 5, 6], [6, 7, 8, 9], [10, 11, 12, 13]]):
         engine.add_request(str(i), prompt, params)
-    most = 0
+    reqs, most = list(engine.scheduler.waiting), 0
     while engine.has_unfinished_requests():
         engine.step()
-        for req in engine.scheduler.running:
-            start, kept = getattr(req, "eagle_features", None) or (0, [])
-            assert len(kept) <= req.num_computed_tokens
-            most = max(most, len(kept))
-    assert most >= 15 and engine.spec_stats.num_draft_tokens == 0  # three running, none drafted: the rows waited
+        rows = {r.request_id: len(r.eagle_features[1]) if r.eagle_features else 0 for r in reqs}
+        for r in reqs:
+            assert rows[r.request_id] <= (r.num_computed_tokens if r in engine.scheduler.running else 0)
+        assert sum(rows.values()) <= engine.num_blocks * 4
+        most = max(most, *rows.values())
+    assert engine.stats.preemptions > 0 and most >= 10  # the pool preempted; rows waited while nobody drafted
+    assert all(r.eagle_features is None for r in reqs)  # finished: gone with their blocks
 
 
 def test_a_heads_copy_of_the_embeddings_never_reaches_the_target(checkpoint_factory, tmp_path):
