@@ -38,9 +38,10 @@ def compiled_runner(runner, config: CompilationConfig):
     """Level 0's `ModelRunner` and a config that compiles (ladder/rooms.py passes no other) -> the
     compiled runner the worker uses (level 0's runner itself for an MoE model or EAGLE's head by default: see
     above)."""
-    declined = not getattr(runner.model, "compile_by_default", True)  # (EAGLE's head says so)
-    moe = any(hasattr(m, "experts") for m in runner.model.modules())
-    if getattr(config, "by_default", False) and (declined or moe):
+    if getattr(config, "by_default", False) and (
+        not getattr(runner.model, "compile_by_default", True)  # (EAGLE's head says so)
+        or any(hasattr(m, "experts") for m in runner.model.modules())  # (an MoE model)
+    ):
         return runner
     wrap = None
     if config.graphs_captured(runner.device.type):
