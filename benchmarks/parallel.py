@@ -15,6 +15,11 @@ Each layout runs once per round (`--repeats` rounds, in turn) and keeps its best
 on a shared machine noise only ever slows a run down. It prints a table, writes JSON (outside the repository unless `--out`) and, with
 `--plot PATH`, a picture of tokens/s by layout and batch.
 
+Every layout runs the engine's default, which on a CPU compiles each rank's shard
+(features/compilation; the all-reduces are an opaque op in each rank's graph). `--eager-ranks`
+also runs the PP=2 layout and every TP=2 layout with eager ranks (compilation_config=0) and prints
+what the compiled default makes against them.
+
 `--moe` compares expert parallelism with tensor parallelism on the built-in mixture of
 experts instead (benchmarks/parallel_moe.py): bytes per token against their model, time
 against alpha-beta, and the grouped expert path against the naive loop.
@@ -65,6 +70,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", type=Path, default=None, help="also draw tokens/s by layout and batch here")
     p.add_argument("--ray", action="store_true", help="also run every TP=2 layout with its ranks as Ray actors "
                    "(distributed_executor_backend='ray': a local Ray cluster is started if none runs)")  # fmt: skip
+    p.add_argument("--eager-ranks", action="store_true", help="also run the PP=2 and every TP=2 layout with eager ranks "
+                   "(compilation_config=0), against the default (each rank compiled, on a CPU)")  # fmt: skip
     p.add_argument("--moe", action="store_true", help="expert against tensor parallelism on tiny-shakespeare-moe "
                    "(benchmarks/parallel_moe.py; --model, --tp-batches, --max-tokens, --repeats and --dtype apply)")  # fmt: skip
     return p
@@ -96,13 +103,15 @@ def layout_kwargs(batch: int, pp: int) -> dict:
 
 
 def run_layout(model: str, tp: int, pp: int, batch: int, args, backend: str = "mp") -> dict:
+    """`backend`: how the ranks start, "mp" or "ray"; "eager" is "mp" with eager ranks (compilation_config=0)."""
     from level0_naive import SamplingParams
     from level5_multigpu import LLM
     from level5_multigpu.parallel_state import predicted_seconds
 
     prompts, params = decode_heavy(batch, args.max_tokens)
+    starter, eager = ("mp", {"compilation_config": 0}) if backend == "eager" else (backend, {})
     with LLM(model, dtype=args.dtype, device=args.device, tensor_parallel_size=tp, pipeline_parallel_size=pp,
-             distributed_executor_backend=backend if tp * pp > 1 else None, **layout_kwargs(batch, pp)) as llm:  # fmt: skip
+             distributed_executor_backend=starter if tp * pp > 1 else None, **eager, **layout_kwargs(batch, pp)) as llm:  # fmt: skip
         fit = llm.llm_engine.calibrate()
         llm.generate(prompts[:2], SamplingParams(max_tokens=2), progress=False)  # warm up
         before = all_reduce_per_rank(llm)
@@ -155,10 +164,15 @@ def main(argv=None) -> dict:
     args.max_tokens = args.max_tokens or 24
     layouts = [(1, 1, args.pp_batch, "mp"), (1, 2, args.pp_batch, "mp"),
                *[(t, 1, b, "mp") for b in tp_batches for t in (1, 2)],
-               *[(2, 1, b, "ray") for b in tp_batches if args.ray]]  # fmt: skip
+               *[(2, 1, b, "ray") for b in tp_batches if args.ray],
+               *([(1, 2, args.pp_batch, "eager")] if args.eager_ranks else []),
+               *[(2, 1, b, "eager") for b in tp_batches if args.eager_ranks]]  # fmt: skip
     best: dict[tuple, dict] = {}
     for rep in range(args.repeats):  # every layout once per round, rounds in turn: drift hits all alike
-        for tp, pp, batch, backend in layouts:
+        # every other round backwards, so that no layout always runs in the same place of a round: what ran just
+        # before can slow a start (compiled against eager ranks, TP=2 batch 32, was 1.07-1.08x in two runs with
+        # the eager ones first in each round and 0.91-0.94x in two with them last, 2026-12-07)
+        for tp, pp, batch, backend in layouts if rep % 2 == 0 else layouts[::-1]:
             print(f"round {rep + 1}/{args.repeats}: TP={tp} PP={pp} batch {batch} ({backend}) ...", flush=True)
             with torch_threads(1):  # the one-process baseline too: one thread per rank, everywhere
                 r = run_layout(model, tp, pp, batch, args, backend)
@@ -174,9 +188,13 @@ def main(argv=None) -> dict:
     for r in runs:
         r["vs_one_process"] = r["tokens_per_s"] / base[r["batch"]]
     for r in runs:
-        if r["backend"] == "ray":  # Ray against mp, the same layout and batch
+        if r["backend"] in ("ray", "eager"):  # against mp (the default), the same layout and batch
             r["vs_mp"] = r["tokens_per_s"] / best[(r["tp"], r["pp"], r["batch"], "mp")]["tokens_per_s"]
-            print(f"TP={r['tp']} batch {r['batch']}: Ray actors {r['vs_mp']:.3f}x the mp processes' tokens/s")
+            layout = f"TP={r['tp']} PP={r['pp']} batch {r['batch']}"
+            if r["backend"] == "ray":
+                print(f"{layout}: Ray actors {r['vs_mp']:.3f}x the mp processes' tokens/s")
+            else:
+                print(f"{layout}: the default (compiled ranks) makes {1 / r['vs_mp']:.3f}x the eager ranks' tokens/s")
     show(runs)
     data = {"model": model, "max_tokens": args.max_tokens, "runs": runs}
     out = args.out or output_dir() / "parallel.json"
@@ -207,7 +225,7 @@ def show(runs: list[dict]) -> None:
     for r in runs:
         meas, pred = r.get("all_reduce_s"), r.get("predicted_all_reduce_s")
         err = "-" if meas is None else f"{100 * (meas / pred - 1):+.0f} %"
-        t.add_row(f"TP={r['tp']} PP={r['pp']}" + (" (Ray)" if r.get("backend") == "ray" else ""), str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['vs_one_process']:.2f}x",
+        t.add_row(f"TP={r['tp']} PP={r['pp']}" + {"ray": " (Ray)", "eager": " eager"}.get(r.get("backend"), ""), str(r["batch"]), f"{r['tokens_per_s']:.0f}", f"{r['vs_one_process']:.2f}x",
                   "-" if meas is None else f"{meas:.2f} s", "-" if pred is None else f"{pred:.2f} s", err)  # fmt: skip
     Console(width=120).print(t)
 

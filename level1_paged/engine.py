@@ -75,9 +75,9 @@ class CompilationSettings(Part):
     `config` is the checked one (None: eager); `asked` says whether the caller chose it.
 
     The default (compilation_config=None) is level 3 on a CPU, where the compiled step is faster at
-    every batch size measured (docs/compiled_step.md), and eager on a GPU (its CUDA-graph path has
-    not run on one yet), with batch_invariant=True, and at tensor x pipeline parallel size > 1, the
-    three places compilation is not built. LADDER_COMPILE_LEVEL=0 makes the default eager (vLLM had
+    every batch size measured, at level 5's ranks too (docs/compiled_step.md), and eager on a GPU (its
+    CUDA-graph path has not run on one yet) and with batch_invariant=True, where compilation is not
+    built (nor over ranks on a GPU). LADDER_COMPILE_LEVEL=0 makes the default eager (vLLM had
     VLLM_TORCH_COMPILE_LEVEL): what the test suite sets, where a compile per engine would cost minutes."""
 
     compilation_config: object = None
@@ -105,15 +105,15 @@ def compilation_for(config, parallel: bool = False) -> object:
         if part.asked:
             raise ValueError("compilation_config with quantization is not built: use enforce_eager=True")
         return None
-    if not part.asked:  # the default: compiled on a CPU, alone, outside the batch-invariant mode
+    if not part.asked:  # the default: compiled on a CPU (every rank its shard), outside the batch-invariant mode
         cpu = resolve_device(config.model.device).type == "cpu"
-        return compilation if cpu and not config.model.batch_invariant and not parallel else None
+        return compilation if cpu and not config.model.batch_invariant else None
     if config.model.batch_invariant:
         raise ValueError("compilation_config with batch_invariant=True is not built (Inductor's kernels are "
                          "not fixed-order): use enforce_eager=True")  # fmt: skip
-    if parallel:
-        raise ValueError("compilation_config at tensor_parallel_size x pipeline_parallel_size > 1 is not built "
-                         "(each rank's collectives would break the graph): use enforce_eager=True")  # fmt: skip
+    if parallel and resolve_device(config.model.device).type != "cpu":  # (each rank compiles its shard on a CPU)
+        raise ValueError("compilation_config at tensor_parallel_size x pipeline_parallel_size > 1 on a GPU is not "
+                         "built (its collectives inside captured CUDA graphs): use enforce_eager=True")  # fmt: skip
     return compilation
 
 

@@ -122,7 +122,7 @@ class ParallelEngine(SpeculativeEngine):
         blocks any rank holds (`executor.num_blocks`)."""
         if not self.parallel:
             return super().make_worker()
-        compilation_for(self.config, parallel=True)  # refuses one that was asked for; the default is eager here
+        compilation = compilation_for(self.config, parallel=True)  # each rank compiles its shard (None: eager)
         cfg = self.model_config
         if self.config.model.quantization == "int4":  # each rank quantizes its shard: a row-parallel one's inputs
             shards = {"o_proj": cfg.num_heads * cfg.head_dim // self.tp, "down_proj": cfg.intermediate_size // self.tp,
@@ -142,7 +142,7 @@ class ParallelEngine(SpeculativeEngine):
                              "(each rank would need its own side of the connector)")  # fmt: skip
         spec = ParallelSpec.from_config(self.config, model=str(self.loaded.path), dtype=self.dtype,
                                         device_type=self.device.type,
-                                        extra_bytes_rank0=self.draft_kv_bytes_per_token())  # fmt: skip
+                                        extra_bytes_rank0=self.draft_kv_bytes_per_token(), compilation=compilation)  # fmt: skip
         if spec.ranks_started_by == "torchrun" and int(os.environ.get("RANK", "0")) != 0:
             self._serve_as_worker(spec)  # never returns: this process is a rank, not the driver
         self.executor = MultiprocExecutor(spec)

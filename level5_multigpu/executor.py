@@ -261,7 +261,10 @@ class MultiprocExecutor:
         """No more messages: kill whoever is left and release the process group (idempotent)."""
         self.closed = True
         _kill(self.procs)
-        torch.set_num_threads(self.threads_before)
+        if self.threads_before is not None:  # once: a later call (the engine's __del__, run by the garbage
+            # collector while another engine runs, or compiles) must not change that one's thread count
+            torch.set_num_threads(self.threads_before)
+            self.threads_before = None
         if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()
         self.owns_group = False

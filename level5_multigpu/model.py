@@ -116,6 +116,7 @@ class StageModel(Transformer):
         self.layer_ids = list(layers)  # the model's numbers of this stage's layers (an adapter names its layers so)
         self.config = replace(cfg, num_layers=len(layers), num_heads=cfg.num_heads // tp, num_kv_heads=k1 - k0)
         self.first, self.last = topo.is_first_stage, topo.is_last_stage
+        self.hidden_in: torch.Tensor | None = None  # a later stage's input this step, [T, d] (RankWorker sets it)
         kept = []
         for local, i in enumerate(layers):
             layer, p, d = self.model.layers[i], f"model.layers.{i}", cfg.hidden_size
@@ -173,6 +174,15 @@ class StageModel(Transformer):
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)  # level 0's DecoderLayer, with sharded attention and MLP
         return self.model.norm(x) if self.last else x
+
+    def step_inputs(self, n: int | None = None) -> tuple[torch.Tensor, ...]:
+        """What the compiled runner passes beside tokens and positions (features/compilation/runner.py): after
+        stage 0, the previous stage's hidden states [T, d] (`n`: zeros of n rows, for the start-up compile)."""
+        if self.first:
+            return ()
+        if n is not None:
+            return (next(self.parameters()).new_zeros(n, self.full_config.hidden_size),)
+        return (self.hidden_in,)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Last stage: logits [N, V] on TP rank 0 (every TP rank must call: it is a gather)."""

@@ -17,6 +17,13 @@ Every call goes through `CommStats`: calls, bytes and seconds per kind of messag
 engine can report what a token costs in communication, and `alpha_beta()` fits the
 latency-bandwidth model t = alpha + beta * bytes to this machine's all-reduce and send.
 
+Under `torch.compile` (a rank compiling its shard: features/compilation) the all-reduce inside the
+model is one opaque op, `torch.ops.ladder.all_reduce(x, comm, kind)`, as attention is: Dynamo
+cannot trace a process group, a clock or the counters, so the graph sees a call with a fake
+implementation ("a tensor like x") and the real one runs this class's all-reduce, timed and
+counted as in eager. The Comm is named by a string (a graph's arguments are tensors and plain
+values), looked up in a table of the live ones. vLLM does the same (`torch.ops.vllm.all_reduce`).
+
 What it is not: a general collective library (no reduce-scatter, no sequence parallelism,
 no overlap of communication with compute).
 
@@ -26,8 +33,10 @@ Reference: Megatron-LM `parallel_state.py`; vLLM `distributed/parallel_state.py`
 from __future__ import annotations
 
 import datetime
+import itertools
 import os
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -135,10 +144,31 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_COMMS: weakref.WeakValueDictionary[str, Comm] = weakref.WeakValueDictionary()  # name -> a live Comm (the op's)
+_NAMES = itertools.count()
+
+
+def all_reduce_real(x: torch.Tensor, comm: str, kind: str) -> torch.Tensor:
+    """`ladder.all_reduce`, run when the compiled code reaches it: the named Comm's all-reduce of a copy
+    of x (an op's output must not be its input)."""
+    return _COMMS[comm].all_reduce(x.clone(), kind)
+
+
+def all_reduce_fake(x: torch.Tensor, comm: str, kind: str) -> torch.Tensor:
+    """What Dynamo and Inductor run while tracing: a sum over ranks has x's shape, dtype and device."""
+    return torch.empty_like(x)
+
+
+all_reduce_op = torch.library.custom_op("ladder::all_reduce", all_reduce_real, mutates_args=())
+all_reduce_op.register_fake(all_reduce_fake)
+
+
 class Comm:
     def __init__(self, topo: Topology, fixed_order: bool = False):
         """`fixed_order` (batch_invariant=True): an all-reduce sums the ranks' parts in rank order."""
         self.topo, self.fixed_order = topo, fixed_order
+        self.name = f"comm{next(_NAMES)}"  # what a compiled graph calls this Comm's all-reduce by
+        _COMMS[self.name] = self
         self.device = torch.device("cpu")  # the rank's tensors' device; build_rank sets it
         self.stats = CommStats()
         # Every rank creates every group, in the same order (torch.distributed requires it).
@@ -174,7 +204,12 @@ class Comm:
         ring cuts the tensor into one chunk per rank), so with three or more ranks a row's
         sum can depend on how many rows the message has. With `fixed_order`, and more than
         two ranks, every rank gathers all the parts and adds them in rank order (two parts
-        add the same either way: a + b == b + a)."""
+        add the same either way: a + b == b + a).
+
+        Traced by Dynamo, it is the opaque op (module docstring), which returns the sum in a new
+        tensor: use the returned tensor, not x."""
+        if self.topo.tp > 1 and torch.compiler.is_compiling():
+            return torch.ops.ladder.all_reduce(x, self.name, kind)
         if self.topo.tp > 2 and self.fixed_order:
             parts = [torch.empty_like(x) for _ in range(self.topo.tp)]
             self._timed("all_gather", _nbytes(x), lambda: dist.all_gather(parts, x.contiguous(), group=self.tp_group))

@@ -72,6 +72,7 @@ class ParallelSpec:
     quantization: str | None = None  # each rank's projections quantized after loading (features/quantization)
     kv_cache_dtype: str = "auto"  # each rank's cache in 8 bits (level 1's setting, the same room)
     calculate_kv_scales: bool = False
+    compilation: object = None  # a CompilationConfig that compiles (features/compilation): each rank its shard
 
     @classmethod
     def from_config(
@@ -82,8 +83,10 @@ class ParallelSpec:
         dtype: torch.dtype,
         device_type: str,
         extra_bytes_rank0: int = 0,
+        compilation: object = None,
     ) -> ParallelSpec:
-        """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device."""
+        """An engine's config, plus what the engine resolved: the checkpoint's path, the dtype, the device,
+        the compilation (level 1's `compilation_for`: None runs eager)."""
         par, cache, lora = config.parallel, config.cache, config.lora
         backend = par.distributed_backend
         if backend == "auto":  # several ranks on one GPU (oversubscribed): NCCL refuses them, gloo does not
@@ -111,6 +114,7 @@ class ParallelSpec:
             quantization=config.model.quantization,
             kv_cache_dtype=cache.kv_cache_dtype,
             calculate_kv_scales=cache.calculate_kv_scales,
+            compilation=compilation,
         )
 
 
@@ -125,11 +129,17 @@ class RankWorker(Worker):
     """Level 1's Worker over this rank's `StageModel`: its layers, its heads, its KV cache; with
     enable_lora, its shard of every adapter slot (`lora`: the room's, which carries out the step's
     `lora_step`, the driver's decision, before each forward). Its methods are what `collective_rpc`
-    can call on every rank."""
+    can call on every rank.
+
+    With `compilation` (features/compilation) the rank compiles its shard: its runner is the room's
+    compiled one, whose start-up compile runs here, on every rank of a stage alike (the warm-up's
+    forwards all-reduce: every TP rank must run the same ones). A later stage's input, the previous
+    stage's hidden states, is the graph's per-token input beside the tokens (`StageModel.step_inputs`)."""
 
     def __init__(self, model: StageModel, comm: Comm, num_blocks: int, block_size: int, attention_backend: str,
-                 batch_invariant: bool = False, lora=None, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False):  # fmt: skip
-        super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant, None, kv_cache_dtype,
+                 batch_invariant: bool = False, lora=None, kv_cache_dtype: str = "auto", calculate_kv_scales: bool = False,
+                 compilation=None):  # fmt: skip
+        super().__init__(model, num_blocks, block_size, attention_backend, batch_invariant, compilation, kv_cache_dtype,
                          calculate_kv_scales)  # fmt: skip
         self.comm, self.lora = comm, lora
         self.timeline = Timeline()
@@ -141,13 +151,25 @@ class RankWorker(Worker):
         if self.lora is not None:  # the driver's adapters for this step (an input without any: the base model)
             self.lora.apply(getattr(model_input, "lora_step", None))
         mi = model_input.to(self.device)
-        out = self.model(mi.input_ids, mi.positions, mi.attention_backend(self.cache, self.impl, self.scale), hidden=hidden)
+        attn = mi.attention_backend(self.cache, self.impl, self.scale)
+        self.model.hidden_in = hidden  # a later stage's input (None on stage 0)
+        compiled = getattr(self.runner, "hidden_states", None)  # the compiled runner's graph (None: level 0's, eager)
+        if compiled is not None:
+            out = compiled(mi.input_ids, mi.positions, attn)
+        else:
+            out = self.model(mi.input_ids, mi.positions, attn, hidden)
+        self.model.hidden_in = None
         if self.model.last:
             if self.runner.keep_hidden:  # (level 4's EAGLE head, on the driver: the last stage's hidden states)
                 self.runner.hidden = out
             out = self.model.compute_logits(out[mi.logits_indices])
         self.timeline.events.append((mb, t0, time.perf_counter()))
         return out
+
+    def compilation_state(self) -> tuple[str | None, int, int] | None:
+        """(why this rank runs eager after all, or None; graphs; pieces) of its compiled runner; None: eager."""
+        backend = getattr(self.runner, "backend", None)
+        return None if backend is None else (self.runner.eager_reason, backend.counters.graphs, backend.counters.pieces)
 
     def stats(self) -> tuple[CommStats, list]:
         """This rank's message counters and forward timeline."""
@@ -195,8 +217,10 @@ def build_rank(spec: ParallelSpec, comm: Comm) -> RankWorker:
     if num_blocks < 1:
         raise ValueError(f"the KV budget of some rank holds no block of {spec.block_size} tokens")
     lora = None if spec.lora is None else rooms.lora_slots(stage, *spec.lora)  # every adapted layer's shard of the slots
-    return RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant, lora,
-                      spec.kv_cache_dtype, spec.calculate_kv_scales)  # fmt: skip
+    worker = RankWorker(stage, comm, num_blocks, spec.block_size, spec.attention_backend, spec.batch_invariant, lora,
+                        spec.kv_cache_dtype, spec.calculate_kv_scales, spec.compilation)  # fmt: skip
+    comm.stats = CommStats()  # the counters start with the engine's traffic (a compile's warm-up all-reduces)
+    return worker
 
 
 # --- a worker rank's life ---------------------------------------------------------------------------

@@ -257,14 +257,16 @@ def test_parallel_benchmark_writes_well_formed_json(checkpoint_factory, tmp_path
 
     out = tmp_path / "parallel.json"
     data = parallel.main(["--model", str(checkpoint_factory("llama")), "--max-tokens", "3", "--pp-batch", "2",
-                          "--tp-batches", "1", "--repeats", "1", "--dtype", "float64", "--out", str(out)])  # fmt: skip
+                          "--tp-batches", "1", "--repeats", "1", "--dtype", "float64", "--eager-ranks", "--out", str(out)])  # fmt: skip
     assert json.loads(out.read_text()) == json.loads(json.dumps(data))
-    layouts = [(r["tp"], r["pp"], r["batch"]) for r in data["runs"]]
-    assert layouts == [(1, 1, 2), (1, 2, 2), (1, 1, 1), (2, 1, 1)]
+    layouts = [(r["tp"], r["pp"], r["batch"], r["backend"]) for r in data["runs"]]
+    assert layouts == [(1, 1, 2, "mp"), (1, 2, 2, "mp"), (1, 1, 1, "mp"), (2, 1, 1, "mp"), (1, 2, 2, "eager"), (2, 1, 1, "eager")]
     assert all(r["tokens_per_s"] > 0 and len(r["rounds_tokens_per_s"]) == 1 for r in data["runs"])
-    tp2 = data["runs"][-1]
+    tp2 = data["runs"][3]
     assert tp2["all_reduce_calls"] > 0 and tp2["all_reduce_bytes"] > 0 and tp2["predicted_all_reduce_s"] > 0
-    assert "model error" in capsys.readouterr().out
+    assert all(r["vs_mp"] > 0 for r in data["runs"][4:])  # the eager ranks against the default
+    printed = capsys.readouterr().out
+    assert "model error" in printed and "TP=2 PP=1 eager" in printed and "the eager ranks' tokens/s" in printed
 
 
 def test_the_disaggregation_benchmark_moves_each_requests_kv(checkpoint_factory, tmp_path):

@@ -83,15 +83,15 @@ def test_the_default_compiles_on_a_cpu_only_where_compilation_is_built(monkeypat
     assert compilation_for(config()).compiled and compilation_for(config(device="auto")).compiled
     # where it is not built, the default is eager and says nothing; asked for, it is refused in one line
     assert compilation_for(config(batch_invariant=True)) is None
-    assert compilation_for(config(), parallel=True) is None
+    assert compilation_for(config(), parallel=True).compiled  # over ranks: each rank compiles its shard
     with pytest.raises(ValueError, match="batch_invariant=True is not built"):
         compilation_for(config(batch_invariant=True, compilation_config=3))
-    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 is not built"):
-        compilation_for(config(compilation_config={"backend": "eager"}), parallel=True)
     assert compilation_for(config(enforce_eager=True)) is None and compilation_for(config(compilation_config=0)) is None
     monkeypatch.setattr(paged, "resolve_device", lambda device: torch.device("cuda"))
     assert compilation_for(config(device="cuda")) is None  # a GPU: eager until its CUDA-graph path has run on one
     assert compilation_for(config(device="cuda", compilation_config=3)).compiled  # asked for: compiled
+    with pytest.raises(ValueError, match="pipeline_parallel_size > 1 on a GPU is not built"):
+        compilation_for(config(device="cuda", compilation_config=3), parallel=True)
     monkeypatch.setenv("LADDER_COMPILE_LEVEL", "0")  # the switch the suite and the labs set
     monkeypatch.setattr(paged, "resolve_device", lambda device: torch.device("cpu"))
     assert compilation_for(config()) is None
@@ -118,11 +118,30 @@ def test_by_default_eagles_head_runs_eager_beside_the_compiled_target(llama_dir,
 
 
 @pytest.mark.level5
-def test_level5_refuses_compiling_over_ranks_before_starting_any(llama_dir):
+@pytest.mark.parametrize("tp,pp,setting", [(2, 1, 3), (1, 2, EAGER_BACKEND)], ids=["tp2-inductor", "pp2-eager-backend"])
+def test_each_rank_compiles_its_shard_and_gives_the_eager_tokens(llama_dir, tp, pp, setting):
+    """Level 5: every rank compiles its shard, its all-reduces an opaque op in the graph (timed and counted as
+    eager's), a later pipeline stage's input (the hidden states) a graph input beside the tokens; the same
+    greedy tokens as the eager ranks in float64, two graphs a rank over batches of changing sizes."""
     import level5_multigpu
+    from level5_multigpu.parallel_state import counters
 
-    with pytest.raises(ValueError, match="tensor_parallel_size x pipeline_parallel_size > 1 is not built"):
-        level5_multigpu.LLM(llama_dir, dtype="float64", tensor_parallel_size=2, compilation_config=3)
+    def all_reduces(llm):  # calls per rank so far
+        return {r: calls for r, (calls, _, _) in counters(llm.comm_stats(), ("all_reduce",))["all_reduce"].items()}
+
+    prompts = [[5 + i] * (3 + 5 * i) for i in range(5)]  # prefills of 3-23 tokens, then decodes of 1-3 rows
+    tokens, states, reduces = {}, {}, {}
+    for name, cc in (("eager", 0), ("compiled", setting)):
+        with level5_multigpu.LLM(llama_dir, dtype="float64", tensor_parallel_size=tp, pipeline_parallel_size=pp,
+                                 max_num_seqs=3, compilation_config=cc) as llm:  # fmt: skip
+            before = all_reduces(llm)
+            tokens[name] = greedy(llm, prompts, max_tokens=6)
+            reduces[name] = {r: n - before[r] for r, n in all_reduces(llm).items()}
+            states[name] = llm.llm_engine.executor.collective_rpc("compilation_state")
+    assert states == {"eager": [None] * (tp * pp), "compiled": [(None, 2, 2)] * (tp * pp)}  # no recompile, no fallback
+    assert tokens["compiled"] == tokens["eager"]
+    # the op's real side is the Comm's all-reduce: the compiled ranks send (and count) the eager ones' messages
+    assert reduces["compiled"] == reduces["eager"] and (tp == 1 or min(reduces["eager"].values()) > 0)
 
 
 @pytest.mark.level6

@@ -15,7 +15,9 @@ What it is: what `compilation_config=` (and `enforce_eager=`) ask for, in small 
 The worker (level1_paged/worker.py) asks `ladder/rooms.py` for a runner; a level never imports
 this room. The lesson is docs/compiled_step.md.
 
-On by default on a CPU (level1_paged/engine.py's CompilationSettings says where not), except for a
+On by default on a CPU, level 5's ranks included (each compiles its shard; its all-reduces are an
+opaque op, level5_multigpu/parallel_state.py), level1_paged/engine.py's CompilationSettings says where
+not, except for a
 mixture-of-experts model: its routing sizes each expert's batch from the data, which Dynamo cannot
 trace (vLLM makes the fused MoE a custom op, as attention here: not built), so by default it runs
 eager without a word, and asked for, it tries and falls back in one log line. And except for a model

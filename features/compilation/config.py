@@ -3,8 +3,8 @@
 What it is: `CompilationConfig`, vLLM's names where they exist, and `parse`, which turns the
 setting's forms into one (a `ValueError` naming the field on a bad one):
 
-    compilation_config=None            the engine's default: 3 on a CPU, 0 on a GPU, with batch_invariant=True
-                                       and over ranks (level1_paged/engine.py's CompilationSettings says why)
+    compilation_config=None            the engine's default: 3 on a CPU (level 5: on every rank), 0 on a GPU and
+                                       with batch_invariant=True (level1_paged/engine.py's CompilationSettings)
     compilation_config=0               eager: the model runs as written
     compilation_config=3               torch.compile, vLLM's "piecewise" level, every default below
     compilation_config={"level": 3, "cudagraph_capture_sizes": [1, 2, 4, 8], ...}

@@ -22,9 +22,12 @@ It never crashes and never slows down silently: if compiling fails (no C++ compi
 Dynamo cannot trace, a recompile limit) the runner says why in one log line and runs eager.
 
 What it is not: a second model (the same modules and weights), or a cache of compiled code of
-our own (Inductor's). Not built: compiling at tensor/pipeline parallel sizes above 1 (refused at
-level 5), or with `batch_invariant=True` (refused). Level 4's draft model has a runner of its own,
-compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
+our own (Inductor's). Not built: compiling with `batch_invariant=True` (refused). Each of level 5's
+ranks holds one on a CPU: its all-reduces are an opaque op too (level5_multigpu/parallel_state.py),
+a later pipeline stage's input hidden states are its `step_inputs`, and a rank calls
+`hidden_states` (a stage hands on hidden states, not logits). A warm-up that fails runs the rest of
+its forwards eager, so every rank of a stage makes the same all-reduces. Level 4's draft model has
+a runner of its own, compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
 does (`keep_hidden`: the graph's output, the real rows); compiled (when asked for: the room's
 `compiled_runner` says why not by default), its features are a graph input: a model's other per-token
 inputs (`model.step_inputs`) are passed and padded beside the tokens. It changes Dynamo's recompile
@@ -119,7 +122,7 @@ class CompiledRunner:
     # keep_hidden / hidden: the eager runner's (model_runner.py), whichever way the step ran
     keep_hidden = property(lambda self: self.runner.keep_hidden,
                            lambda self, on: setattr(self.runner, "keep_hidden", on))  # fmt: skip
-    hidden = property(lambda self: self.runner.hidden)
+    hidden = property(lambda self: self.runner.hidden, lambda self, h: setattr(self.runner, "hidden", h))
 
     def padded(self, n: int) -> int:
         """The capture size a batch of n tokens runs at (n itself above the largest, or with none)."""
@@ -129,18 +132,26 @@ class CompiledRunner:
     @torch.inference_mode()
     def forward(self, batch: FlatBatch, attn) -> torch.Tensor:
         """-> logits [len(batch.logits_indices), V], as `ModelRunner.forward`."""
+        hidden = self.hidden_states(batch.input_ids, batch.positions, attn)  # [T, hidden]
+        if self.runner.keep_hidden:  # (EAGLE's features: the real rows)
+            self.runner.hidden = hidden
+        return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]
+
+    @torch.inference_mode()
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, attn) -> torch.Tensor:
+        """The model's output [T, hidden] for the step's real rows, through the graph. (Level 5's ranks call
+        this: a pipeline stage hands on its hidden states, not logits.)"""
+        side = self._side()
         if self.eager_reason is not None or _get_current_dispatch_mode() is not None:
             # (a TorchDispatchMode watching every op, a profiler's count or a test's: compiled code cannot
             # run under one, so this one step runs eager, and the next compiled again)
-            return self.runner.forward(batch, attn)
+            return self.model(input_ids, positions, attn, *side)
         try:
-            hidden = self._run(batch.input_ids, batch.positions, attn, self._side())  # [Tp, hidden]
+            hidden = self._run(input_ids, positions, attn, side)  # [Tp, hidden]
         except COMPILE_ERRORS as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
             self._fall_back(e)
-            return self.runner.forward(batch, attn)
-        if self.runner.keep_hidden:  # (EAGLE's features: the real rows, copied out before the next replay)
-            self.runner.hidden = hidden[: batch.input_ids.shape[0]]
-        return self.model.compute_logits(hidden[batch.logits_indices])  # [S, V]: real rows only
+            return self.model(input_ids, positions, attn, *side)
+        return hidden[: input_ids.shape[0]]  # real rows only (a view: read before the next step runs)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, side: tuple = ()) -> torch.Tensor:
         n = input_ids.shape[0]
@@ -177,20 +188,25 @@ class CompiledRunner:
 
         start = time.perf_counter()
         sizes = sorted({1, 2, *self.capture_sizes}, reverse=True)  # largest first, as vLLM captures
-        try:
-            bar = StatusBar("compiling the model (torch.compile)", total=len(sizes))
-            with bar:
-                for tp in sizes:
-                    ids = torch.zeros(tp, dtype=torch.long, device=self.device)
-                    pos = torch.arange(tp, dtype=torch.long, device=self.device)
-                    runs = 2 if self.backend.wrap_piece is not None else 1  # a captured size: run, then capture
-                    for _ in range(runs):
-                        self._run(ids, pos, _WriteNowhere(), self._side(tp))
-                    bar.advance()
-        except Exception as e:
-            self._fall_back(e)
-            return time.perf_counter() - start
+        bar = StatusBar("compiling the model (torch.compile)", total=len(sizes))
+        with bar:
+            for tp in sizes:
+                ids = torch.zeros(tp, dtype=torch.long, device=self.device)
+                pos = torch.arange(tp, dtype=torch.long, device=self.device)
+                runs = 2 if self.backend.wrap_piece is not None else 1  # a captured size: run, then capture
+                for _ in range(runs):
+                    if self.eager_reason is None:
+                        try:
+                            self._run(ids, pos, _WriteNowhere(), self._side(tp))
+                            continue
+                        except Exception as e:  # (before the graph ran: tracing or compiling failed)
+                            self._fall_back(e)
+                    # eager, the same forwards: a rank of level 5 makes the all-reduces its stage's others make
+                    self.model(ids, pos, _WriteNowhere(), *self._side(tp))
+                bar.advance()
         elapsed = time.perf_counter() - start
+        if self.eager_reason is not None:
+            return elapsed
         c = self.backend.counters
         root, size = inductor_cache() if self.config.backend == "inductor" else (Path("-"), 0)
         line = (f"compiled the model ({self.config.backend}, "
