@@ -75,9 +75,10 @@ class CompilationSettings(Part):
     `config` is the checked one (None: eager); `asked` says whether the caller chose it.
 
     The default (compilation_config=None) is level 3 on a CPU, where the compiled step is faster at
-    every batch size measured, at level 5's ranks too (docs/compiled_step.md), and eager on a GPU (its
-    CUDA-graph path has not run on one yet) and with batch_invariant=True, where compilation is not
-    built (nor over ranks on a GPU). LADDER_COMPILE_LEVEL=0 makes the default eager (vLLM had
+    every batch size measured in one process, and at level 5's ranks faster at batch 1 and even at
+    batch 32 (docs/compiled_step.md); eager on a GPU (its CUDA-graph path has not run on one yet) and
+    with batch_invariant=True, where compilation is not built (nor over ranks on a GPU).
+    LADDER_COMPILE_LEVEL=0 makes the default eager (vLLM had
     VLLM_TORCH_COMPILE_LEVEL): what the test suite sets, where a compile per engine would cost minutes."""
 
     compilation_config: object = None

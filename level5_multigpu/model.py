@@ -106,6 +106,10 @@ def load_norm(reader: ShardReader, name: str, dim: int, eps: float) -> RMSNorm:
 class StageModel(Transformer):
     """This rank's layers and shards; `forward` takes hidden states instead of ids after stage 0."""
 
+    # a forward all-reduces over the TP group: a compiled runner whose compile fails in its start-up warm-up
+    # runs the warm-up's forwards eager all the same, so that the stage's ranks exchange the same messages
+    forward_sends_messages = True
+
     def __init__(self, cfg: ModelConfig, reader: ShardReader, comm: Comm, layers: range, ops: Ops = DEFAULT_OPS,
                  expert_parallel: bool = False):  # fmt: skip
         with torch.device("meta"):

@@ -166,10 +166,12 @@ class RankWorker(Worker):
         self.timeline.events.append((mb, t0, time.perf_counter()))
         return out
 
-    def compilation_state(self) -> tuple[str | None, int, int] | None:
-        """(why this rank runs eager after all, or None; graphs; pieces) of its compiled runner; None: eager."""
-        backend = getattr(self.runner, "backend", None)
-        return None if backend is None else (self.runner.eager_reason, backend.counters.graphs, backend.counters.pieces)
+    def compilation_state(self) -> tuple[str | None, int, int, int] | None:
+        """(why this rank runs eager after all, or None; graphs; pieces; steps run through them) of its compiled
+        runner; None: eager."""
+        r = self.runner
+        backend = getattr(r, "backend", None)
+        return None if backend is None else (r.eager_reason, backend.counters.graphs, backend.counters.pieces, r.compiled_steps)
 
     def stats(self) -> tuple[CommStats, list]:
         """This rank's message counters and forward timeline."""

@@ -138,10 +138,42 @@ def test_each_rank_compiles_its_shard_and_gives_the_eager_tokens(llama_dir, tp, 
             tokens[name] = greedy(llm, prompts, max_tokens=6)
             reduces[name] = {r: n - before[r] for r, n in all_reduces(llm).items()}
             states[name] = llm.llm_engine.executor.collective_rpc("compilation_state")
-    assert states == {"eager": [None] * (tp * pp), "compiled": [(None, 2, 2)] * (tp * pp)}  # no recompile, no fallback
+    assert states["eager"] == [None] * (tp * pp)
+    assert [s[:3] for s in states["compiled"]] == [(None, 2, 2)] * (tp * pp)  # no recompile, no fallback
+    forwards = len(prompts) + 5 * len(prompts)  # at least: each request's prefill and 5 decodes, 3 at a time at most
+    assert all(s[3] >= forwards / 3 for s in states["compiled"])  # every rank's steps went through its graph
     assert tokens["compiled"] == tokens["eager"]
     # the op's real side is the Comm's all-reduce: the compiled ranks send (and count) the eager ones' messages
     assert reduces["compiled"] == reduces["eager"] and (tp == 1 or min(reduces["eager"].values()) > 0)
+
+
+@pytest.mark.level5
+def test_a_rank_whose_compile_fails_runs_eager_in_step_with_its_compiled_peer(llama_dir, monkeypatch):
+    """Rank 0's (the driver's) second graph fails to compile, rank 1's does not: rank 0 runs the rest of its
+    warm-up eager, sending the all-reduces rank 1's graph sends, and the tokens are the eager ranks'. (Without
+    those eager forwards the ranks wait for messages that never come: tried, the run hangs.)"""
+    import level5_multigpu
+    from features.compilation import piecewise
+
+    def run(cc):
+        with level5_multigpu.LLM(llama_dir, dtype="float64", tensor_parallel_size=2, max_num_seqs=3,
+                                 compilation_config=cc) as llm:  # fmt: skip
+            return greedy(llm, prompts, max_tokens=6), llm.llm_engine.executor.collective_rpc("compilation_state")
+
+    prompts = [[5 + i] * (3 + 5 * i) for i in range(5)]
+    eager, _ = run(0)
+    compile_piece, graphs = piecewise.Backend.compile_piece, []
+
+    def second_fails(self, *args, **kwargs):  # patched in this process only: the spawned rank 1 compiles as written
+        graphs.append(1)
+        if len(graphs) == 2:
+            raise RuntimeError("a compile that fails on rank 0 only")
+        return compile_piece(self, *args, **kwargs)
+
+    monkeypatch.setattr(piecewise.Backend, "compile_piece", second_fails)
+    tokens, (rank0, rank1) = run(EAGER_BACKEND)
+    assert "fails on rank 0 only" in rank0[0] and rank1[:3] == (None, 2, 2) and rank1[3] > 0
+    assert tokens == eager
 
 
 @pytest.mark.level6

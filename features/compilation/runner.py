@@ -26,8 +26,9 @@ our own (Inductor's). Not built: compiling with `batch_invariant=True` (refused)
 ranks holds one on a CPU: its all-reduces are an opaque op too (level5_multigpu/parallel_state.py),
 a later pipeline stage's input hidden states are its `step_inputs`, and a rank calls
 `hidden_states` (a stage hands on hidden states, not logits). A warm-up that fails runs the rest of
-its forwards eager, so every rank of a stage makes the same all-reduces. Level 4's draft model has
-a runner of its own, compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
+its forwards eager where the model says its forward sends messages (`forward_sends_messages`), so
+every rank of a stage makes the same all-reduces; a message that fails in the warm-up is raised,
+not taken for a compile that failed. Level 4's draft model has a runner of its own, compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
 does (`keep_hidden`: the graph's output, the real rows); compiled (when asked for: the room's
 `compiled_runner` says why not by default), its features are a graph input: a model's other per-token
 inputs (`model.step_inputs`) are passed and padded beside the tokens. It changes Dynamo's recompile
@@ -102,6 +103,7 @@ class CompiledRunner:
         self.backend = Backend(config.backend, config.split_at(self.device.type), wrap_piece,
                                config.inductor_settings(self.device.type))  # fmt: skip
         self.eager_reason: str | None = None  # why this runner fell back to eager, once it has
+        self.compiled_steps = 0  # the steps that ran through the graph (not the warm-up's)
         self.eager_ops = self.model.ops  # given back on a fallback: eager is then exactly enforce_eager's
         if not getattr(self.model.ops, "traceable", True):
             self.model.set_ops(DEFAULT_OPS)  # the torch formulas: Inductor fuses them
@@ -151,6 +153,7 @@ class CompiledRunner:
         except COMPILE_ERRORS as e:  # a recompile that failed mid-run: eager from now on (the same writes again)
             self._fall_back(e)
             return self.model(input_ids, positions, attn, *side)
+        self.compiled_steps += 1
         return hidden[: input_ids.shape[0]]  # real rows only (a view: read before the next step runs)
 
     def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn, side: tuple = ()) -> torch.Tensor:
@@ -199,10 +202,13 @@ class CompiledRunner:
                         try:
                             self._run(ids, pos, _WriteNowhere(), self._side(tp))
                             continue
-                        except Exception as e:  # (before the graph ran: tracing or compiling failed)
+                        except torch.distributed.DistError:  # a message failed (a peer gone, or a timeout): the
+                            raise  # graph ran, and rerunning it eager would send messages no peer answers
+                        except Exception as e:  # tracing or compiling failed, before the graph ran
                             self._fall_back(e)
-                    # eager, the same forwards: a rank of level 5 makes the all-reduces its stage's others make
-                    self.model(ids, pos, _WriteNowhere(), *self._side(tp))
+                    if getattr(self.model, "forward_sends_messages", False):
+                        # eager, the same forwards: a rank of level 5 makes the all-reduces its stage's others make
+                        self.model(ids, pos, _WriteNowhere(), *self._side(tp))
                 bar.advance()
         elapsed = time.perf_counter() - start
         if self.eager_reason is not None:
