@@ -21,18 +21,19 @@ the engine's own backend (the C++ kernel on a CPU, Triton on a GPU), called by t
 It never crashes and never slows down silently: if compiling fails (no C++ compiler, a model
 Dynamo cannot trace, a recompile limit) the runner says why in one log line and runs eager.
 
-What it is not: a second model (the same modules and weights), or a cache of compiled code of
-our own (Inductor's). Not built: compiling with `batch_invariant=True` (refused). Each of level 5's
+What it is not: a second model (the same modules and weights), or a cache of compiled code of our
+own (Inductor's). Not built: compiling with `batch_invariant=True` (refused). Each of level 5's
 ranks holds one on a CPU: its all-reduces are an opaque op too (level5_multigpu/parallel_state.py),
-a later pipeline stage's input hidden states are its `step_inputs`, and a rank calls
-`hidden_states` (a stage hands on hidden states, not logits). A warm-up that fails runs the rest of
-its forwards eager where the model says its forward sends messages (`forward_sends_messages`), so
-every rank of a stage makes the same all-reduces; a message that fails in the warm-up is raised,
-not taken for a compile that failed. Level 4's draft model has a runner of its own, compiled too. EAGLE's head reads the target's hidden states, which this runner keeps as the eager one
-does (`keep_hidden`: the graph's output, the real rows); compiled (when asked for: the room's
-`compiled_runner` says why not by default), its features are a graph input: a model's other per-token
-inputs (`model.step_inputs`) are passed and padded beside the tokens. It changes Dynamo's recompile
-limits for the whole process (`_allow_many_engines`).
+a later pipeline stage's input hidden states are its `step_inputs`, and a rank calls `hidden_states`
+(a stage hands on hidden states, not logits). A warm-up that fails runs the rest of its forwards
+eager where the model says its forward sends messages (`forward_sends_messages`), so every rank of a
+stage makes the same all-reduces; a message that fails in the warm-up is raised, not taken for a
+compile that failed. Level 4's draft model has a runner of its own, compiled too. EAGLE's head reads
+the target's hidden states, which this runner keeps as the eager one does (`keep_hidden`: the
+graph's output, the real rows); compiled (when asked for: the room's `compiled_runner` says why not
+by default), its features are a graph input: a model's other per-token inputs (`model.step_inputs`)
+are passed and padded beside the tokens. It changes Dynamo's recompile limits for the whole process
+(`_allow_many_engines`).
 
 Reference: vLLM `vllm/compilation/decorators.py` (`support_torch_compile`, `mark_dynamic` on
 the token dimension) and `v1/worker/gpu_model_runner.py` (`_dummy_run`, `capture_model`).
