@@ -20,9 +20,6 @@ docs/batch_invariance.md), or a speed test.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 import torch
 from conftest import VOCAB
@@ -38,6 +35,7 @@ import level4_speculative
 from features.batch_invariance.ops import LIBRARY, InvariantOps, invariant_ops
 from level0_naive import SamplingParams
 from level0_naive.config import EngineConfig
+from level0_naive.loader import load_metadata
 from level0_naive.ops import DEFAULT_OPS
 
 pytestmark = pytest.mark.skipif(not LIBRARY.available(), reason=f"the compiled kernels did not build: {LIBRARY.error}")
@@ -70,7 +68,7 @@ def engine_kwargs(level: str, need: int, data, draft, target=None) -> dict:
             kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1, kv_heads=2, head_dim=8)
         elif proposer == "eagle":  # its one layer has the target's shape; and a feature filed per token
             kw["speculative_config"] = {"method": "eagle", "model": str(eagle_checkpoint(target)), "num_speculative_tokens": k}
-            hidden = json.loads((Path(target) / "config.json").read_text())["hidden_size"]
+            hidden = load_metadata(target).config.hidden_size
             kw["kv_cache_memory"] += kv_bytes(blocks * bs, layers=1) + blocks * bs * hidden * 4
         else:
             kw["speculative_config"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
