@@ -161,6 +161,20 @@ static inline void dot4(const A* q, const T* k, int64_t stride, int64_t D, A* ou
   out[0] = lane_sum<A>(a0), out[1] = lane_sum<A>(a1), out[2] = lane_sum<A>(a2), out[3] = lane_sum<A>(a3);
 }
 
+// Ask the memory system for a cache block before the walk reaches it: `bytes` from p, a 64-byte line at
+// a time. The blocks of a sequence lie anywhere in the pool, so the hardware's prefetcher, which follows
+// one address stream within a page, starts each block cold, and a decode's arithmetic per block is short
+// (a few hundred nanoseconds). In an engine's step the cache is never hot (a step reads every running
+// request's K and V once, 25 MB at batch 64 for the built-in model): measured on a 2-core EPYC, the
+// calls of a batch-64 decode (context 57) took 342-349 us a layer without it and 249-287 with it, the
+// loop alone with its blocks hot 126 us (142 with the prefetches): about 0.5 ms of a 13 ms step, which
+// `python -m benchmarks.profile --batches 16,64 --compiled` run three times each way put within its noise
+// (13.3-13.5 ms before, 12.5-13.5 after). A prefetch reads nothing into a register: it changes no result.
+static inline void prefetch(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(c + i, 0, 3);
+}
+
 // Query rows are taken ROWS at a time, so the score buffer is ROWS x Hq x seq_len values
 // whatever the prompt's length (an 8K-token prefill of a 32-head model in one piece would
 // need 8 GiB of scores). Every row's own arithmetic is the same in any tile.
@@ -176,6 +190,7 @@ static void attend(const T* q, const C* k_cache, const C* v_cache,  // [T, Hq, D
   const int64_t G = Hq / Hkv;  // query heads per KV head: query head h reads KV head h / G
   const A scale = static_cast<A>(scale_d), k_scale = static_cast<A>(k_scale_d), v_scale = static_cast<A>(v_scale_d);
   const int64_t HS = Q == 1 ? D + 4 : D;  // a head's elements in a cache slot (int8: its values, then 4 bytes of scale)
+  const int64_t block_bytes = bs * Hkv * HS * int64_t(sizeof(C));
   const int64_t slot = Hkv * D;  // one slot holds every KV head's key: [Hkv, D], contiguous (an 8-bit block: widened)
   using E = std::conditional_t<Q == 0, T, A>;  // what the walk reads: the cache itself, or a widened block
   std::vector<A> widened(Q == 0 ? 0 : bs * Hkv * D);
@@ -199,6 +214,9 @@ static void attend(const T* q, const C* k_cache, const C* v_cache,  // [T, Hq, D
       // Pass 1: scores, block by block, and each row's running maximum.
       for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {  // block j holds keys t0 .. t0 + bs - 1
         const C* cached = k_cache + int64_t(table[j]) * bs * Hkv * HS;
+        // the next block this walk reads: K's next, or V's first for pass 3
+        prefetch(t0 + bs < keys ? k_cache + int64_t(table[j + 1]) * bs * Hkv * HS : v_cache + int64_t(table[0]) * bs * Hkv * HS,
+                 block_bytes);
         const E* blk;
         if constexpr (Q == 0) blk = cached;
         else blk = dequantize_block<Q, A, C>(cached, bs, Hkv, D, k_scale, widened.data());
@@ -236,6 +254,10 @@ static void attend(const T* q, const C* k_cache, const C* v_cache,  // [T, Hq, D
       // 2N accumulators at a time stay in registers over a block's keys.
       for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {
         const C* cached = v_cache + int64_t(table[j]) * bs * Hkv * HS;
+        if (t0 + bs < keys) prefetch(v_cache + int64_t(table[j + 1]) * bs * Hkv * HS, block_bytes);
+        else if (r1 < query_len) prefetch(k_cache + int64_t(table[0]) * bs * Hkv * HS, block_bytes);  // the next tile's
+        else if (b + 1 < num_seqs && seq_lens[b + 1] > 0)  // the next sequence's first K block
+          prefetch(k_cache + int64_t(block_tables[(b + 1) * W]) * bs * Hkv * HS, block_bytes);
         const E* blk;
         if constexpr (Q == 0) blk = cached;
         else blk = dequantize_block<Q, A, C>(cached, bs, Hkv, D, v_scale, widened.data());
