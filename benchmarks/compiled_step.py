@@ -11,6 +11,8 @@ much less than absolutes), keeping each mode's best round and its median. The mo
     compiled       compilation_config={"inductor_compile_config": {"cpp_wrapper": False}}:
                    Inductor's kernels called from Python
     compiled-cpp   compilation_config=3, the default on a CPU: the calls in C++ too (cpp_wrapper)
+    frozen         compilation_config={"inductor_compile_config": FROZEN_GEMM}: the weights frozen into the
+                   graph and Inductor's own GEMMs tried beside ATen's (features/compilation/config.py)
 
 It prints ms per step, tokens/s, each mode's ratio to eager and its start-up (compile) seconds
 (Inductor's cache makes a second run's start much shorter than the first's).
@@ -36,12 +38,14 @@ import time
 
 import torch
 
+from features.compilation.config import FROZEN_GEMM
 from ladder.models import default_model
 
 MODES = {
     "eager": 0,
     "compiled": {"level": 3, "inductor_compile_config": {"cpp_wrapper": False}},
     "compiled-cpp": 3,
+    "frozen": {"level": 3, "inductor_compile_config": FROZEN_GEMM},
 }
 
 

@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from features.compilation.config import FROZEN_GEMM
+
 from .workloads import Request, Workload
 
 LABELS = {
@@ -68,11 +70,12 @@ LABELS = {
             ("level3_prefix", "L3"),
             ("level4_speculative", "L4"),
         ]
-        for variant in ("compiled", "eager")
+        for variant in ("compiled", "eager", "frozen")
     },
 }  # `:invariant`: the level with batch_invariant=True (docs/batch_invariance.md), to measure what the mode costs;
 # `:compiled`: with compilation_config=3, torch.compile (docs/compiled_step.md; the default on a CPU, so
 # the same as the plain name there, and what a GPU run compares); `:eager`: with enforce_eager=True;
+# `:frozen`: compiled with the weights frozen and Inductor's own GEMMs (FROZEN_GEMM, features/compilation/config.py);
 # `:offload`: level 3 with the offloading connector's host tier (docs/kv_connectors.md); `:eagle`: level 4
 # with the built-in target's EAGLE head instead of the draft model (level4_speculative/eagle.py; the target as the engine's, the head eager by default)
 # Level 4's k in the harness: the best of 2..5 for the built-in pair on the latency workload, measured
@@ -168,6 +171,9 @@ class LevelEngine:
             self.kwargs["compilation_config"] = 3
         if variant == "eager":
             self.kwargs["enforce_eager"] = True
+        # the weights frozen into the graph, Inductor's own GEMMs (features/compilation/config.py)
+        if variant == "frozen":
+            self.kwargs["compilation_config"] = {"inductor_compile_config": FROZEN_GEMM}
         if variant == "offload":  # a host tier below the pool (docs/kv_connectors.md): 1 GiB, more than any run fills
             self.kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector",
                                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}  # fmt: skip

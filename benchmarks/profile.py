@@ -20,6 +20,8 @@ cost). One more, untimed, step counts the aten ops called (`torch.profiler`'s at
 no other aten op called: what Python, or compiled code, asked the dispatcher for).
 
     python -m benchmarks.profile --compiled      # the engine's default on a CPU: the model compiled
+    python -m benchmarks.profile --frozen        # compiled with FROZEN_GEMM (opt-in: the weights frozen,
+                                                 # Inductor's own GEMMs; the ceiling's matmuls stay ATen's)
 
 profiles the compiled step instead (compilation_config=3; without the flag the engine runs with
 enforce_eager=True): the compiled forward is one call, so `linears`, `attention` and `glue` are
@@ -145,7 +147,11 @@ def profile_batch(args, module, batch: int) -> dict:
     """One engine at one batch size: per-part milliseconds per decode step, and the ops count."""
     max_tokens = args.steps + 8
     kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=-1, seed=0)
-    if args.compiled:
+    if args.frozen:  # compiled with the weights frozen and Inductor's own GEMMs (features/compilation/config.py)
+        from features.compilation.config import FROZEN_GEMM
+
+        kw["compilation_config"] = {"inductor_compile_config": FROZEN_GEMM}
+    elif args.compiled:
         kw["compilation_config"] = 3
     else:
         kw["enforce_eager"] = True  # the parts timed one by one need the model's ops called from Python
@@ -261,6 +267,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, help="auto (default), cpu, torch, ref")
     p.add_argument("--batch-invariant", action="store_true", help="the engine with batch_invariant=True")
     p.add_argument("--compiled", action="store_true", help="the model compiled (compilation_config=3; default: eager)")
+    p.add_argument("--frozen", action="store_true", help="compiled with FROZEN_GEMM (the weights frozen, Inductor's "
+                   "GEMMs); the ceiling's matmul rate is still ATen's, which those GEMMs can beat")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
                    help="draw the stacked bars (to PATH, default profile_LEVEL.png outside the repository)")  # fmt: skip
@@ -274,6 +282,7 @@ def main(argv=None) -> dict:
     from ladder.cli import output_dir
 
     args.model = args.model or str(args.default_model())
+    args.compiled = args.compiled or args.frozen  # (frozen is a way of compiling: one forward call)
     torch.set_num_threads(args.threads)
     module = importlib.import_module(args.level)
     rows = [profile_batch(args, module, int(b)) for b in args.batches.split(",")]
@@ -283,7 +292,8 @@ def main(argv=None) -> dict:
     from features.cpu_kernels import attention as cpu_attention
 
     backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")
-    title = (f"{args.level}{' compiled' if args.compiled else ''}, {args.workload} prompts, {args.dtype}, attention {backend}, "
+    how = " compiled, frozen GEMMs" if args.frozen else " compiled" if args.compiled else ""
+    title = (f"{args.level}{how}, {args.workload} prompts, {args.dtype}, attention {backend}, "
              f"{args.threads} thread(s); KV read bandwidth {bandwidth / 1e9:.1f} GB/s")  # fmt: skip
     show(rows, title)
     data = {"title": title, "level": args.level, "workload": args.workload, "bandwidth": bandwidth, "rows": rows}

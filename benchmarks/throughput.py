@@ -71,8 +71,9 @@ VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram"
             "level3_prefix:offload": "level3_prefix", "level4_speculative:eagle": "level4_speculative"} | {
     f"{m}:{v}": m
     for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
-    for v in ("invariant", "compiled", "eager")
-}  # level 3 without its cache, level 4 with n-grams or the EAGLE head, a level with batch_invariant=True or compilation_config=3 or enforce_eager=True
+    for v in ("invariant", "compiled", "eager", "frozen")
+}  # level 3 without its cache, level 4 with n-grams or the EAGLE head, a level with batch_invariant=True,
+# compilation_config=3, enforce_eager=True or the frozen GEMMs (compilation_config's FROZEN_GEMM)
 
 
 def parser() -> argparse.ArgumentParser:

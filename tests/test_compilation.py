@@ -311,6 +311,31 @@ def test_float32_logits_match_eager_and_padding_rows_write_nowhere(llama_dir):
         assert cb[2, 3].abs().sum() == 0 and cb[0].abs().sum() == 0
 
 
+@pytest.mark.level1
+def test_frozen_gemms_give_eagers_logits_and_do_not_see_a_weight_changed_later(llama_dir):
+    """FROZEN_GEMM (an opt-in inductor_compile_config): the weights become constants of the graph and
+    Inductor times its own GEMMs against ATen's for each linear (which wins is the machine's call, so
+    not asserted; a wrong kernel would show in the logits). One step's logits are eager's within
+    float32's rounding; and a weight changed in place afterwards changes the eager model's logits but
+    not the frozen graph's, which is what frozen means, and proves the runner made Dynamo trace with
+    freezing on (without it the weights stay inputs of the graph and the change shows: tried)."""
+    from features.compilation.config import FROZEN_GEMM
+
+    kw = dict(dtype="float32", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 64, 4))
+    eager = level1_paged.LLM(llama_dir, **kw)
+    frozen = level1_paged.LLM(llama_dir, compilation_config={"inductor_compile_config": FROZEN_GEMM}, **kw)
+    assert runner_of(frozen).eager_reason is None, runner_of(frozen).eager_reason
+    mi = ModelInput.build([([5, 6, 7], 0)], [[2]], 4, [3])
+    a, b = eager.llm_engine.worker.execute(mi), frozen.llm_engine.worker.execute(mi)
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+    for llm in (eager, frozen):
+        with torch.no_grad():
+            llm.llm_engine.worker.model.model.layers[0].mlp.down_proj.weight.mul_(0.5)
+    a2, b2 = eager.llm_engine.worker.execute(mi), frozen.llm_engine.worker.execute(mi)
+    assert (a2 - a).abs().max() > 1e-3  # the change matters to the eager model
+    torch.testing.assert_close(b2, b, rtol=0, atol=0)  # and the frozen graph does not see it
+
+
 @pytest.mark.level4
 def test_eagle_reads_the_compiled_targets_features_as_the_eager_ones(llama_dir):
     """The head drafts from the target's hidden states, the compiled graph's output when the target is

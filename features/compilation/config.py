@@ -29,6 +29,20 @@ setting's forms into one (a `ValueError` naming the field on a bad one):
                              C++ too, not Python: 2.43 against 2.67 ms a decode step at batch 1,
                              measured; a cold compile 44 s against 38 s), nothing on a GPU
 
+FROZEN_GEMM, an `inductor_compile_config` for a CPU, not the default: the weights frozen into the graph
+as constants (Inductor's `freezing`) and its own GEMMs (`max_autotune` with the "CPP" GEMM template:
+AVX-512 or AVX2 micro-kernels, the weights packed for them once at compile time) tried beside ATen's
+(oneDNN/MKL) for every linear, the faster kept. On a 2-core AMD EPYC, where MKL's matmuls run far
+below the core's rate, it made a decode step 2.4x the compiled default's at batch 1 and 1.3x at 64
+(docs/compiled_step.md, `python -m benchmarks.compiled_step`). Not the default, for three reasons:
+every start compiles again (the frozen weights' oneDNN copies cannot be pickled, so Inductor's on-disk
+cache is bypassed, pytorch issue 139783: about 30 s a start for the built-in model, against seconds
+from the cache); the packed copies keep a second set of the linear weights in memory; and a frozen
+graph does not see weights that change after it is built (nothing in the ladder changes them: LoRA
+and quantized models run eager).
+
+    LLM(model, compilation_config={"inductor_compile_config": FROZEN_GEMM})
+
 What it is not: vLLM's whole config (no custom passes, no `compile_sizes` beside the capture
 sizes), or the compiler (runner.py, piecewise.py).
 
@@ -40,6 +54,16 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 EAGER, PIECEWISE = 0, 3  # vLLM's CompilationLevel.NO_COMPILATION and .PIECEWISE
+# the weights as constants and Inductor's own GEMMs beside ATen's (the module docstring; Inductor's tutorial
+# "Max-autotune Support on CPU with GEMM Template"): an inductor_compile_config for a CPU
+# (Inductor still writes each GEMM's timings to stderr while it compiles)
+FROZEN_GEMM = {
+    "cpp_wrapper": True,
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP,ATEN",
+    "max_autotune_report_choices_stats": False,
+}
 BACKENDS = ("inductor", "eager")
 SPLITTING_OPS = ("ladder.attention",)  # the custom ops a graph may be split at (attention_op.py)
 
@@ -127,4 +151,4 @@ def parse(value, enforce_eager: bool = False) -> CompilationConfig:
     return config
 
 
-__all__ = ["CompilationConfig", "parse", "EAGER", "PIECEWISE", "SPLITTING_OPS"]
+__all__ = ["CompilationConfig", "parse", "EAGER", "FROZEN_GEMM", "PIECEWISE", "SPLITTING_OPS"]
