@@ -15,7 +15,8 @@ much less than absolutes), keeping each mode's best round and its median. The mo
                    graph and Inductor's own GEMMs tried beside ATen's (features/compilation/config.py)
 
 It prints ms per step, tokens/s, each mode's ratio to eager and its start-up (compile) seconds
-(Inductor's cache makes a second run's start much shorter than the first's).
+(Inductor's cache makes a second run's start much shorter than the first's, except `frozen`'s, which
+compiles at every start: about 30 s).
 
     python -m benchmarks.compiled_step --eagle               # EAGLE's head: eager against compiled
 

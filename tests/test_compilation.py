@@ -2,7 +2,8 @@
 graph for every batch, attention the split point, and a failure to compile said in one line.
 
 Costs: Inductor compiles each model twice (T = 1 and a symbolic T), about 10-20 s cold on 2 cores
-for the suite's small checkpoints, then from its on-disk cache. So the equivalence test builds
+for the suite's small checkpoints, then from its on-disk cache (except FROZEN_GEMM's test, which its
+cache cannot hold: 20-50 s at every run, the GEMMs timed when Inductor's autotuning cache is cold). So the equivalence test builds
 one compiled engine per level and runs hypothesis' workloads through it (the knobs that need a
 new engine are drawn once per engine: a tight pool for preemption, a small token budget for
 chunked prefill); the structural tests use the `eager` backend (Dynamo's graph, no compiler).
@@ -322,7 +323,7 @@ def test_frozen_gemms_give_eagers_logits_and_do_not_see_a_weight_changed_later(l
     from features.compilation.config import FROZEN_GEMM
 
     kw = dict(dtype="float32", block_size=4, kv_cache_memory=kv_bytes(llama_dir, 64, 4))
-    eager = level1_paged.LLM(llama_dir, **kw)
+    eager = level1_paged.LLM(llama_dir, enforce_eager=True, **kw)
     frozen = level1_paged.LLM(llama_dir, compilation_config={"inductor_compile_config": FROZEN_GEMM}, **kw)
     assert runner_of(frozen).eager_reason is None, runner_of(frozen).eager_reason
     mi = ModelInput.build([([5, 6, 7], 0)], [[2]], 4, [3])

@@ -37,7 +37,7 @@ below the core's rate, it made a decode step 2.4x the compiled default's at batc
 (docs/compiled_step.md, `python -m benchmarks.compiled_step`). Not the default, for three reasons:
 every start compiles again (the frozen weights' oneDNN copies cannot be pickled, so Inductor's on-disk
 cache is bypassed, pytorch issue 139783: about 30 s a start for the built-in model, against seconds
-from the cache); the packed copies keep a second set of the linear weights in memory; and a frozen
+from the cache); the packed copies keep more sets of the linear weights in memory; and a frozen
 graph does not see weights that change after it is built (nothing in the ladder changes them: LoRA
 and quantized models run eager).
 

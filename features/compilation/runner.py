@@ -213,9 +213,10 @@ class CompiledRunner:
         from ladder.progress import StatusBar
 
         start = time.perf_counter()
-        # the graph for every T >= 2 is traced first, at `hint` rows: with FROZEN_GEMM Inductor sizes its GEMMs'
-        # blocking for the trace's T (measured, the built-in model: traced at 2 rows, a batch-64 step took 16 ms
-        # against 14 with ATen's matmuls; traced at 16, 8.9 ms, and batch 1 1.1 ms against 2.0)
+        # the graph for every T >= 2 is traced at the largest of these (`hint` rows unless a capture size is
+        # larger): with FROZEN_GEMM Inductor sizes its GEMMs' blocking for the trace's T (benchmarks.profile, the
+        # built-in model, one run each: traced at 2 rows a batch-64 step took 16.0 ms against 14.0 for the
+        # default's ATen matmuls; traced at 16, 8.9 ms, and batch 1 1.1 ms against 2.0)
         hint = 16 if self.freezing else 2
         sizes = sorted({1, hint, *self.capture_sizes}, reverse=True)  # largest first, as vLLM captures
         bar = StatusBar("compiling the model (torch.compile)", total=len(sizes))

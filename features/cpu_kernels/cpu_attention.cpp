@@ -215,8 +215,9 @@ static void attend(const T* q, const C* k_cache, const C* v_cache,  // [T, Hq, D
       for (int64_t j = 0, t0 = 0; t0 < keys; ++j, t0 += bs) {  // block j holds keys t0 .. t0 + bs - 1
         const C* cached = k_cache + int64_t(table[j]) * bs * Hkv * HS;
         // the next block this walk reads: K's next, or V's first for pass 3
-        prefetch(t0 + bs < keys ? k_cache + int64_t(table[j + 1]) * bs * Hkv * HS : v_cache + int64_t(table[0]) * bs * Hkv * HS,
-                 block_bytes);
+        const C* next = t0 + bs < keys ? k_cache + int64_t(table[j + 1]) * bs * Hkv * HS
+                                       : v_cache + int64_t(table[0]) * bs * Hkv * HS;
+        prefetch(next, block_bytes);
         const E* blk;
         if constexpr (Q == 0) blk = cached;
         else blk = dequantize_block<Q, A, C>(cached, bs, Hkv, D, k_scale, widened.data());
