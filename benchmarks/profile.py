@@ -21,15 +21,17 @@ no other aten op called: what Python, or compiled code, asked the dispatcher for
 
     python -m benchmarks.profile --compiled      # the engine's default on a CPU: the model compiled
     python -m benchmarks.profile --frozen        # compiled with FROZEN_GEMM (opt-in: the weights frozen,
-                                                 # Inductor's own GEMMs; the ceiling's matmuls stay ATen's)
+                                                 # Inductor's own GEMMs; the ceiling's matmuls compiled so too)
 
 profiles the compiled step instead (compilation_config=3; without the flag the engine runs with
 enforce_eager=True): the compiled forward is one call, so `linears`, `attention` and `glue` are
 one part there, `model` (a stopwatch inside it would break the graph).
 
 Beside each batch it prints the honest ceiling at that batch: the time the model's matmuls
-take at that batch size on this machine (`roofline.matmul_flops_per_s`, weights hot in cache)
-plus the step's KV-cache bytes read at the machine's measured read bandwidth. The engine's
+take at that batch size on this machine (`roofline.matmul_flops_per_s`, weights hot in cache;
+ATen's matmuls, or with `--frozen` the same chain compiled with FROZEN_GEMM, since Inductor's own
+GEMMs can beat ATen's and a ceiling must be the faster) plus the step's KV-cache bytes read at the
+machine's measured read bandwidth. The engine's
 tokens/s over that ceiling's tokens/s is "how far from the limit", measured at the batch the
 engine actually runs, not at the best batch the machine could run.
 
@@ -199,10 +201,11 @@ def profile_batch(args, module, batch: int) -> dict:
             "bytes_per_token": engine.bytes_per_token}  # fmt: skip
 
 
-def ceiling(dims: Dims, row: dict, dtype: torch.dtype, bandwidth: float) -> dict:
-    """The step's floor at this batch: matmuls at this batch + KV bytes at the read bandwidth."""
+def ceiling(dims: Dims, row: dict, dtype: torch.dtype, bandwidth: float, inductor: dict | None = None) -> dict:
+    """The step's floor at this batch: matmuls at this batch + KV bytes at the read bandwidth. `inductor`:
+    the matmuls compiled with those settings (--frozen: the GEMMs that engine runs, which can beat ATen's)."""
     b = row["batch"]
-    rate = matmul_flops_per_s(dims, b, dtype, torch.device("cpu"), window=0.1, repeats=3)  # at this very batch
+    rate = matmul_flops_per_s(dims, b, dtype, torch.device("cpu"), window=0.1, repeats=3, inductor=inductor)
     matmul_s, kv_s = step_floor(dims, rate, b, row["mean_context"], row["bytes_per_token"], bandwidth)
     floor = matmul_s + kv_s
     return {"matmul_ms": 1e3 * matmul_s, "kv_ms": 1e3 * kv_s, "ceiling_tok_per_s": b / floor,
@@ -268,7 +271,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true", help="the engine with batch_invariant=True")
     p.add_argument("--compiled", action="store_true", help="the model compiled (compilation_config=3; default: eager)")
     p.add_argument("--frozen", action="store_true", help="compiled with FROZEN_GEMM (the weights frozen, Inductor's "
-                   "GEMMs); the ceiling's matmul rate is still ATen's, which those GEMMs can beat")  # fmt: skip
+                   "GEMMs); the ceiling's matmuls compiled so too")  # fmt: skip
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--plot", nargs="?", const="", default=None, metavar="PATH",
                    help="draw the stacked bars (to PATH, default profile_LEVEL.png outside the repository)")  # fmt: skip
@@ -287,8 +290,11 @@ def main(argv=None) -> dict:
     module = importlib.import_module(args.level)
     rows = [profile_batch(args, module, int(b)) for b in args.batches.split(",")]
     dims, bandwidth = Dims.from_checkpoint(args.model), kv_read_bandwidth()
+    frozen = None
+    if args.frozen:
+        from features.compilation.config import FROZEN_GEMM as frozen
     for r in rows:
-        r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth))
+        r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth, frozen))
     from features.cpu_kernels import attention as cpu_attention
 
     backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")

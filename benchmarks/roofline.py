@@ -121,9 +121,12 @@ def mean_decode_context(lengths: list[tuple[int, int]]) -> float:
 
 @torch.inference_mode()
 def matmul_flops_per_s(
-    dims: Dims, batch: int, dtype: torch.dtype, device: torch.device, window: float, repeats: int
-) -> float:
-    """Best-window FLOP/s of the model's fused matmul chain at batch size `batch`."""
+    dims: Dims, batch: int, dtype: torch.dtype, device: torch.device, window: float, repeats: int,
+    inductor: dict | None = None,
+) -> float:  # fmt: skip
+    """Best-window FLOP/s of the model's fused matmul chain at batch size `batch`. `inductor`: the chain
+    compiled with those Inductor settings (`FROZEN_GEMM`: the weights frozen, Inductor's own GEMMs, so
+    the rate an engine compiled that way can reach), not ATen's calls."""
     g = torch.Generator(device="cpu").manual_seed(0)
 
     def w(out_f: int, in_f: int) -> torch.Tensor:
@@ -135,17 +138,17 @@ def matmul_flops_per_s(
     x = torch.randn(batch, d, generator=g).to(dtype=dtype, device=device)  # [B, d]
     flops = 2 * batch * (w_qkv.numel() + w_o.numel() + w_gu.numel() + w_down.numel() + w_head.numel())
 
+    model = _Chain(dims, w_qkv, w_o, w_gu, w_down, w_head)
+
     def chain() -> None:
-        qkv = F.linear(x, w_qkv)  # [B, q+2kv]
-        h = F.linear(qkv[:, : dims.q_width], w_o)  # [B, d]
-        gu = F.linear(h, w_gu)  # [B, 2f]
-        h = F.linear(gu[:, : dims.ffn], w_down)  # [B, d]
-        F.linear(h, w_head)  # [B, V]
+        model(x)
 
     def sync() -> None:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
+    if inductor is not None:
+        chain = _compiled_chain(model, x, inductor)
     chain()  # warm up: first-call allocation and kernel selection
     sync()
     rates = []
@@ -161,6 +164,40 @@ def matmul_flops_per_s(
         sync()
         rates.append(n * flops / (time.perf_counter() - start))
     return max(rates)
+
+
+class _Chain(torch.nn.Module):
+    """The timed chain (see `matmul_flops_per_s`), its weights parameters as a model's are."""
+
+    def __init__(self, dims: Dims, *weights: torch.Tensor):
+        super().__init__()
+        self.dims = dims
+        self.w_qkv, self.w_o, self.w_gu, self.w_down, self.w_head = (torch.nn.Parameter(w, requires_grad=False)
+                                                                      for w in weights)  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = F.linear(x, self.w_qkv)  # [B, q+2kv]
+        h = F.linear(qkv[:, : self.dims.q_width], self.w_o)  # [B, d]
+        gu = F.linear(h, self.w_gu)  # [B, 2f]
+        h = F.linear(gu[:, : self.dims.ffn], self.w_down)  # [B, d]
+        return F.linear(h, self.w_head)  # [B, V]
+
+
+def _compiled_chain(model: _Chain, x: torch.Tensor, inductor: dict):
+    """`model(x)` through torch.compile with Inductor's settings `inductor`, compiled now, in inference mode
+    as an engine's step (with `freezing` the weights become constants, as the runner's do: Dynamo reads it
+    while it traces, so the settings are patched around that first call, not only Inductor's compile)."""
+    import torch._inductor.config
+
+    compiled = torch.compile(model, dynamic=False, fullgraph=True)
+    with torch.inference_mode(), torch._inductor.config.patch(inductor):
+        compiled(x)
+
+    def run() -> None:
+        with torch.inference_mode():
+            compiled(x)
+
+    return run
 
 
 def measure(
