@@ -52,6 +52,7 @@ LABELS = {
     "level4_speculative": "L4 speculative",
     "level4_speculative:ngram": "L4 (n-gram)",
     "level4_speculative:eagle": "L4 (EAGLE)",
+    "level4_speculative:eagle+frozen": "L4 (EAGLE, frozen)",
     "level3_prefix:offload": "L3 + host tier",
     **{
         f"{m}:invariant": f"{lbl} (invariant)"
@@ -158,30 +159,31 @@ class LevelEngine:
         draft_model: str | None = None,
     ):
         module, _, variant = name.partition(":")
+        variants = set(variant.split("+"))  # "eagle+frozen": both
         self.name, self.module = name, importlib.import_module(module)
         # max_model_len -1: every position the checkpoint has; the workloads run past the built-in
         # model's 256-token training window (shared-prefix: a 384-token prefix), and speed does not care
         self.kwargs = dict(dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
                            seed=seed, max_model_len=-1)  # fmt: skip
-        if variant == "nocache":
+        if "nocache" in variants:
             self.kwargs["enable_prefix_caching"] = False
-        if variant == "invariant":
+        if "invariant" in variants:
             self.kwargs["batch_invariant"] = True
-        if variant == "compiled":
+        if "compiled" in variants:
             self.kwargs["compilation_config"] = 3
-        if variant == "eager":
+        if "eager" in variants:
             self.kwargs["enforce_eager"] = True
         # the weights frozen into the graph, Inductor's own GEMMs (features/compilation/config.py)
-        if variant == "frozen":
+        if "frozen" in variants:
             self.kwargs["compilation_config"] = {"inductor_compile_config": FROZEN_GEMM}
-        if variant == "offload":  # a host tier below the pool (docs/kv_connectors.md): 1 GiB, more than any run fills
+        if "offload" in variants:  # a host tier below the pool (docs/kv_connectors.md): 1 GiB, more than any run fills
             self.kwargs["kv_transfer_config"] = {"kv_connector": "OffloadingConnector",
                                                  "kv_connector_extra_config": {"cpu_bytes_to_use": 1 << 30}}  # fmt: skip
         if module == "level4_speculative":  # a draft model when there is one with the same vocabulary, else n-grams
             spec = {"num_speculative_tokens": NUM_SPECULATIVE_TOKENS}
-            if variant == "eagle":  # the built-in target's trained head (models/train_eagle.py)
+            if "eagle" in variants:  # the built-in target's trained head (models/train_eagle.py)
                 spec.update(method="eagle", model="tiny-shakespeare-eagle", disable_by_batch_size=DISABLE_BY_BATCH_SIZE)
-            elif variant == "ngram" or draft_model is None:
+            elif "ngram" in variants or draft_model is None:
                 spec.update(method="ngram", prompt_lookup_min=2, prompt_lookup_max=4)
             else:
                 spec.update(model=str(draft_model), disable_by_batch_size=DISABLE_BY_BATCH_SIZE)

@@ -68,7 +68,8 @@ PREFIX_WORKLOADS = ("shared-prefix", "chat")  # where level 3 also runs with its
 
 
 VARIANTS = {"level3_prefix:nocache": "level3_prefix", "level4_speculative:ngram": "level4_speculative",
-            "level3_prefix:offload": "level3_prefix", "level4_speculative:eagle": "level4_speculative"} | {
+            "level3_prefix:offload": "level3_prefix", "level4_speculative:eagle": "level4_speculative",
+            "level4_speculative:eagle+frozen": "level4_speculative"} | {
     f"{m}:{v}": m
     for m in ("level1_paged", "level2_continuous", "level3_prefix", "level4_speculative")
     for v in ("invariant", "compiled", "eager", "frozen")
