@@ -61,6 +61,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from features.compilation.config import FROZEN_GEMM
 from level0_naive.ops import Ops
 
 from .roofline import Dims, kv_read_bandwidth, matmul_flops_per_s, step_floor
@@ -150,8 +151,6 @@ def profile_batch(args, module, batch: int) -> dict:
     max_tokens = args.steps + 8
     kw = dict(dtype=args.dtype, max_num_seqs=batch, max_model_len=-1, seed=0)
     if args.frozen:  # compiled with the weights frozen and Inductor's own GEMMs (features/compilation/config.py)
-        from features.compilation.config import FROZEN_GEMM
-
         kw["compilation_config"] = {"inductor_compile_config": FROZEN_GEMM}
     elif args.compiled:
         kw["compilation_config"] = 3
@@ -292,11 +291,8 @@ def main(argv=None) -> dict:
     module = importlib.import_module(args.level)
     rows = [profile_batch(args, module, int(b)) for b in args.batches.split(",")]
     dims, bandwidth = Dims.from_checkpoint(args.model), kv_read_bandwidth()
-    frozen = None
-    if args.frozen:
-        from features.compilation.config import FROZEN_GEMM as frozen
     for r in rows:
-        r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth, frozen))
+        r.update(ceiling(dims, r, getattr(torch, args.dtype), bandwidth, FROZEN_GEMM if args.frozen else None))
     from features.cpu_kernels import attention as cpu_attention
 
     backend = args.attention_backend or ("cpu (auto)" if cpu_attention.available() else "torch (auto)")
